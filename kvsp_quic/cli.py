@@ -1,0 +1,252 @@
+"""The ``kvsp-quic`` command: parse arguments, call the library, print JSON. The composition root.
+
+Every failure the user can cause ends in one line on stderr and a non-zero exit status, never a traceback:
+exit 1 for a protocol or input error, 2 for a usage error (argparse).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .compat import Codec, CompatDescriptor
+from .container import (
+    ANY_TOKEN_COUNT,
+    ContainerDecoder,
+    ContainerError,
+    DecodedLayer,
+    encode,
+    replica_digest,
+)
+from .fields import format_digest
+from .keys import BlockKeyer, parse_scope_key, scope_id
+from .problems import Problem
+
+PROG = "kvsp-quic"
+
+
+class CliError(Exception):
+    """A one-line error for the user."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] | None = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return handler(args)
+    except (CliError, Problem) as exc:
+        message = exc.detail if isinstance(exc, Problem) and exc.detail else str(exc)
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        where = f" {exc.filename!r}" if exc.filename else ""
+        print(f"{PROG}: error:{where} {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # the reader went away (``| head``): stop quietly
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps interpreter shutdown from flushing into the pipe
+        return 141
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="KV Cache Storage Protocol (KVSP) over QUIC")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    keys = sub.add_parser("keys", help="compute compat_id, scope_id and the Block Keys of a token sequence",
+                          description="Print {compat_id, scope_id, block_keys} as JSON. Only complete blocks "
+                                      "have keys.")
+    keys.add_argument("--descriptor", required=True, metavar="FILE", help="Compatibility Descriptor (JSON)")
+    keys.add_argument("--scope-key", required=True, metavar="HEX", help="the scope key, >= 32 octets, in hex")
+    src = keys.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tokens", metavar="T1,T2,...", help="comma-separated token ids")
+    src.add_argument("--tokens-file", metavar="FILE",
+                     help="token ids as a JSON array or separated by commas / whitespace ('-' for stdin)")
+    keys.set_defaults(handler=cmd_keys)
+
+    container = sub.add_parser("container", help="inspect or build KV Block Containers")
+    csub = container.add_subparsers(title="container commands", metavar="COMMAND")
+    container.set_defaults(handler=lambda _a: _usage(container))
+
+    inspect = csub.add_parser("inspect", help="validate a container and print its header and digests",
+                              description="Print the header, per-layer lengths and SHA-256 digests as JSON. "
+                                          "With --descriptor the geometry is checked too, and the replica "
+                                          "digest is printed when the container holds every layer.")
+    inspect.add_argument("file", metavar="FILE")
+    inspect.add_argument("--descriptor", metavar="FILE")
+    inspect.set_defaults(handler=cmd_container_inspect)
+
+    pack = csub.add_parser("pack", help="build a container from random data or a .npy file",
+                           description="Write a codec-raw container of layers A-B with N tokens. The data come "
+                                       "from a seeded generator (--random) or from a .npy array of shape "
+                                       "(layers, 2, tokens, kv_heads, head_dim) (--npy).")
+    pack.add_argument("--descriptor", required=True, metavar="FILE")
+    pack.add_argument("--tokens", required=True, type=_positive_int, metavar="N")
+    pack.add_argument("--layers", required=True, type=_layer_range, metavar="A-B")
+    data = pack.add_mutually_exclusive_group(required=True)
+    data.add_argument("--random", type=_nonneg_int, metavar="SEED")
+    data.add_argument("--npy", metavar="FILE")
+    pack.add_argument("-o", "--output", required=True, metavar="FILE")
+    pack.set_defaults(handler=cmd_container_pack)
+    return parser
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return 2
+
+
+def _positive_int(text: str) -> int:
+    value = _nonneg_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative: {text!r}")
+    return value
+
+
+def _layer_range(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition("-")
+    if not sep:
+        lo = hi = text
+    first, last = _nonneg_int(lo), _nonneg_int(hi)
+    if first > last:
+        raise argparse.ArgumentTypeError(f"empty layer range {text!r} (A-B with A <= B)")
+    return first, last
+
+
+def _print_json(obj: Any) -> None:
+    json.dump(obj, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+# -- keys -----------------------------------------------------------------------------------------------------
+
+
+def parse_token_text(text: str, source: str) -> list[int]:
+    stripped = text.strip()
+    if stripped.startswith("["):
+        try:
+            values = json.loads(stripped)
+        except ValueError as exc:
+            raise CliError(f"{source}: not a JSON array of integers ({exc})") from None
+        if not isinstance(values, list) or not all(type(v) is int for v in values):
+            raise CliError(f"{source}: not a JSON array of integers")
+        return values
+    tokens = []
+    for item in stripped.replace(",", " ").split():
+        try:
+            tokens.append(int(item, 10))
+        except ValueError:
+            raise CliError(f"{source}: {item!r} is not a token id") from None
+    return tokens
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    descriptor = CompatDescriptor.load(args.descriptor)
+    scope_key = parse_scope_key(args.scope_key)
+    if args.tokens is not None:
+        tokens = parse_token_text(args.tokens, "--tokens")
+    else:
+        text = sys.stdin.read() if args.tokens_file == "-" else Path(args.tokens_file).read_text()
+        tokens = parse_token_text(text, args.tokens_file)
+    keyer = BlockKeyer(scope_key, descriptor.compat_id, descriptor.block_tokens)
+    _print_json({
+        "compat_id": descriptor.compat_id.hex(),
+        "scope_id": scope_id(scope_key).hex(),
+        "block_keys": [k.hex() for k in keyer.keys(tokens)],
+    })
+    return 0
+
+
+# -- container ------------------------------------------------------------------------------------------------
+
+
+def cmd_container_inspect(args: argparse.Namespace) -> int:
+    descriptor = CompatDescriptor.load(args.descriptor) if args.descriptor else None
+    # With a descriptor the geometry is checked for the container's own token count: a container need not
+    # hold a complete block to be inspected, and "complete_block" says whether it does.
+    decoder = ContainerDecoder(descriptor, token_count=ANY_TOKEN_COUNT, repr_digest=True)
+    layers: list[DecodedLayer] = []
+    with open(args.file, "rb", buffering=0) as fh:
+        while n := fh.readinto(decoder.get_buffer()):
+            layers += decoder.buffer_updated(n)
+    header = decoder.finish()
+    assert decoder.repr_digest is not None
+    report: dict[str, Any] = {
+        "version": header.version,
+        "flags": header.flags,
+        "codec": header.codec,
+        "first_layer": header.first_layer,
+        "layer_count": header.layer_count,
+        "token_count": header.token_count,
+        "size": header.total_length,
+        "repr_digest": format_digest(decoder.repr_digest),
+        "layers": [{"layer": layer.index, "k_length": len(layer.k), "v_length": len(layer.v),
+                    "digest": layer.digest.hex() if layer.digest else None} for layer in layers],
+    }
+    if descriptor is not None:
+        report["compat_id"] = descriptor.compat_id.hex()
+        report["complete_block"] = header.token_count == descriptor.block_tokens
+        if header.first_layer == 0 and header.layer_count == descriptor.layers:
+            report["replica_digest"] = format_digest(replica_digest([layer.digest or b"" for layer in layers]))
+    _print_json(report)
+    return 0
+
+
+def cmd_container_pack(args: argparse.Namespace) -> int:
+    from .samples import random_sections, sections_from_npy
+
+    descriptor = CompatDescriptor.load(args.descriptor)
+    first, last = args.layers
+    if last >= descriptor.layers:
+        raise CliError(f"--layers {first}-{last}: the descriptor has layers 0-{descriptor.layers - 1}")
+    if args.random is not None:
+        sections = random_sections(descriptor, args.tokens, first, last, args.random)
+    else:
+        sections = sections_from_npy(args.npy, descriptor, args.tokens)
+        if len(sections) != last - first + 1:
+            raise CliError(f"{args.npy!r} holds {len(sections)} layers; --layers {first}-{last} needs "
+                           f"{last - first + 1}")
+    try:
+        container = encode(sections, first_layer=first, token_count=args.tokens, codec=Codec.RAW,
+                           descriptor=descriptor, digests=False)
+    except ContainerError as exc:
+        raise CliError(exc.detail) from None
+    _write_atomically(Path(args.output), container.chunks())
+    return 0
+
+
+def _write_atomically(path: Path, chunks: Any) -> None:
+    """Write to a temporary file beside *path*, then rename: a failed write never leaves a partial file."""
+    directory = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.writelines(chunks)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+

@@ -1,0 +1,224 @@
+"""Strict readers for the JSON members of KVSP objects, shared by the descriptor and the records.
+
+Each reader takes the value and a *path* (``"residency[1].layers"``) and returns the typed value or raises
+:class:`RecordError` naming the path. JSON ``true`` is never an integer here, hex is lowercase only, and
+UUIDs must be in the canonical 8-4-4-4-12 form.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any, NewType, TypeVar
+from urllib.parse import urlsplit
+
+from .problems import BadRequest
+
+T = TypeVar("T")
+
+BlockKey = NewType("BlockKey", bytes)  # 32 octets
+CompatId = NewType("CompatId", bytes)  # 32 octets
+ScopeId = NewType("ScopeId", bytes)  # 16 octets
+
+UINT32_MAX = 0xFFFFFFFF
+_HEX_RE = re.compile(r"[0-9a-f]*")
+_UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+DIGEST_PREFIX = "sha-256:"
+
+
+class RecordError(BadRequest):
+    """A JSON object of the protocol is malformed; the detail names the offending member."""
+
+
+def fail(path: str, message: str) -> RecordError:
+    return RecordError(f"{path}: {message}" if path else message)
+
+
+def loads_object(body: bytes | str, path: str = "") -> dict[str, Any]:
+    """Parse a JSON document that must be an object. Duplicate members, NaN and Infinity are rejected."""
+    try:
+        obj = json.loads(body, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+    except RecordError:
+        raise
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise fail(path, f"not valid JSON ({exc})") from None
+    return as_object(obj, path)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise fail("", f"duplicate member {key!r}")
+        out[key] = value
+    return out
+
+
+def _no_constants(name: str) -> Any:
+    raise fail("", f"{name} is not valid JSON")
+
+
+def as_object(value: Any, path: str) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise fail(path, "must be a JSON object")
+    return dict(value)
+
+
+def member(obj: Mapping[str, Any], name: str, reader: Callable[[Any, str], T], path: str = "") -> T:
+    """A required member read with *reader*."""
+    where = f"{path}.{name}" if path else name
+    if name not in obj:
+        raise fail(where, "required member is missing")
+    return reader(obj[name], where)
+
+
+def optional(obj: Mapping[str, Any], name: str, reader: Callable[[Any, str], T], default: T,
+             path: str = "") -> T:
+    """An optional member; absent or JSON null gives *default*."""
+    where = f"{path}.{name}" if path else name
+    value = obj.get(name)
+    return default if value is None else reader(value, where)
+
+
+def integer(value: Any, path: str, *, minimum: int = 0, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise fail(path, f"must be an integer, not {_json_kind(value)}")
+    if value < minimum:
+        raise fail(path, f"must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise fail(path, f"must be <= {maximum}, got {value}")
+    return value
+
+
+def uint(value: Any, path: str) -> int:
+    return integer(value, path, minimum=0)
+
+
+def positive(value: Any, path: str) -> int:
+    return integer(value, path, minimum=1)
+
+
+def uint32(value: Any, path: str) -> int:
+    return integer(value, path, minimum=0, maximum=UINT32_MAX)
+
+
+def number(value: Any, path: str, *, minimum: float = 0.0, maximum: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise fail(path, f"must be a number, not {_json_kind(value)}")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise fail(path, "must be a finite number")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"[{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+        raise fail(path, f"must be in {bound}, got {value}")
+    return value
+
+
+def boolean(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise fail(path, f"must be true or false, not {_json_kind(value)}")
+    return value
+
+
+def string(value: Any, path: str, *, nonempty: bool = True) -> str:
+    if not isinstance(value, str):
+        raise fail(path, f"must be a string, not {_json_kind(value)}")
+    if nonempty and not value:
+        raise fail(path, "must not be empty")
+    return value
+
+
+def array(value: Any, path: str, item: Callable[[Any, str], T], *, nonempty: bool = False) -> tuple[T, ...]:
+    if not isinstance(value, list | tuple):
+        raise fail(path, f"must be an array, not {_json_kind(value)}")
+    if nonempty and not value:
+        raise fail(path, "must not be empty")
+    return tuple(item(v, f"{path}[{i}]") for i, v in enumerate(value))
+
+
+def hex_octets(value: Any, path: str, size: int) -> bytes:
+    text = string(value, path)
+    if len(text) != 2 * size or not _HEX_RE.fullmatch(text):
+        raise fail(path, f"must be {2 * size} lowercase hex characters")
+    return bytes.fromhex(text)
+
+
+def hex32(value: Any, path: str) -> bytes:
+    return hex_octets(value, path, 32)
+
+
+def hex16(value: Any, path: str) -> bytes:
+    return hex_octets(value, path, 16)
+
+
+def block_key(value: Any, path: str) -> BlockKey:
+    return BlockKey(hex32(value, path))
+
+
+def compat_id(value: Any, path: str) -> CompatId:
+    return CompatId(hex32(value, path))
+
+
+def scope_id(value: Any, path: str) -> ScopeId:
+    return ScopeId(hex16(value, path))
+
+
+def sha256_digest(value: Any, path: str) -> bytes:
+    """``"sha-256:" + 64 lowercase hex`` -> the 32 raw octets."""
+    text = string(value, path)
+    if not text.startswith(DIGEST_PREFIX):
+        raise fail(path, f"must start with {DIGEST_PREFIX!r}")
+    return hex32(text[len(DIGEST_PREFIX):], path)
+
+
+def format_digest(raw: bytes) -> str:
+    return DIGEST_PREFIX + raw.hex()
+
+
+def uuid_string(value: Any, path: str) -> uuid.UUID:
+    text = string(value, path)
+    if not _UUID_RE.fullmatch(text):
+        raise fail(path, "must be a UUID in lowercase 8-4-4-4-12 form")
+    return uuid.UUID(text)
+
+
+def base_uri(value: Any, path: str, *, schemes: tuple[str, ...] = ("https",)) -> str:
+    """An absolute base URI with one of *schemes*, a host, no query or fragment, ending with "/"."""
+    text = string(value, path)
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError as exc:
+        raise fail(path, f"not a valid URI ({exc})") from None
+    if parts.scheme not in schemes:
+        raise fail(path, f"scheme must be {' or '.join(schemes)}, got {parts.scheme or 'none'!r}")
+    if not parts.hostname:
+        raise fail(path, "URI has no host")
+    if parts.query or parts.fragment or "#" in text or "?" in text:
+        raise fail(path, "a base URI has no query or fragment")
+    if not parts.path.endswith("/"):
+        raise fail(path, "a base URI must end with '/'")
+    if port == 0:
+        raise fail(path, "port 0 is not valid")
+    return text
+
+
+def https_uri(value: Any, path: str) -> str:
+    return base_uri(value, path, schemes=("https",))
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list | tuple):
+        return "an array"
+    if isinstance(value, Mapping):
+        return "an object"
+    return type(value).__name__
