@@ -1,0 +1,180 @@
+"""TLS material and settings shared by every transport: QUIC (aioquic) and TCP (``ssl``).
+
+Mutual TLS is the only mode: servers require a client certificate issued by the configured CA, clients verify
+the server against the same CA, both present their own certificate, TLS 1.3 only (spec, "HTTP Usage").
+The peer's verified chain is exposed to ASGI apps through the TLS extension, built by :func:`tls_extension`
+in one place for every transport, so the identity an app sees does not depend on the transport.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import ssl
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aioquic.quic.configuration import QuicConfiguration
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+
+ALPN_H3 = "h3"
+ALPN_MOQT_14 = "moq-00"
+ALPN_MOQT_18 = "moqt-18"
+TLS_1_3 = 0x0304
+
+
+class TlsConfigError(Exception):
+    """Missing or unreadable certificate, key or CA file; one line for the user."""
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """A principal's certificate and key, and the CA that issues every peer's certificate."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+    @classmethod
+    def of(cls, ca: str | os.PathLike[str], cert: str | os.PathLike[str],
+           key: str | os.PathLike[str]) -> TlsFiles:
+        files = cls(Path(ca), Path(cert), Path(key))
+        for what, path in (("CA", files.ca), ("certificate", files.cert), ("key", files.key)):
+            if not path.is_file():
+                raise TlsConfigError(f"{what} file {os.fspath(path)!r} does not exist")
+        return files
+
+    @classmethod
+    def in_dir(cls, directory: str | os.PathLike[str], name: str) -> TlsFiles:
+        """The files ``kvsp-quic certs init`` writes: DIR/ca.pem, DIR/NAME.pem, DIR/NAME.key."""
+        root = Path(directory)
+        return cls.of(root / "ca.pem", root / f"{name}.pem", root / f"{name}.key")
+
+    @functools.cached_property
+    def cert_pem(self) -> bytes:
+        return self.cert.read_bytes()
+
+    @functools.cached_property
+    def ca_pem(self) -> bytes:
+        return self.ca.read_bytes()
+
+
+@dataclass(frozen=True)
+class TransportSettings:
+    """Tuning and limits of the HTTP transports (FACTS.md lists what mattered on loopback)."""
+
+    max_datagram_size: int = 16384  # QUIC payload per datagram; loopback tolerates 16 KiB, not 32 KiB
+    stream_window: int = 16 << 20  # per-stream receive window (octets not yet consumed by the app)
+    connection_window: int = 64 << 20  # per-connection receive window
+    socket_buffer: int = 4 << 20  # SO_RCVBUF / SO_SNDBUF of UDP sockets
+    send_buffer: int = 1 << 20  # per-stream unsent + unacknowledged octets before a writer waits
+    idle_timeout: float = 60.0
+    max_streams: int = 128  # concurrent request streams per connection
+    max_header_bytes: int = 64 << 10
+    max_body_bytes: int = 1 << 30  # request bodies larger than this get 413
+    shutdown_grace: float = 10.0  # graceful shutdown waits this long for in-flight requests
+    extra_alpn: Mapping[str, Any] = field(default_factory=dict)  # reserved for MOQT handlers (ALPN -> factory)
+
+
+def ssl_server_context(files: TlsFiles, alpn: Sequence[str] = ("h2", "http/1.1")) -> ssl.SSLContext:
+    """TLS 1.3 over TCP; a client certificate from the CA is required."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    _load(ctx, files)
+    ctx.set_alpn_protocols(list(alpn))
+    return ctx
+
+
+def ssl_client_context(files: TlsFiles, alpn: Sequence[str] = ("h2", "http/1.1")) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.check_hostname = True
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    _load(ctx, files)
+    ctx.set_alpn_protocols(list(alpn))
+    return ctx
+
+
+def _load(ctx: ssl.SSLContext, files: TlsFiles) -> None:
+    try:
+        ctx.load_verify_locations(cafile=os.fspath(files.ca))
+        ctx.load_cert_chain(os.fspath(files.cert), os.fspath(files.key))
+    except (OSError, ssl.SSLError) as exc:
+        raise TlsConfigError(f"cannot load TLS files ({files.cert}, {files.key}, CA {files.ca}): {exc}") from None
+
+
+def quic_configuration(files: TlsFiles, *, is_client: bool, alpn: Sequence[str],
+                       settings: TransportSettings = TransportSettings(),
+                       server_name: str | None = None) -> QuicConfiguration:
+    """An aioquic configuration with our certificate, the CA, and the tuned windows and datagram size.
+
+    On the server side this alone does not make aioquic ask for or verify client certificates: the server
+    in :mod:`http3.quic_server` installs :mod:`http3.quic_tls` on every connection for that.
+    """
+    config = QuicConfiguration(
+        is_client=is_client,
+        alpn_protocols=list(alpn),
+        max_datagram_size=settings.max_datagram_size,
+        max_data=settings.connection_window,
+        max_stream_data=settings.stream_window,
+        idle_timeout=settings.idle_timeout,
+        verify_mode=ssl.CERT_REQUIRED,
+        server_name=server_name,
+    )
+    try:
+        config.load_cert_chain(os.fspath(files.cert), os.fspath(files.key))
+        config.load_verify_locations(cadata=files.ca_pem)
+    except (OSError, ValueError) as exc:
+        raise TlsConfigError(f"cannot load TLS files ({files.cert}, {files.key}, CA {files.ca}): {exc}") from None
+    return config
+
+
+# -- The ASGI TLS extension --------------------------------------------------------------------------------------
+
+
+def tls_extension(peer_chain_der: Sequence[bytes], *, server_cert_pem: bytes | None, tls_version: int | None,
+                  cipher_suite: int | None) -> dict[str, Any]:
+    """``scope["extensions"]["tls"]`` of the ASGI TLS extension, from the verified peer chain (DER, leaf first)."""
+    chain = [_der_to_pem(der) for der in peer_chain_der]
+    return {
+        "server_cert": server_cert_pem.decode("ascii") if server_cert_pem else None,
+        "client_cert_chain": chain,
+        "client_cert_name": _subject_of(peer_chain_der[0]) if peer_chain_der else None,
+        "client_cert_error": None,
+        "tls_version": tls_version,
+        "cipher_suite": cipher_suite,
+    }
+
+
+@functools.lru_cache(maxsize=4096)
+def _der_to_pem(der: bytes) -> str:
+    return x509.load_der_x509_certificate(der).public_bytes(serialization.Encoding.PEM).decode("ascii")
+
+
+@functools.lru_cache(maxsize=4096)
+def _subject_of(der: bytes) -> str:
+    return x509.load_der_x509_certificate(der).subject.rfc4514_string()
+
+
+@functools.lru_cache(maxsize=4096)
+def identity_of_pem(pem: str) -> str | None:
+    """The identity of a certificate: its single SAN URI (None when it has none or several)."""
+    cert = x509.load_pem_x509_certificate(pem.encode("ascii"))
+    try:
+        uris = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+            x509.UniformResourceIdentifier)
+    except x509.ExtensionNotFound:
+        return None
+    return uris[0] if len(uris) == 1 else None
+
+
+def scope_identity(scope: Mapping[str, Any]) -> str | None:
+    """The authenticated identity of an ASGI request, or None when there is no verified client certificate."""
+    tls = scope.get("extensions", {}).get("tls")
+    if not tls or tls.get("client_cert_error") or not tls.get("client_cert_chain"):
+        return None
+    return identity_of_pem(tls["client_cert_chain"][0])
