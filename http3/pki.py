@@ -26,8 +26,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from kvsp_quic.fields import RecordError, https_uri
+
 CLIENT_URI_PREFIX = "urn:kvsp:client:"
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_LABEL = r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"  # '_' for container service names
+_HOST_RE = re.compile(rf"(\*\.)?{_LABEL}(\.{_LABEL})*")
 DEFAULT_DAYS = 825
 _RENEW_BEFORE = dt.timedelta(days=1)
 
@@ -57,12 +61,28 @@ def role(name: str, base_uri: str) -> Principal:
     parts = urlsplit(base_uri)
     if parts.scheme != "https" or not parts.hostname or not parts.path.endswith("/"):
         raise PkiError(f"role {name!r}: base URI must be https://host[:port]/path/ ending with '/', got {base_uri!r}")
+    try:  # the rest of the checks every base URI of the protocol gets (no query or fragment, a valid port)
+        https_uri(base_uri, f"role {name!r}")
+    except RecordError as exc:
+        raise PkiError(f"{exc.detail}: {base_uri!r}") from None
     return Principal(name, base_uri, server=True)
 
 
 def client(name: str) -> Principal:
     check_name(name)
     return Principal(name, CLIENT_URI_PREFIX + name, server=False)
+
+
+def check_host(host: str) -> str:
+    """*host* in canonical form: an IP address, or a DNS name of ASCII labels (letters, digits, '-', '_'; a
+    leading '*.' wildcard), lowercased."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    if len(host) > 253 or not _HOST_RE.fullmatch(host):
+        raise PkiError(f"host {host!r}: not an IP address or DNS name")
+    return host.lower()
 
 
 def check_name(name: str) -> str:
@@ -141,6 +161,15 @@ def san_uris(cert: x509.Certificate) -> list[str]:
     return list(ext.value.get_values_for_type(x509.UniformResourceIdentifier))
 
 
+def san_hosts(cert: x509.Certificate) -> set[str]:
+    """The SAN IP addresses and DNS names of *cert*, as text."""
+    try:
+        ext = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    except x509.ExtensionNotFound:
+        return set()
+    return {*ext.value.get_values_for_type(x509.DNSName), *map(str, ext.value.get_values_for_type(x509.IPAddress))}
+
+
 # -- files -----------------------------------------------------------------------------------------------------
 
 
@@ -190,8 +219,14 @@ class Issued:
     created: bool
 
 
-def init(directory: str | os.PathLike[str], principals: Sequence[Principal]) -> tuple[Path, list[Issued]]:
-    """Create or reuse the CA in *directory* and make sure every principal has a current certificate."""
+def init(directory: str | os.PathLike[str], principals: Sequence[Principal], *,
+         extra_hosts: Sequence[str] = ()) -> tuple[Path, list[Issued]]:
+    """Create or reuse the CA in *directory* and make sure every principal has a current certificate.
+
+    *extra_hosts* (IP addresses or DNS names) are added to every role certificate besides its base URI's host;
+    a certificate whose hosts differ from those wanted is reissued.
+    """
+    wanted_extra = [check_host(host) for host in extra_hosts]
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     if (root / "ca.pem").exists() or (root / "ca.key").exists():
@@ -205,19 +240,20 @@ def init(directory: str | os.PathLike[str], principals: Sequence[Principal]) -> 
         if seen.get(p.name, p.uri) != p.uri:
             raise PkiError(f"principal {p.name!r} is given twice with different URIs")
         seen[p.name] = p.uri
-        created = not _current(root, p, ca_cert)
+        hosts = list(dict.fromkeys([*map(check_host, p.hosts), *wanted_extra])) if p.server else []
+        created = not _current(root, p, ca_cert, hosts)
         if created:
-            write_pair(root, p.name, *issue(ca_cert, ca_key, p))
+            write_pair(root, p.name, *issue(ca_cert, ca_key, p, extra_hosts=hosts))
         out.append(Issued(p.name, p.uri, root / f"{p.name}.pem", root / f"{p.name}.key", created))
     return root / "ca.pem", out
 
 
-def _current(root: Path, p: Principal, ca_cert: x509.Certificate) -> bool:
+def _current(root: Path, p: Principal, ca_cert: x509.Certificate, hosts: Sequence[str]) -> bool:
     if not (root / f"{p.name}.pem").exists() or not (root / f"{p.name}.key").exists():
         return False
     try:
         cert, _ = load_pair(root, p.name)
     except PkiError:
         return False
-    return (cert.issuer == ca_cert.subject and san_uris(cert) == [p.uri]
+    return (cert.issuer == ca_cert.subject and san_uris(cert) == [p.uri] and san_hosts(cert) == set(hosts)
             and cert.not_valid_after_utc - _RENEW_BEFORE > _now())

@@ -70,7 +70,7 @@ class TransportSettings:
     stream_window: int = 16 << 20  # per-stream receive window (octets not yet consumed by the app)
     connection_window: int = 64 << 20  # per-connection receive window
     socket_buffer: int = 4 << 20  # SO_RCVBUF / SO_SNDBUF of UDP sockets
-    send_buffer: int = 1 << 20  # per-stream unsent + unacknowledged octets before a writer waits
+    send_buffer: int = 4 << 20  # per-stream unsent + unacknowledged octets before a writer waits
     idle_timeout: float = 60.0
     max_streams: int = 128  # concurrent request streams per connection
     max_header_bytes: int = 64 << 10

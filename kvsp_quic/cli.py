@@ -101,6 +101,26 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--npy", metavar="FILE")
     pack.add_argument("-o", "--output", required=True, metavar="FILE")
     pack.set_defaults(handler=cmd_container_pack)
+
+    certs = sub.add_parser("certs", help="a development PKI: a CA and a certificate per role and client")
+    ksub = certs.add_subparsers(title="certs commands", metavar="COMMAND")
+    certs.set_defaults(handler=lambda _a: _usage(certs))
+    cinit = ksub.add_parser(
+        "init", help="create or reuse a CA in DIR and issue the missing or outdated certificates",
+        description="Write DIR/ca.pem + ca.key and NAME.pem + NAME.key per principal, and print "
+                    '{"ca", "principals": [{"name", "uri", "cert", "key", "created"}]} as JSON. A role\'s '
+                    "certificate carries its base URI as SAN URI, the URI's host (and every --host) as SAN IP or "
+                    "DNS name, and EKU serverAuth + clientAuth; a client's carries urn:kvsp:client:NAME and EKU "
+                    "clientAuth. Idempotent: an existing CA is reused, and a certificate is reissued only when it "
+                    "is missing, expires within a day, or names another URI or other hosts.")
+    cinit.add_argument("dir", metavar="DIR")
+    cinit.add_argument("--role", action="append", default=[], metavar="NAME=BASE_URI",
+                       help="a role principal, e.g. holder1=https://127.0.0.1:4433/kvsp/ (repeatable)")
+    cinit.add_argument("--client", action="append", default=[], metavar="NAME",
+                       help="a client-only principal, SAN URI urn:kvsp:client:NAME (repeatable)")
+    cinit.add_argument("--host", action="append", default=[], metavar="H",
+                       help="an extra SAN IP address or DNS name for every role certificate (repeatable)")
+    cinit.set_defaults(handler=cmd_certs_init)
     return parser
 
 
@@ -235,6 +255,31 @@ def cmd_container_pack(args: argparse.Namespace) -> int:
     except ContainerError as exc:
         raise CliError(exc.detail) from None
     _write_atomically(Path(args.output), container.chunks())
+    return 0
+
+
+# -- certs ----------------------------------------------------------------------------------------------------
+
+
+def cmd_certs_init(args: argparse.Namespace) -> int:
+    from http3 import pki  # imported here: the other commands need no X.509
+
+    try:
+        principals = []
+        for spec in args.role:
+            name, sep, uri = spec.partition("=")
+            if not sep or not name or not uri:
+                raise CliError(f"--role {spec!r}: expected NAME=BASE_URI")
+            principals.append(pki.role(name, uri))
+        principals += [pki.client(name) for name in args.client]
+        ca, issued = pki.init(args.dir, principals, extra_hosts=args.host)
+    except pki.PkiError as exc:
+        raise CliError(str(exc)) from None
+    _print_json({
+        "ca": os.fspath(ca),
+        "principals": [{"name": i.name, "uri": i.uri, "cert": os.fspath(i.cert), "key": os.fspath(i.key),
+                        "created": i.created} for i in issued],
+    })
     return 0
 
 

@@ -3,12 +3,14 @@
 ``make_pki(tmp_path)`` writes, with ``http3.pki``:
   ca.pem/ca.key, server.pem/.key (role "server" at https://127.0.0.1:<any>/ -- hosts 127.0.0.1 and localhost),
   alice.pem/.key (client "alice"), expired.pem/.key, notyet.pem/.key (clients of the same CA, out of validity),
-  foreign/ca.pem + foreign/mallory.pem/.key (a client of another CA), nouri.pem/.key (same CA, no SAN URI).
+  foreign/ca.pem + foreign/mallory.pem/.key (a client of another CA), nouri.pem/.key (same CA, no SAN URI),
+  plain.pem/.key (a server certificate for 127.0.0.1 / localhost with no SAN URI, for peers that cannot parse one).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +26,7 @@ SERVER_URI = "https://127.0.0.1/"
 
 @dataclass(frozen=True)
 class TestPki:
+    __test__ = False  # not a pytest test class
     root: Path
 
     def files(self, name: str) -> TlsFiles:
@@ -61,6 +64,14 @@ def make_pki(root: Path, *, roles: dict[str, str] | None = None) -> TestPki:
              .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
              .sign(ca_key, hashes.SHA256()))
     pki.write_pair(root, "nouri", nouri, key)
+    key = pki.new_key()
+    plain = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "plain")]))
+             .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
+             .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                                                         x509.DNSName("localhost")]), critical=False)
+             .sign(ca_key, hashes.SHA256()))
+    pki.write_pair(root, "plain", plain, key)
     foreign = root / "foreign"
     foreign.mkdir(exist_ok=True)
     pki.init(foreign, [pki.client("mallory")])

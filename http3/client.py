@@ -1,0 +1,242 @@
+"""The one HTTP client every role uses.
+
+HTTP/3 first (pooled connections, concurrent streams, streamed bodies under flow control, mutual TLS); when an
+origin cannot be reached over QUIC (UDP blocked, no answer, h3 refused) the client falls back to HTTP/1.1 (or,
+with ``fallback_http2``, HTTP/2) over TLS on the same port and remembers that for ``fallback_ttl`` seconds. Requests time out; only
+idempotent requests with a replayable body are retried, and only after a transport failure, never after an
+HTTP answer.
+
+    async with KvspClient(TlsFiles.in_dir("certs", "alice")) as client:
+        response = await client.request("GET", "https://127.0.0.1:8443/blocks/...")
+        async with client.stream("GET", url) as response:
+            async for chunk in response.aiter_bytes(): ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from kvsp_quic.problems import Problem, problem_from_json
+
+from .h3_client import H3ConnectError, H3Pool, H3Response, H3StreamError
+from .tls import TlsFiles, TransportSettings, ssl_client_context
+
+log = logging.getLogger("kvsp.client")
+
+IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
+Body = bytes | bytearray | memoryview | AsyncIterable[bytes] | None
+
+
+class TransportError(ConnectionError):
+    """The request could not be completed: connection refused or reset, TLS failure, timeout."""
+
+
+class RequestTimeout(TransportError, TimeoutError):
+    pass
+
+
+class Headers:
+    """Response header fields, looked up case-insensitively."""
+
+    def __init__(self, fields: Sequence[tuple[bytes, bytes]]) -> None:
+        self.raw = [(bytes(k).lower(), bytes(v)) for k, v in fields]
+
+    def get(self, name: str, default: str | None = None) -> str | None:
+        key = name.lower().encode()
+        values = [v.decode("latin-1") for k, v in self.raw if k == key]
+        return ", ".join(values) if values else default
+
+    def __getitem__(self, name: str) -> str:
+        value = self.get(name)
+        if value is None:
+            raise KeyError(name)
+        return value
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.get(name) is not None
+
+
+class Response:
+    """A response; the body is read with :meth:`aread` or streamed with :meth:`aiter_bytes`."""
+
+    def __init__(self, status: int, headers: Headers, http_version: str, chunks: AsyncIterator[bytes],
+                 closer: Callable[[], Any], read_timeout: float | None) -> None:
+        self.status = status
+        self.headers = headers
+        self.http_version = http_version
+        self._chunks = chunks
+        self._closer = closer
+        self._read_timeout = read_timeout
+        self.content: bytes | None = None
+
+    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+        while True:
+            try:
+                async with asyncio.timeout(self._read_timeout):
+                    chunk = await anext(self._chunks)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise RequestTimeout(f"no response data for {self._read_timeout} s") from None
+            except (H3StreamError, httpx.TransportError) as exc:
+                raise TransportError(f"response body broken: {exc}") from None
+            yield chunk
+
+    async def aread(self) -> bytes:
+        if self.content is None:
+            self.content = b"".join([chunk async for chunk in self.aiter_bytes()])
+            await self.aclose()
+        return self.content
+
+    async def aclose(self) -> None:
+        result = self._closer()
+        if asyncio.iscoroutine(result):
+            await result
+
+    def json(self) -> Any:
+        import json
+
+        if self.content is None:
+            raise RuntimeError("read the body first (await response.aread())")
+        return json.loads(self.content)
+
+    def problem(self) -> Problem | None:
+        """The problem this response reports (status >= 400), after the body has been read."""
+        if self.status < 400:
+            return None
+        return problem_from_json(self.status, self.content or b"")
+
+    def raise_for_problem(self) -> None:
+        problem = self.problem()
+        if problem is not None:
+            raise problem
+
+
+class KvspClient:
+    def __init__(self, files: TlsFiles, *, settings: TransportSettings = TransportSettings(),
+                 connect_timeout: float = 5.0, timeout: float = 30.0, retries: int = 2, h3: bool = True,
+                 fallback_ttl: float = 300.0, fallback_http2: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.files = files
+        self.settings = settings
+        self.timeout = timeout
+        self.retries = retries
+        self.h3_enabled = h3
+        self.fallback_ttl = fallback_ttl
+        self._clock = clock
+        self._pool = H3Pool(files, settings, connect_timeout)
+        self._no_h3: dict[tuple[str, int], float] = {}  # origin -> when to try HTTP/3 again
+        # The TCP fallback speaks HTTP/1.1 unless told otherwise: over httpx, HTTP/2 downloads run at a third of
+        # HTTP/1.1's speed (httpx keeps a 64 KiB stream window; benchmarks/RESULTS.md), and KVSP traffic is bulk.
+        alpn = ("h2", "http/1.1") if fallback_http2 else ("http/1.1",)
+        self._tcp = httpx.AsyncClient(
+            http2=fallback_http2, verify=ssl_client_context(files, alpn=alpn),
+            timeout=httpx.Timeout(timeout, connect=connect_timeout), limits=httpx.Limits(max_connections=64))
+
+    async def __aenter__(self) -> KvspClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._pool.aclose()
+        await self._tcp.aclose()
+
+    def transport_for(self, url: str) -> str:
+        """"h3" or "tcp": what the next request to *url*'s origin will try first."""
+        origin = _origin(url)
+        if not self.h3_enabled or self._no_h3.get(origin, 0.0) > self._clock():
+            return "tcp"
+        return "h3"
+
+    async def request(self, method: str, url: str, *, headers: Mapping[str, str] | None = None,
+                      content: Body = None, timeout: float | None = None) -> Response:
+        """Send a request and read the whole response."""
+        async with self.stream(method, url, headers=headers, content=content, timeout=timeout) as response:
+            await response.aread()
+        return response
+
+    @contextlib.asynccontextmanager
+    async def stream(self, method: str, url: str, *, headers: Mapping[str, str] | None = None,
+                     content: Body = None, timeout: float | None = None) -> AsyncIterator[Response]:
+        response = await self.send(method, url, headers=headers, content=content, timeout=timeout)
+        try:
+            yield response
+        finally:
+            await response.aclose()
+
+    async def send(self, method: str, url: str, *, headers: Mapping[str, str] | None = None,
+                   content: Body = None, timeout: float | None = None) -> Response:
+        """Send a request; the caller reads or closes the returned response."""
+        method = method.upper()
+        timeout = self.timeout if timeout is None else timeout
+        replayable = content is None or isinstance(content, bytes | bytearray | memoryview)
+        attempts = 1 + (self.retries if method in IDEMPOTENT and replayable else 0)
+        for attempt in range(attempts):
+            try:
+                async with asyncio.timeout(timeout):
+                    return await self._send_once(method, url, headers or {}, content, timeout)
+            except TimeoutError:
+                error: TransportError = RequestTimeout(f"{method} {url}: no response within {timeout} s")
+            except TransportError as exc:
+                error = exc
+            if attempt + 1 < attempts:
+                log.info("%s %s failed (%s); retrying", method, url, error)
+                await asyncio.sleep(0.05 * (attempt + 1))
+        raise error
+
+    async def _send_once(self, method: str, url: str, headers: Mapping[str, str], content: Body,
+                         timeout: float) -> Response:
+        parts = urlsplit(url)
+        if parts.scheme != "https" or not parts.hostname:
+            raise ValueError(f"KVSP URLs are https://host[:port]/...; got {url!r}")
+        origin = _origin(url)
+        if self.transport_for(url) == "h3":
+            try:
+                conn = await self._pool.get(*origin)
+            except H3ConnectError as exc:
+                log.warning("%s; using HTTP/2 or HTTP/1.1 for %s:%d for %.0f s", exc, *origin, self.fallback_ttl)
+                self._no_h3[origin] = self._clock() + self.fallback_ttl
+            else:
+                return await self._send_h3(conn, method, parts, headers, content, timeout)
+        return await self._send_tcp(method, url, headers, content, timeout)
+
+    async def _send_h3(self, conn: Any, method: str, parts: Any, headers: Mapping[str, str], content: Body,
+                       timeout: float) -> Response:
+        authority = parts.netloc.rsplit("@", 1)[-1]
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        fields = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+        if isinstance(content, bytes | bytearray | memoryview) and not any(k == b"content-length" for k, _ in fields):
+            fields.append((b"content-length", str(len(content)).encode()))
+        try:
+            h3: H3Response = await conn.request(method, authority, path, fields, content)
+        except H3StreamError as exc:
+            raise TransportError(f"{method} {parts.geturl()}: {exc}") from None
+        return Response(h3.status, Headers(h3.headers), "HTTP/3", h3.aiter_bytes(), h3.aclose, timeout)
+
+    async def _send_tcp(self, method: str, url: str, headers: Mapping[str, str], content: Body,
+                        timeout: float) -> Response:
+        body: Any = bytes(content) if isinstance(content, bytearray | memoryview) else content
+        request = self._tcp.build_request(method, url, headers=dict(headers), content=body)
+        try:
+            response = await self._tcp.send(request, stream=True)
+        except httpx.TimeoutException:
+            raise RequestTimeout(f"{method} {url}: timed out") from None
+        except httpx.TransportError as exc:
+            raise TransportError(f"{method} {url}: {exc or type(exc).__name__}") from None
+        return Response(response.status_code, Headers(response.headers.raw), response.http_version,
+                        response.aiter_raw(), response.aclose, timeout)
+
+
+def _origin(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    return parts.hostname or "", parts.port or 443

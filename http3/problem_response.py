@@ -1,0 +1,86 @@
+"""The one place where exceptions become ``application/problem+json`` responses (RFC 9457).
+
+* :func:`send_problem` answers a raw ASGI request with a :class:`~kvsp_quic.problems.Problem` (used by
+  middleware such as :mod:`http3.authz`, which runs before any framework);
+* :func:`install` registers handlers on a starlette application so that a ``Problem`` raised by a handler,
+  starlette's own ``HTTPException`` (404 from the router, 405 with ``Allow``) and any unexpected exception
+  (500, without internals) are rendered the same way.
+
+Every problem response carries ``Content-Type: application/problem+json`` and ``Cache-Control: no-store``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from http import HTTPStatus
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvsp_quic.problems import PROBLEM_MEDIA_TYPE, Problem, to_problem_json
+
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+HeaderItems = Iterable[tuple[str | bytes, str | bytes]]
+
+INTERNAL_ERROR_DETAIL = "the server failed to complete the request"
+_BASE_HEADERS = ((b"content-type", PROBLEM_MEDIA_TYPE.encode("ascii")), (b"cache-control", b"no-store"))
+
+
+def _raw(value: str | bytes) -> bytes:
+    return value if isinstance(value, bytes) else value.encode("latin-1")
+
+
+async def send_problem(send: Send, problem: Problem, headers: HeaderItems = ()) -> None:
+    """Send *problem* as the complete response of a raw ASGI ``http`` request; *headers* are added."""
+    status, body = to_problem_json(problem)
+    raw_headers = [*_BASE_HEADERS, (b"content-length", str(len(body)).encode("ascii"))]
+    raw_headers += [(_raw(name).lower(), _raw(value)) for name, value in headers]
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def problem_response(problem: Problem, headers: HeaderItems = ()) -> Response:
+    status, body = to_problem_json(problem)
+    response = Response(body, status_code=status, media_type=PROBLEM_MEDIA_TYPE)
+    response.headers["cache-control"] = "no-store"
+    for name, value in headers:
+        response.headers.append(_raw(name).decode("latin-1"), _raw(value).decode("latin-1"))
+    return response
+
+
+async def problem_handler(request: Request, exc: Exception) -> Response:
+    """starlette exception handler for :class:`Problem`."""
+    if not isinstance(exc, Problem):  # registered for Problem only; anything else is a server error
+        return await internal_error_handler(request, exc)
+    return problem_response(exc)
+
+
+async def http_exception_handler(request: Request, exc: Exception) -> Response:
+    """starlette's ``HTTPException`` (router 404/405, or raised by a handler) as an ``about:blank`` problem."""
+    if not isinstance(exc, HTTPException):
+        return await internal_error_handler(request, exc)
+    headers = list((exc.headers or {}).items())
+    if exc.status_code < 400:  # not an error (e.g. 304): no body
+        return Response(status_code=exc.status_code, headers=dict(headers))
+    try:
+        phrase = HTTPStatus(exc.status_code).phrase
+    except ValueError:
+        phrase = ""
+    detail = "" if exc.detail in (None, phrase) else str(exc.detail)
+    return problem_response(Problem(detail, status=exc.status_code), headers)
+
+
+async def internal_error_handler(request: Request, exc: Exception) -> Response:
+    """Any unexpected exception: 500 with a fixed detail. starlette re-raises the exception afterwards, so
+    the server still logs it with its traceback; nothing of it reaches the peer."""
+    return problem_response(Problem(INTERNAL_ERROR_DETAIL, status=500))
+
+
+def install(app: Starlette) -> None:
+    """Render every error of *app* as problem+json (call once, when the app is built)."""
+    app.add_exception_handler(Problem, problem_handler)
+    app.add_exception_handler(HTTPException, http_exception_handler)
+    app.add_exception_handler(Exception, internal_error_handler)

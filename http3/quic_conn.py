@@ -1,0 +1,173 @@
+"""Our QUIC connection: aioquic's, plus mutual TLS on the server side and receive windows that slide.
+
+Two gaps of aioquic 1.7.2 (pinned; FACTS.md) are closed here, and nowhere else:
+
+1. A server never asks for a client certificate and would not verify one. :class:`MutualTlsContext` asks for
+   it, refuses a handshake without one (TLS alert certificate_required), and verifies the chain against the
+   configured CA, the validity period, and the key usage (clientAuth) before the handshake completes. A client
+   that fails any check never gets a 1-RTT key, so no request reaches an application.
+2. aioquic doubles a receive window whenever half of it has *arrived*, so a peer can push without limit while
+   the application reads nothing. :class:`KvspQuicConnection` instead grants credit for what the application
+   has *consumed*: a stream may be at most ``stream_window`` octets ahead of its reader and a connection at most
+   ``connection_window`` ahead of all its readers. Transports report unread octets with :meth:`hold` and
+   :meth:`release`.
+"""
+
+from __future__ import annotations
+
+import ssl
+from typing import Any
+
+from aioquic import tls
+from aioquic.buffer import Buffer  # type: ignore[attr-defined]  # re-exported from aioquic._buffer
+from aioquic.quic.connection import QuicConnection
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+
+class AlertCertificateRequired(tls.Alert):
+    description = tls.AlertDescription.certificate_required
+
+
+class MutualTlsContext(tls.Context):
+    """A server TLS context that requires and verifies a client certificate (RFC 8446 4.3.2, 4.4.2.4)."""
+
+    def _server_handle_certificate(self, input_buf: Buffer) -> None:
+        super()._server_handle_certificate(input_buf)
+        if self._peer_certificate is None:
+            raise AlertCertificateRequired("a client certificate is required")
+
+    def _server_handle_certificate_verify(self, input_buf: Buffer) -> None:
+        super()._server_handle_certificate_verify(input_buf)  # checks the signature with the certificate's key
+        verify_client_certificate(self._peer_certificate, self._peer_certificate_chain, cadata=self._cadata,
+                                  cafile=self._cafile)
+
+
+def verify_client_certificate(cert: x509.Certificate | None, chain: list[x509.Certificate], *,
+                              cadata: bytes | None, cafile: str | None) -> None:
+    if cert is None:
+        raise AlertCertificateRequired("a client certificate is required")
+    if cadata is None and cafile is None:  # never fall back to a public trust store for client identities
+        raise tls.AlertBadCertificate("no CA configured for client certificates")
+    try:
+        eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        eku = None
+    except ValueError as exc:
+        raise tls.AlertBadCertificate("certificate extensions could not be parsed") from exc
+    if eku is not None and ExtendedKeyUsageOID.CLIENT_AUTH not in eku:
+        raise tls.AlertUnsupportedCertificate("certificate is not valid for client authentication")
+    # Dates and the chain up to the CA (aioquic's verifier; with no server name it checks no name).
+    tls.verify_certificate(certificate=cert, chain=chain, cadata=cadata, cafile=cafile)
+
+
+class KvspQuicConnection(QuicConnection):
+    """aioquic's connection with mutual TLS (server side) and consumption-based receive windows."""
+
+    _kvsp_stream_window: int
+    _kvsp_connection_window: int
+    _kvsp_unread: dict[int, int]
+    _kvsp_unread_total: int
+
+    def __init__(self, *args: Any, stream_window: int | None = None, connection_window: int | None = None,
+                 max_streams: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kvsp_setup(stream_window, connection_window, max_streams)
+
+    @classmethod
+    def adopt(cls, connection: QuicConnection, *, stream_window: int | None = None,
+              connection_window: int | None = None, max_streams: int | None = None) -> KvspQuicConnection:
+        """Turn a connection aioquic's server created into ours, before it has processed any packet."""
+        connection.__class__ = cls
+        conn: KvspQuicConnection = connection  # type: ignore[assignment]
+        conn.kvsp_setup(stream_window, connection_window, max_streams)
+        return conn
+
+    def kvsp_setup(self, stream_window: int | None, connection_window: int | None, max_streams: int | None) -> None:
+        self._kvsp_stream_window = stream_window or self._local_max_stream_data_bidi_remote
+        self._kvsp_connection_window = connection_window or self._local_max_data.value
+        self._kvsp_unread = {}
+        self._kvsp_unread_total = 0
+        if max_streams is not None:
+            self._local_max_streams_bidi.value = self._local_max_streams_bidi.sent = max_streams
+
+    # -- mutual TLS -------------------------------------------------------------------------------------------
+
+    def _initialize(self, peer_cid: bytes) -> None:
+        super()._initialize(peer_cid)
+        if not self._is_client:
+            self.tls.__class__ = MutualTlsContext
+            self.tls._request_client_certificate = True
+            self.tls._verify_mode = ssl.CERT_REQUIRED
+
+    @property
+    def peer_chain_der(self) -> list[bytes]:
+        """The verified peer certificate chain, leaf first (empty before the handshake completes)."""
+        peer = getattr(self.tls, "_peer_certificate", None)
+        if peer is None:
+            return []
+        return [c.public_bytes(Encoding.DER) for c in [peer, *self.tls._peer_certificate_chain]]
+
+    @property
+    def peer_certificate(self) -> x509.Certificate | None:
+        return getattr(self.tls, "_peer_certificate", None)
+
+    # -- receive windows -----------------------------------------------------------------------------------------
+
+    def hold(self, stream_id: int, n: int) -> None:
+        """*n* received octets of *stream_id* wait, unread, for the application."""
+        self._kvsp_unread[stream_id] = self._kvsp_unread.get(stream_id, 0) + n
+        self._kvsp_unread_total += n
+
+    def release(self, stream_id: int, n: int) -> bool:
+        """The application has read *n* held octets (or they were discarded); their credit can be granted.
+
+        Returns True when that makes a window update due, that is when the caller should transmit now.
+        """
+        left = self._kvsp_unread.get(stream_id, 0)
+        n = min(n, left)
+        if left - n:
+            self._kvsp_unread[stream_id] = left - n
+        else:
+            self._kvsp_unread.pop(stream_id, None)
+        self._kvsp_unread_total -= n
+        limit = self._local_max_data
+        if limit.used - self._kvsp_unread_total + self._kvsp_connection_window - limit.value >= \
+                self._kvsp_connection_window // 4:
+            return True
+        stream = self._streams.get(stream_id)
+        if stream is None or not stream.max_stream_data_local:
+            return False
+        window = self._kvsp_stream_window
+        consumed = stream.receiver.starting_offset() - (left - n)
+        return consumed + window - stream.max_stream_data_local >= window // 4
+
+    def forget(self, stream_id: int) -> None:
+        """Drop the accounting of a stream that is gone."""
+        self.release(stream_id, self._kvsp_unread.get(stream_id, 0))
+
+    def _write_connection_limits(self, builder: Any, space: Any) -> None:
+        limit = self._local_max_data
+        window = self._kvsp_connection_window
+        target = limit.used - self._kvsp_unread_total + window
+        if target - limit.value >= window // 4:
+            limit.value = target
+        used, limit.used = limit.used, 0  # keep aioquic from doubling the window; it then just writes frames
+        try:
+            super()._write_connection_limits(builder, space)
+        finally:
+            limit.used = used
+
+    def _write_stream_limits(self, builder: Any, space: Any, stream: Any) -> None:
+        if stream.max_stream_data_local:
+            window = self._kvsp_stream_window
+            consumed = stream.receiver.starting_offset() - self._kvsp_unread.get(stream.stream_id, 0)
+            target = consumed + window
+            if target - stream.max_stream_data_local >= window // 4:
+                stream.max_stream_data_local = target
+        highest, stream.receiver.highest_offset = stream.receiver.highest_offset, 0  # no doubling either
+        try:
+            super()._write_stream_limits(builder, space, stream)
+        finally:
+            stream.receiver.highest_offset = highest

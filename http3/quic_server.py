@@ -1,0 +1,263 @@
+"""The UDP side of a role: one QUIC listener whose connections are handed, by ALPN, to an application handler.
+
+HTTP/3 (``h3``) is one handler (:mod:`http3.h3_server`); MOQT (``moq-00``, ``moqt-18``) plugs in the same way, so
+one UDP port serves both. Every connection is a :class:`~http3.quic_conn.KvspQuicConnection`: mutual TLS is
+enforced before a handler is created, and receive windows follow what the handler has consumed.
+
+A handler is created once the handshake has completed (so the client certificate has been verified) and gets a
+:class:`QuicConnectionContext`: the connection, the peer's TLS extension for ASGI scopes, addresses, settings,
+and ``wait_writable`` for send-side backpressure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.asyncio.server import QuicServer as AioquicServer
+from aioquic.quic import events
+from aioquic.quic.connection import QuicConnection
+
+from .quic_conn import KvspQuicConnection
+from .tls import TLS_1_3, TlsFiles, TransportSettings, quic_configuration, tls_extension
+from .udp import BatchedUdpTransport
+
+log = logging.getLogger("kvsp.quic")
+
+H3_NO_ERROR = 0x100
+
+
+class ConnectionHandler(Protocol):
+    def quic_event_received(self, event: events.QuicEvent) -> None: ...
+
+    def connection_terminated(self) -> None: ...
+
+    async def drain(self) -> None:
+        """Resolve when the handler has no in-flight work (graceful shutdown)."""
+
+
+HandlerFactory = Callable[["QuicConnectionContext"], ConnectionHandler]
+
+
+@dataclass
+class QuicConnectionContext:
+    protocol: ServerConnectionProtocol
+    quic: KvspQuicConnection
+    alpn: str
+    tls: dict[str, Any]  # scope["extensions"]["tls"]
+    client: tuple[str, int] | None
+    server: tuple[str, int] | None
+    settings: TransportSettings
+
+    def transmit(self) -> None:
+        self.protocol.transmit_soon()
+
+    async def wait_writable(self, stream_id: int) -> None:
+        await self.protocol.wait_writable(stream_id)
+
+
+class ServerConnectionProtocol(QuicConnectionProtocol):
+    """One server connection: dispatches events to the handler of the negotiated ALPN; send backpressure."""
+
+    def __init__(self, quic: QuicConnection, *, server: QuicListener, **kwargs: Any) -> None:
+        super().__init__(quic, **kwargs)
+        self._listener = server
+        self._handler: ConnectionHandler | None = None
+        self._writers: dict[int, asyncio.Future[None]] = {}
+        self._transmit_pending = False
+        self.peer_addr: tuple[str, int] | None = None
+
+    @property
+    def quic(self) -> KvspQuicConnection:
+        return self._quic  # type: ignore[return-value]
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        """Take in a datagram; events and replies wait for the end of the batch (:meth:`datagrams_done`)."""
+        if self.peer_addr is None:
+            self.peer_addr = (addr[0], addr[1])
+        self._quic.receive_datagram(data, addr, now=self._loop.time())  # type: ignore[arg-type]
+        self._listener.dirty.add(self)
+
+    def datagrams_done(self) -> None:
+        self._process_events()
+        self.transmit()
+
+    def quic_event_received(self, event: events.QuicEvent) -> None:
+        if isinstance(event, events.HandshakeCompleted):
+            self._start_handler(event.alpn_protocol)
+        elif isinstance(event, events.ConnectionTerminated):
+            self._listener.forget(self)
+            for waiter in self._writers.values():
+                if not waiter.done():
+                    waiter.set_exception(ConnectionError("connection closed"))
+            self._writers.clear()
+            if self._handler is not None:
+                self._handler.connection_terminated()
+            return
+        if self._handler is not None:
+            self._handler.quic_event_received(event)
+
+    def _start_handler(self, alpn: str | None) -> None:
+        factory = self._listener.handlers.get(alpn or "")
+        if factory is None:  # TLS only offers configured ALPNs, so this is a configuration error
+            self._quic.close(error_code=0x178, reason_phrase="no application protocol")  # TLS no_application_protocol
+            self.transmit()
+            return
+        ctx = QuicConnectionContext(
+            protocol=self,
+            quic=self.quic,
+            alpn=alpn or "",
+            tls=tls_extension(self.quic.peer_chain_der, server_cert_pem=self._listener.files.cert_pem,
+                              tls_version=TLS_1_3, cipher_suite=int(self.quic.tls.key_schedule.cipher_suite)
+                              if self.quic.tls.key_schedule else None),
+            client=self.peer_addr,
+            server=self._listener.address,
+            settings=self._listener.settings,
+        )
+        self._handler = factory(ctx)
+
+    # -- sending ---------------------------------------------------------------------------------------------
+
+    def transmit_soon(self) -> None:
+        if not self._transmit_pending:
+            self._transmit_pending = True
+            self._loop.call_soon(self._deferred_transmit)
+
+    def _deferred_transmit(self) -> None:
+        self._transmit_pending = False
+        self.transmit()
+
+    def transmit(self) -> None:
+        super().transmit()
+        if self._writers:
+            self._wake_writers()
+
+    def buffered(self, stream_id: int) -> int:
+        """Octets of *stream_id* queued in QUIC and not yet acknowledged by the peer."""
+        stream = self._quic._streams.get(stream_id)
+        return len(stream.sender._buffer) if stream is not None else 0
+
+    async def wait_writable(self, stream_id: int) -> None:
+        """Wait until the stream's send buffer is below the high-water mark (or the stream is gone)."""
+        limit = self._listener.settings.send_buffer
+        while self.buffered(stream_id) > limit:
+            waiter = self._writers.get(stream_id)
+            if waiter is None or waiter.done():
+                waiter = self._writers[stream_id] = self._loop.create_future()
+            await waiter
+
+    def _wake_writers(self) -> None:
+        low = self._listener.settings.send_buffer // 2
+        for stream_id, waiter in list(self._writers.items()):
+            if self.buffered(stream_id) <= low:
+                del self._writers[stream_id]
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    async def drain(self) -> None:
+        if self._handler is not None:
+            await self._handler.drain()
+
+
+class QuicListener:
+    """A UDP socket serving QUIC for the ALPN handlers given; mutual TLS on every connection."""
+
+    def __init__(self, files: TlsFiles, handlers: dict[str, HandlerFactory], *,
+                 settings: TransportSettings = TransportSettings()) -> None:
+        if not handlers:
+            raise ValueError("at least one ALPN handler is needed")
+        self.files = files
+        self.handlers = dict(handlers)
+        self.settings = settings
+        self._configuration = quic_configuration(files, is_client=False, alpn=list(handlers), settings=settings)
+        self._server: AioquicServer | None = None
+        self._transport: BatchedUdpTransport | None = None
+        self._connections: set[ServerConnectionProtocol] = set()
+        self.dirty: set[ServerConnectionProtocol] = set()  # connections that received datagrams in this batch
+        self._closing = False
+        self.address: tuple[str, int] | None = None
+
+    @property
+    def port(self) -> int:
+        assert self.address is not None, "not started"
+        return self.address[1]
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0, *, sock: socket.socket | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        if sock is None:
+            sock = bind_udp(host, port, self.settings.socket_buffer)
+        self.address = sock.getsockname()[:2]
+        self._server = AioquicServer(configuration=self._configuration, create_protocol=self._create_protocol)
+        self._transport = BatchedUdpTransport(loop, sock, self)
+        log.info("QUIC listening on %s:%d (ALPN %s)", *self.address, ", ".join(self.handlers))
+
+    def _create_protocol(self, connection: QuicConnection, **kwargs: Any) -> ServerConnectionProtocol:
+        quic = KvspQuicConnection.adopt(connection, stream_window=self.settings.stream_window,
+                                        connection_window=self.settings.connection_window,
+                                        max_streams=self.settings.max_streams)
+        protocol = ServerConnectionProtocol(quic, server=self, **kwargs)
+        if self._closing:
+            quic.close(error_code=0x0, reason_phrase="server shutting down")  # NO_ERROR: refuse politely
+        else:
+            self._connections.add(protocol)
+        return protocol
+
+    # the BatchedUdpTransport's protocol: datagrams go to aioquic's server, which routes them by connection ID
+
+    def connection_made(self, transport: Any) -> None:
+        assert self._server is not None
+        self._server.connection_made(transport)
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        if self._server is not None:
+            self._server.datagram_received(data, addr)
+
+    def datagrams_done(self) -> None:
+        dirty, self.dirty = self.dirty, set()
+        for protocol in dirty:
+            protocol.datagrams_done()
+
+    def forget(self, protocol: ServerConnectionProtocol) -> None:
+        self._connections.discard(protocol)
+
+    @property
+    def connections(self) -> int:
+        return len(self._connections)
+
+    async def close(self) -> None:
+        """Refuse new connections, let in-flight work finish (up to shutdown_grace), then close everything."""
+        if self._server is None:
+            return
+        self._closing = True
+        pending = [asyncio.ensure_future(p.drain()) for p in list(self._connections)]
+        if pending:
+            _done, not_done = await asyncio.wait(pending, timeout=self.settings.shutdown_grace)
+            for task in not_done:
+                task.cancel()
+        for protocol in list(self._connections):
+            protocol.close(error_code=H3_NO_ERROR, reason_phrase="server shutting down")
+        await asyncio.sleep(0)  # let the CONNECTION_CLOSE datagrams out
+        self._server.close()  # closes the transport too
+        self._server = None
+        self._connections.clear()
+
+
+def bind_udp(host: str, port: int, buffer: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, opt, buffer)
+        sock.bind((host, port))
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock

@@ -1,0 +1,432 @@
+"""HTTP/1.1 over TLS: an asyncio protocol around the sans-I/O h11 state machine, one request at a time.
+
+h11 parses every request head and writes every response. A request body framed by Content-Length, the usual
+case and the bulk of the traffic, is counted off the connection directly and handed to the app in the chunks the
+TLS layer delivers, without passing through h11's receive buffer (three copies of every octet); the next request on
+the connection then starts with a fresh h11 state machine. Chunked bodies go through h11.
+
+Backpressure: reading from the transport pauses while the app holds more than :data:`BODY_HIGH_WATER` octets of
+unread request body (and while a pipelined request waits), and every response write waits for the transport to
+drain below its high-water mark. Malformed requests get a 400 problem response and the connection is closed. A
+response finished before its request body was read makes the server read and discard the rest (keeping the
+connection when the rest is small, closing it otherwise), so that the client sees the response, not a reset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any, cast
+
+import h11
+
+from http3.asgi_bridge import (
+    AsgiContext,
+    Buffer,
+    ClientDisconnected,
+    Exchange,
+    Headers,
+    RequestBody,
+    http_scope,
+    reason_phrase,
+)
+
+log = logging.getLogger("http3.tcp")
+
+BODY_HIGH_WATER = 1 << 20  # pause reading while the app has this much unread request body
+PIPELINE_HIGH_WATER = 64 << 10  # pause reading while this much of a next (pipelined) request waits
+DISCARD_LIMIT = 8 << 20  # an unread request body rest larger than this closes the connection instead
+LINGER = 1.0  # seconds to keep reading (and discarding) before closing after an early response
+WRITE_HIGH_WATER = 1 << 20
+_CONTINUE = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
+
+
+class H1Connection(asyncio.Protocol):
+    """One HTTP/1.1 connection; installed by :class:`http3.tcp_server.TcpServer` once ALPN chose it."""
+
+    def __init__(self, ctx: AsgiContext, transport: asyncio.Transport, conn_info: dict[str, Any]) -> None:
+        self.ctx = ctx
+        self.settings = ctx.settings
+        self.transport = transport
+        self.info = conn_info  # client, server, tls
+        self.loop = asyncio.get_running_loop()
+        self.h11 = self._new_h11()
+        self.exchange: Exchange | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.closed = False  # the transport is gone
+        self.closing = False  # graceful shutdown: no keep-alive any more
+        self._must_close = False  # close once the current response is out (413, 400)
+        self._body_left: int | None = None  # octets of a Content-Length body still to come (counted here)
+        self._pending = bytearray()  # what came after such a body: the next request
+        self._continue_wanted = False  # the client waits for 100 Continue before it sends the body
+        self._discarding = False  # the response is out, the rest of the request body is read and dropped
+        self._discarded = 0
+        self._reading_paused = False
+        self._write_paused = False
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self._last_rx = self.loop.time()
+        self._timer: asyncio.TimerHandle | None = None
+        self.done: asyncio.Future[None] = self.loop.create_future()  # the transport is gone
+        self.quiet: asyncio.Future[None] = self.loop.create_future()  # all written, close() called (or gone)
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        self._arm_timer(self.settings.idle_timeout)
+
+    def _new_h11(self) -> h11.Connection:
+        return h11.Connection(h11.SERVER, max_incomplete_event_size=self.settings.max_header_bytes)
+
+    # -- asyncio.Protocol -----------------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        self._last_rx = self.loop.time()
+        if self._body_left is not None:
+            self._body_received(data)
+        elif self._counted_body_done():
+            self._pending += data  # a pipelined request waits for the response to the counted one
+            self._update_reading()
+        else:
+            try:
+                self.h11.receive_data(data)
+            except RuntimeError:  # data after the peer closed: ignore
+                return
+            self._process()
+
+    def eof_received(self) -> bool | None:
+        if self._body_left is not None or self._counted_body_done():
+            if self.exchange is not None and not self.exchange.body.complete:
+                self.exchange.body.disconnect()
+            return None
+        try:
+            self.h11.receive_data(b"")
+        except RuntimeError:
+            pass
+        else:
+            self._process()
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._cancel_timer()
+        if self.exchange is not None:
+            self.exchange.body.disconnect()
+        for waiter in self._drain_waiters:
+            if not waiter.done():
+                waiter.set_exception(ClientDisconnected("connection lost"))
+        self._drain_waiters.clear()
+        for future in (self.quiet, self.done):
+            if not future.done():
+                future.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        for waiter in self._drain_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._drain_waiters.clear()
+
+    # -- server API ------------------------------------------------------------------------------------------
+
+    @property
+    def idle(self) -> bool:
+        return self.exchange is None
+
+    def shutdown(self) -> None:
+        """Graceful: finish the request in flight (its response says Connection: close), then close."""
+        self.closing = True
+        if self.exchange is None:
+            self._close()
+
+    def abort(self) -> None:
+        if not self.closed:
+            self.transport.abort()
+
+    # -- requests --------------------------------------------------------------------------------------------
+
+    def _process(self) -> None:
+        while not self.closed and self._body_left is None:
+            try:
+                event = self.h11.next_event()
+            except h11.RemoteProtocolError as exc:
+                self._protocol_error(exc)
+                return
+            if event is h11.NEED_DATA or event is h11.PAUSED:
+                break
+            if isinstance(event, h11.Data):
+                self._chunk_received(event.data)
+            elif isinstance(event, h11.Request):
+                if self._on_request(event):
+                    break  # the body is counted here: this h11 state machine is done with the request
+            elif isinstance(event, h11.EndOfMessage):
+                self._body_complete()
+            elif isinstance(event, h11.ConnectionClosed):
+                if self.exchange is not None:
+                    self.exchange.body.disconnect()
+                self._close()
+                break
+        self._update_reading()
+
+    def _on_request(self, event: h11.Request) -> bool:
+        """Start the exchange; True when the body is counted off the connection rather than parsed by h11."""
+        self._cancel_timer()
+        self._discarding = False
+        self._discarded = 0
+        headers: Headers = list(event.headers)  # h11 lowercases names
+        body = RequestBody(self.ctx, self._on_consumed, self._on_body_wait)
+        scope = http_scope(self.ctx, http_version=event.http_version.decode("ascii"),
+                           method=event.method.decode("ascii"), target=bytes(event.target), headers=headers,
+                           client=self.info["client"], server=self.info["server"], tls=self.info["tls"])
+        exchange = Exchange(self.ctx, scope, body, _H1Sink(self))
+        self.exchange = exchange
+        declared: int | None = None
+        if not any(name == b"transfer-encoding" for name, _ in headers):
+            length = next((value for name, value in headers if name == b"content-length"), None)
+            declared = int(length) if length is not None else None  # h11 checked the digits
+        if len(event.target) + sum(len(k) + len(v) + 4 for k, v in headers) > self.settings.max_header_bytes:
+            # h11 bounds only a head that arrives in pieces (max_incomplete_event_size), not one read whole
+            self._must_close = True
+            self._track(exchange.reject(431))
+        elif declared is not None and declared > self.settings.max_body_bytes:
+            self._must_close = True
+            self._track(exchange.reject(413, "Content Too Large"))
+        else:
+            self._arm_timer(self.settings.idle_timeout)  # watches for a stalled request body
+            self._track(self.loop.create_task(exchange.run()))
+        self._continue_wanted = self.h11.they_are_waiting_for_100_continue
+        if declared is None:
+            return False
+        self._body_left = declared  # count the body off the connection; h11 is done with this request
+        rest, _ = self.h11.trailing_data
+        self._body_received(rest)
+        return True
+
+    def _body_received(self, data: Buffer) -> None:
+        """Octets of a Content-Length body, and maybe what follows it."""
+        left = self._body_left
+        assert left is not None
+        if len(data) > left:
+            self._pending += memoryview(data)[left:]
+            data = memoryview(data)[:left]
+        if data:
+            self._body_left = left = left - len(data)
+            self._chunk_received(data)
+        if left == 0:
+            self._body_left = None
+            self._body_complete()
+        self._update_reading()
+
+    def _chunk_received(self, data: Buffer) -> None:
+        self._continue_wanted = False  # the client did not wait for 100 Continue
+        exchange = self.exchange
+        if exchange is None or exchange.finished or exchange.rejected:
+            self._discarded += len(data)
+            if self._discarding and self._discarded > DISCARD_LIMIT:
+                self._close()  # too much left to read: closing is cheaper
+            return
+        body = exchange.body
+        body.feed(data)
+        if body.received > self.settings.max_body_bytes:
+            self._must_close = True
+            self._track(exchange.reject(413, "Content Too Large"))
+
+    def _body_complete(self) -> None:
+        exchange = self.exchange
+        if exchange is None:
+            return
+        exchange.body.finish()
+        if self._discarding or (exchange.finished and self.h11.our_state in (h11.DONE, h11.MUST_CLOSE)):
+            self._cycle_done()
+
+    def _counted_body_done(self) -> bool:
+        """A counted (Content-Length) body is in and its response is not yet out."""
+        return self.exchange is not None and self.h11.their_state is not h11.DONE and self.exchange.body.complete
+
+    def _protocol_error(self, exc: h11.RemoteProtocolError) -> None:
+        log.debug("malformed HTTP/1.1 request from %s: %s", self.info["client"], exc)
+        self._must_close = True
+        status = exc.error_status_hint if 400 <= exc.error_status_hint < 500 else 400
+        exchange = self.exchange
+        if exchange is not None and not exchange.finished:
+            self._track(exchange.reject(status))
+            if exchange.head_sent:
+                self._close()
+            return
+        if exchange is None and self.h11.our_state is h11.IDLE:
+            scope = http_scope(self.ctx, http_version="1.1", method="GET", target=b"/", headers=[],
+                               client=self.info["client"], server=self.info["server"], tls=None)
+            self.exchange = Exchange(self.ctx, scope, RequestBody(self.ctx), _H1Sink(self))
+            self._track(self.exchange.reject(status))
+            return
+        self._close()
+
+    # -- after a response ------------------------------------------------------------------------------------
+
+    def response_done(self) -> None:
+        """The whole response is out (called by the sink)."""
+        if self.closed:
+            return
+        exchange = self.exchange
+        if exchange is not None and exchange.body.complete:
+            self._cycle_done()
+        else:  # the request body is not all read: read the rest and drop it, then go on or close
+            self._discarding = True
+            self._discarded = 0
+            self._arm_timer(LINGER)
+            self._update_reading()
+
+    def _cycle_done(self) -> None:
+        self.exchange = None
+        self._discarding = False
+        if self._must_close or self.closing or self.h11.our_state is not h11.DONE:
+            self._close()
+            return
+        if self.h11.their_state is h11.DONE:
+            self.h11.start_next_cycle()
+        else:  # the body was counted here, not by h11: the next request gets a fresh state machine
+            self.h11 = self._new_h11()
+        if self._pending:
+            self.h11.receive_data(bytes(self._pending))
+            self._pending.clear()
+        self._arm_timer(self.settings.idle_timeout)
+        self._update_reading()
+        if self.h11.trailing_data[0]:
+            self.loop.call_soon(self._process)
+
+    def _close(self) -> None:
+        if not self.closed and not self.transport.is_closing():
+            self.transport.close()
+        if not self.quiet.done():
+            self.quiet.set_result(None)
+
+    # -- flow control ----------------------------------------------------------------------------------------
+
+    def _on_consumed(self, n: int) -> None:
+        if self._reading_paused:
+            self._update_reading()
+
+    def _on_body_wait(self) -> None:
+        if self._continue_wanted and self.h11.our_state is h11.SEND_RESPONSE:
+            self._continue_wanted = False
+            self.write(self.h11.send_with_data_passthrough(_CONTINUE) or [])
+
+    def _update_reading(self) -> None:
+        if self.closed:
+            return
+        exchange = self.exchange
+        pause = False
+        if exchange is not None and not self._discarding:
+            waiting = len(self._pending) + (len(self.h11.trailing_data[0]) if self.h11.their_state is h11.DONE else 0)
+            pause = exchange.body.buffered > BODY_HIGH_WATER or waiting > PIPELINE_HIGH_WATER
+        if pause != self._reading_paused:
+            self._reading_paused = pause
+            if pause:
+                self.transport.pause_reading()
+            else:
+                self._last_rx = self.loop.time()
+                self.transport.resume_reading()
+
+    def write(self, chunks: Sequence[Buffer]) -> None:
+        if not self.closed and not self.transport.is_closing():
+            self.transport.writelines(chunks)
+
+    async def drain(self) -> None:
+        if not self._write_paused:
+            return
+        if self.closed:
+            raise ClientDisconnected("connection lost")
+        waiter = self.loop.create_future()
+        self._drain_waiters.append(waiter)
+        try:
+            async with asyncio.timeout(self.settings.idle_timeout):
+                await waiter
+        except TimeoutError:
+            log.debug("HTTP/1.1 peer %s stopped reading: closing", self.info["client"])
+            self.abort()
+            raise ClientDisconnected("the peer stopped reading") from None
+
+    # -- timers ----------------------------------------------------------------------------------------------
+
+    def _arm_timer(self, delay: float) -> None:
+        self._cancel_timer()
+        if not self.closed:
+            self._timer = self.loop.call_later(delay, self._on_timer)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        exchange = self.exchange
+        if exchange is None or self._discarding:
+            self._close()  # idle keep-alive connection, or the linger after an early response is over
+            return
+        body = exchange.body
+        if body.complete or body.disconnected:
+            return  # the app is at work; stalled writes have their own timeout
+        if self._reading_paused:  # the app is slow, not the peer
+            self._arm_timer(self.settings.idle_timeout)
+            return
+        idle_for = self.loop.time() - self._last_rx
+        if idle_for >= self.settings.idle_timeout:
+            log.debug("HTTP/1.1 peer %s stalled sending a request body: closing", self.info["client"])
+            body.disconnect()
+            self.abort()
+        else:
+            self._arm_timer(self.settings.idle_timeout - idle_for)
+
+    def _track(self, task: asyncio.Task[None] | None) -> None:
+        if task is not None:
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+
+class _H1Sink:
+    """Writes one response through h11; every write waits for the transport to drain."""
+
+    def __init__(self, conn: H1Connection) -> None:
+        self.conn = conn
+
+    @property
+    def closed(self) -> bool:
+        return self.conn.closed or self.conn.transport.is_closing()
+
+    async def send_head(self, status: int, headers: Headers, body: Buffer, end: bool) -> None:
+        conn = self.conn
+        if self.closed:
+            raise ClientDisconnected("connection closed")
+        if conn.closing or conn._must_close:
+            headers = [*headers, (b"connection", b"close")]
+        try:
+            response = h11.Response(status_code=status, headers=headers, reason=reason_phrase(status))
+        except h11.LocalProtocolError as exc:
+            raise RuntimeError(f"ASGI app sent an invalid response head: {exc}") from None
+        chunks = conn.h11.send_with_data_passthrough(response) or []
+        await self._send(chunks, body, end)
+
+    async def send_data(self, data: Buffer, end: bool) -> None:
+        if self.closed:
+            raise ClientDisconnected("connection closed")
+        await self._send([], data, end)
+
+    async def _send(self, head: Sequence[Buffer], data: Buffer, end: bool) -> None:
+        conn = self.conn
+        chunks = list(head)
+        try:
+            if data:  # passed through to the transport as it is: h11 only counts it (and frames it if chunked)
+                chunks += conn.h11.send_with_data_passthrough(h11.Data(data=cast(bytes, data))) or []
+            if end:
+                chunks += conn.h11.send_with_data_passthrough(h11.EndOfMessage()) or []
+        except h11.LocalProtocolError as exc:  # e.g. more body than the app's content-length said
+            conn.abort()
+            raise RuntimeError(f"ASGI app sent an invalid response: {exc}") from None
+        conn.write(chunks)
+        if end:
+            conn.response_done()
+        await conn.drain()
+
+    def reset(self) -> None:
+        self.conn.abort()

@@ -1,0 +1,351 @@
+"""Authorization: authenticated identities -> roles, scopes and the holders a principal may publish for.
+
+The identity of a request is the single SAN URI of the verified client certificate (``http3.tls.scope_identity``
+extracts it); this module works on that string only and does no I/O beyond reading the policy file. A policy
+file (TOML) lists the principals::
+
+    [defaults]                      # optional; a principal that omits a key takes it from here
+    roles = ["client"]
+    scopes = []
+
+    [[principal]]
+    identity = "https://h1.example/kvsp/"         # the certificate's SAN URI, exactly
+    roles = ["holder"]                             # index, holder, controller, instance, client
+    scopes = ["*"]                                 # "*" (every scope) or scope_ids in lowercase hex
+    publish_for = ["moqt://relay.example:4443/"]   # more holders it may publish replicas for ("*": any)
+
+Every key is checked; unknown keys, unknown roles, malformed scope ids and URIs, duplicate identities and
+duplicate list entries raise :class:`PolicyError` with one line naming the file and the key. docs/wire.md
+("Authorization") records the decisions.
+
+The checks raise the protocol's problem types: a missing role is :class:`~kvsp_quic.problems.Forbidden` (403,
+``about:blank``), a missing scope :class:`~kvsp_quic.problems.ScopeDenied` (403 ``kvsp-scope-denied``).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Final, Literal, TypeAlias
+from urllib.parse import urlsplit
+
+from . import fields as f
+from .fields import ScopeId
+from .problems import Forbidden, ScopeDenied
+
+
+class Role(enum.StrEnum):
+    INDEX = "index"
+    HOLDER = "holder"
+    CONTROLLER = "controller"  # the Placement Controller
+    INSTANCE = "instance"
+    CLIENT = "client"
+
+
+class _All(enum.Enum):
+    """The wildcard ``"*"``: every scope, or (in ``publish_for``) every holder."""
+
+    ALL = "*"
+
+    def __repr__(self) -> str:
+        return "ALL"
+
+
+ALL: Final = _All.ALL
+Scopes: TypeAlias = frozenset[ScopeId] | Literal[_All.ALL]
+Holders: TypeAlias = frozenset[str] | Literal[_All.ALL]
+
+SCOPE_ID_SIZE = 16
+_PRINCIPAL_KEYS = ("identity", "roles", "scopes", "publish_for")
+_DEFAULT_KEYS = ("roles", "scopes")
+_TOP_KEYS = ("defaults", "principal")
+
+
+class PolicyError(ValueError):
+    """The policy file or object is invalid; the message is one line naming the file and the key."""
+
+
+@dataclass(frozen=True)
+class Principal:
+    """What one authenticated identity may do."""
+
+    identity: str
+    roles: frozenset[Role]
+    scopes: Scopes = frozenset()
+    publish_for: Holders = frozenset()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.identity, str) or not self.identity:
+            raise ValueError("Principal.identity must be a non-empty string")
+        if not all(isinstance(r, Role) for r in self.roles):
+            raise ValueError(f"Principal.roles must be Role values, got {sorted(map(str, self.roles))}")
+        if self.scopes is not ALL and any(len(s) != SCOPE_ID_SIZE for s in self.scopes):
+            raise ValueError("Principal.scopes must be 16-octet scope ids or ALL")
+
+    def has_role(self, *roles: Role | str) -> bool:
+        """True when the principal has at least one of *roles*."""
+        return not self.roles.isdisjoint(parse_roles(roles))
+
+    def has_scope(self, scope_id: bytes) -> bool:
+        if len(scope_id) != SCOPE_ID_SIZE:
+            raise ValueError(f"a scope id has {SCOPE_ID_SIZE} octets, got {len(scope_id)}")
+        return self.scopes is ALL or ScopeId(bytes(scope_id)) in self.scopes
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The principals of a deployment, by identity. Immutable; build one with :meth:`load`, :meth:`from_dict`
+    or :meth:`dev`."""
+
+    principals: Mapping[str, Principal] = field(default_factory=lambda: MappingProxyType({}))
+    source: str = "policy"  # where it came from, for messages
+
+    def principal(self, identity: str | None) -> Principal | None:
+        """The principal of *identity*, or None when the identity is absent or not in the policy."""
+        return None if identity is None else self.principals.get(identity)
+
+    def __len__(self) -> int:
+        return len(self.principals)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Policy:
+        where = f"policy {os.fspath(path)!r}"
+        try:
+            with open(path, "rb") as fh:
+                obj = tomllib.load(fh)
+        except OSError as exc:
+            raise PolicyError(f"cannot read {where}: {exc.strerror or exc}") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise PolicyError(f"{where}: not valid TOML ({exc})") from None
+        return cls.from_dict(obj, source=where)
+
+    @classmethod
+    def loads(cls, text: str, *, source: str = "policy") -> Policy:
+        try:
+            obj = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise PolicyError(f"{source}: not valid TOML ({exc})") from None
+        return cls.from_dict(obj, source=source)
+
+    @classmethod
+    def from_dict(cls, obj: Mapping[str, Any], *, source: str = "policy") -> Policy:
+        """A policy from the parsed TOML document (or an equivalent dict)."""
+        return cls(MappingProxyType(_Parser(source).policy(obj)), source)
+
+    @classmethod
+    def dev(cls, identities_with_full_rights: Iterable[str]) -> Policy:
+        """The quick-start policy of ``--dev`` servers: every role, every scope, publishing for any holder."""
+        identities = list(dict.fromkeys(identities_with_full_rights))
+        if not identities:
+            raise ValueError("Policy.dev needs at least one identity")
+        every_role = [r.value for r in Role]
+        return cls.from_dict(
+            {"principal": [{"identity": i, "roles": every_role, "scopes": "*", "publish_for": "*"}
+                           for i in identities]},
+            source="dev policy")
+
+
+# -- checks ------------------------------------------------------------------------------------------------------
+
+
+def require_role(principal: Principal, *roles: Role | str) -> None:
+    """Pass when *principal* has at least one of *roles*, else raise :class:`Forbidden` (403)."""
+    given = set(parse_roles(roles))
+    wanted = [r for r in Role if r in given]  # in a stable order for the message
+    if principal.roles.isdisjoint(wanted):
+        need = f"the role {wanted[0]}" if len(wanted) == 1 else "one of the roles " + ", ".join(wanted)
+        has = ", ".join(r for r in Role if r in principal.roles) or "none"
+        raise Forbidden(f"identity {principal.identity!r} needs {need} (it has: {has})")
+
+
+def require_scope(principal: Principal, scope_id: bytes) -> None:
+    """Pass when *principal* is authorized for *scope_id* (16 octets), else raise :class:`ScopeDenied`."""
+    if not principal.has_scope(scope_id):
+        raise ScopeDenied(f"identity {principal.identity!r} is not authorized for scope {bytes(scope_id).hex()}")
+
+
+def may_publish_for(principal: Principal, holder_uri: str) -> bool:
+    """Whether *principal* may publish Replica Records naming *holder_uri* as the holder.
+
+    Only holders publish: a holder always for its own identity, and for the holders its ``publish_for`` lists.
+    URIs compare exactly, as configured (like holder-ids).
+    """
+    if Role.HOLDER not in principal.roles:
+        return False
+    return (holder_uri == principal.identity or principal.publish_for is ALL
+            or holder_uri in principal.publish_for)
+
+
+def require_publish_for(principal: Principal, holder_uri: str) -> None:
+    if not may_publish_for(principal, holder_uri):
+        if Role.HOLDER not in principal.roles:
+            raise Forbidden(f"identity {principal.identity!r} is not a holder and may not publish replicas")
+        raise Forbidden(f"identity {principal.identity!r} may not publish replicas for holder {holder_uri!r}")
+
+
+def parse_roles(roles: Iterable[Role | str]) -> list[Role]:
+    """Role names -> roles; ValueError for an unknown name or none at all (API misuse, not a policy error)."""
+    out = []
+    for r in roles:
+        try:
+            out.append(Role(r))
+        except ValueError:
+            raise ValueError(f"unknown role {r!r}") from None
+    if not out:
+        raise ValueError("at least one role is required")
+    return out
+
+
+# -- parsing -------------------------------------------------------------------------------------------------------
+
+
+class _Parser:
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def error(self, path: str, message: str) -> PolicyError:
+        return PolicyError(f"{self.source}: {path}: {message}" if path else f"{self.source}: {message}")
+
+    def table(self, value: Any, path: str, allowed: tuple[str, ...]) -> Mapping[str, Any]:
+        if not isinstance(value, Mapping):
+            raise self.error(path, f"must be a table, not {_kind(value)}")
+        for key in value:
+            if key not in allowed:
+                where = f"{path}.{key}" if path else str(key)
+                raise self.error(where, f"unknown key (allowed: {', '.join(allowed)})")
+        return value
+
+    def policy(self, obj: Mapping[str, Any]) -> dict[str, Principal]:
+        top = self.table(obj, "", _TOP_KEYS)
+        defaults = self.table(top.get("defaults", {}), "defaults", _DEFAULT_KEYS)
+        default_roles = self.roles(defaults["roles"], "defaults.roles") if "roles" in defaults else None
+        default_scopes: Scopes = (self.scopes(defaults["scopes"], "defaults.scopes") if "scopes" in defaults
+                                  else frozenset())
+        entries = top.get("principal")
+        if entries is None:
+            raise self.error("principal", "no [[principal]] tables: the policy would deny every request")
+        if not isinstance(entries, list):
+            raise self.error("principal", f"must be an array of tables ([[principal]]), not {_kind(entries)}")
+        if not entries:
+            raise self.error("principal", "no [[principal]] tables: the policy would deny every request")
+        out: dict[str, Principal] = {}
+        first_at: dict[str, int] = {}
+        for i, entry in enumerate(entries):
+            path = f"principal[{i}]"
+            t = self.table(entry, path, _PRINCIPAL_KEYS)
+            if "identity" not in t:
+                raise self.error(f"{path}.identity", "required key is missing")
+            identity = self.identity(t["identity"], f"{path}.identity")
+            if identity in first_at:
+                raise self.error(f"{path}.identity",
+                                 f"{identity!r} is already listed at principal[{first_at[identity]}]")
+            first_at[identity] = i
+            if "roles" in t:
+                roles = self.roles(t["roles"], f"{path}.roles")
+            elif default_roles is not None:
+                roles = default_roles
+            else:
+                raise self.error(f"{path}.roles", "required key is missing (and [defaults] has no roles)")
+            scopes = self.scopes(t["scopes"], f"{path}.scopes") if "scopes" in t else default_scopes
+            publish_for = self.publish_for(t.get("publish_for", []), f"{path}.publish_for")
+            if (publish_for is ALL or publish_for) and Role.HOLDER not in roles:
+                raise self.error(f"{path}.publish_for", "only a principal with the holder role publishes replicas")
+            out[identity] = Principal(identity, roles, scopes, publish_for)
+        return out
+
+    def strings(self, value: Any, path: str) -> list[str]:
+        if not isinstance(value, list):
+            raise self.error(path, f"must be an array of strings, not {_kind(value)}")
+        seen: set[str] = set()
+        for i, item in enumerate(value):
+            if not isinstance(item, str):
+                raise self.error(f"{path}[{i}]", f"must be a string, not {_kind(item)}")
+            if item in seen:
+                raise self.error(f"{path}[{i}]", f"{item!r} is listed twice")
+            seen.add(item)
+        return value
+
+    def roles(self, value: Any, path: str) -> frozenset[Role]:
+        items = self.strings(value, path)
+        if not items:
+            raise self.error(path, "must list at least one role")
+        out = set()
+        for i, name in enumerate(items):
+            try:
+                out.add(Role(name))
+            except ValueError:
+                raise self.error(f"{path}[{i}]", f"unknown role {name!r} (one of: {', '.join(Role)})") from None
+        return frozenset(out)
+
+    def wildcard_or_list(self, value: Any, path: str) -> list[str] | None:
+        """``"*"`` or ``["*"]`` -> None (everything); otherwise the list, in which "*" must not appear."""
+        if value == "*":
+            return None
+        items = self.strings(value, path)
+        if "*" in items:
+            if len(items) > 1:
+                raise self.error(path, '"*" means all and cannot be combined with other entries')
+            return None
+        return items
+
+    def scopes(self, value: Any, path: str) -> Scopes:
+        items = self.wildcard_or_list(value, path)
+        if items is None:
+            return ALL
+        out = set()
+        for i, text in enumerate(items):
+            where = f"{path}[{i}]"
+            try:
+                out.add(f.scope_id(text, where))
+            except f.RecordError:
+                raise self.error(where, f"{text!r} is not a scope_id (32 lowercase hex characters)") from None
+        return frozenset(out)
+
+    def publish_for(self, value: Any, path: str) -> Holders:
+        items = self.wildcard_or_list(value, path)
+        if items is None:
+            return ALL
+        for i, uri in enumerate(items):
+            try:
+                f.base_uri(uri, f"{path}[{i}]", schemes=("https", "moqt"))
+            except f.RecordError as exc:
+                raise PolicyError(f"{self.source}: {exc.detail}") from None
+        return frozenset(items)
+
+    def identity(self, value: Any, path: str) -> str:
+        if not isinstance(value, str):
+            raise self.error(path, f"must be a string, not {_kind(value)}")
+        if not value:
+            raise self.error(path, "must not be empty")
+        if any(ch.isspace() or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in value):
+            raise self.error(path, f"{value!r} contains whitespace or control characters")
+        try:
+            scheme = urlsplit(value).scheme
+        except ValueError:
+            scheme = ""
+        if not scheme or not value.startswith(scheme + ":"):
+            raise self.error(path, f"{value!r} is not an absolute URI (a certificate's SAN URI)")
+        if scheme == "https":  # a role's identity is its base URI
+            try:
+                f.base_uri(value, path)
+            except f.RecordError as exc:
+                raise PolicyError(f"{self.source}: {exc.detail}") from None
+        return value
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return "a table"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, int | float):
+        return "a number"
+    return type(value).__name__

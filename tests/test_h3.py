@@ -1,0 +1,252 @@
+"""HTTP/3 server and client over real UDP sockets on 127.0.0.1, with mutual TLS."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import ssl
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aioquic.quic.configuration import QuicConfiguration
+
+from http3.client import KvspClient, TransportError
+from http3.h3_client import H3ClientConnection, H3ConnectError, connect_h3
+from http3.h3_server import h3_handler
+from http3.quic_conn import KvspQuicConnection
+from http3.quic_server import QuicListener, bind_udp
+from http3.tls import TlsFiles, TransportSettings, scope_identity
+from http3.udp import BatchedUdpTransport
+
+from .pki import TestPki, make_pki
+
+SMALL_WINDOWS = TransportSettings(stream_window=1 << 20, connection_window=2 << 20, send_buffer=1 << 20,
+                                  max_body_bytes=96 << 20, shutdown_grace=5.0)
+
+
+class App:
+    """Echoes identity and body digest; /slow-upload reads slowly and records how much the server held."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.max_unread = 0
+        self.max_buffered = 0
+        self.listener: QuicListener | None = None
+        self.gate = asyncio.Event()
+
+    def _quic_stats(self) -> None:
+        assert self.listener is not None
+        for conn in self.listener._connections:
+            self.max_unread = max(self.max_unread, conn.quic._kvsp_unread_total)
+            for stream_id in list(conn.quic._streams):
+                self.max_buffered = max(self.max_buffered, conn.buffered(stream_id))
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        self.calls += 1
+        path = scope["path"]
+        if path == "/boom":
+            raise RuntimeError("boom")
+        if path == "/wait":
+            await self.gate.wait()
+        h, n = hashlib.sha256(), 0
+        while True:
+            if path == "/slow-upload":  # a slow reader: what arrived meanwhile waits, unread, in the server
+                await asyncio.sleep(0.002)
+                self._quic_stats()
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            h.update(message["body"])
+            n += len(message["body"])
+            if not message["more_body"]:
+                break
+        if path.startswith("/download/"):
+            size = int(path.rsplit("/", 1)[1])
+            data = bytes(range(256)) * (size // 256)
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-length", str(len(data)).encode())]})
+            for offset in range(0, len(data), 4 << 20):
+                await send({"type": "http.response.body", "body": data[offset:offset + (4 << 20)],
+                            "more_body": offset + (4 << 20) < len(data)})
+                self._quic_stats()
+            return
+        body = f"{scope_identity(scope)} {scope['http_version']} {scope['method']} {n} {h.hexdigest()}".encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+@pytest.fixture
+def certs(tmp_path: Path) -> TestPki:
+    return make_pki(tmp_path)
+
+
+@pytest.fixture
+async def server(certs: TestPki):
+    app = App()
+    listener = QuicListener(certs.files("server"), {"h3": h3_handler(app)}, settings=SMALL_WINDOWS)
+    app.listener = listener
+    await listener.start("127.0.0.1", 0)
+    yield listener, app
+    await listener.close()
+
+
+def url(listener: QuicListener, path: str = "/") -> str:
+    return f"https://127.0.0.1:{listener.port}{path}"
+
+
+async def test_valid_certificate_gets_200_and_identity(server, certs: TestPki) -> None:
+    listener, _ = server
+    async with KvspClient(certs.files("alice"), settings=SMALL_WINDOWS) as client:
+        response = await client.request("POST", url(listener, "/x?y=1"), content=b"hello")
+    assert response.status == 200 and response.http_version == "HTTP/3"
+    assert response.content == (b"urn:kvsp:client:alice 3 POST 5 " + hashlib.sha256(b"hello").hexdigest().encode())
+
+
+@pytest.mark.parametrize("who", ["expired", "notyet", "foreign"])
+async def test_bad_certificates_are_refused_in_the_handshake(server, certs: TestPki, who: str) -> None:
+    listener, app = server
+    files = certs.foreign if who == "foreign" else certs.files(who)
+    files = TlsFiles(certs.ca, files.cert, files.key)  # the client itself trusts the server
+    with pytest.raises(H3ConnectError) as info:  # the server's verdict arrives before connect_h3 returns
+        await connect_h3("127.0.0.1", listener.port, files, settings=SMALL_WINDOWS, timeout=5)
+    reason = {"expired": "no longer valid", "notyet": "not valid yet", "foreign": "unable to get local issuer"}[who]
+    assert reason in str(info.value)
+    assert app.calls == 0
+
+
+async def connect_without_certificate(ca: Path, port: int) -> str:
+    """Connect over QUIC with no client certificate; return why the server closed the connection."""
+    config = QuicConfiguration(is_client=True, alpn_protocols=["h3"], server_name="127.0.0.1")
+    config.load_verify_locations(cadata=ca.read_bytes())  # verifies the server, but has no certificate
+    loop = asyncio.get_running_loop()
+    protocol = H3ClientConnection(KvspQuicConnection(configuration=config), settings=SMALL_WINDOWS)
+    transport = BatchedUdpTransport(loop, bind_udp("127.0.0.1", 0, 1 << 20), protocol)
+    try:
+        protocol.connect(("127.0.0.1", port))
+        await asyncio.wait_for(protocol.wait_connected(), 5)  # the client's side of TLS completes...
+        with pytest.raises(ConnectionError):
+            await asyncio.wait_for(protocol.confirmed, 5)  # ...but the server never confirms the handshake
+        return protocol.close_reason
+    finally:
+        transport.close()
+
+
+async def test_no_client_certificate_is_refused(server, certs: TestPki) -> None:
+    listener, app = server
+    assert "client certificate is required" in await connect_without_certificate(certs.ca, listener.port)
+    assert app.calls == 0
+
+
+async def test_client_refuses_a_server_of_another_ca(server, certs: TestPki) -> None:
+    listener, _ = server
+    foreign = certs.foreign
+    with pytest.raises(H3ConnectError, match="unable to get local issuer"):
+        await connect_h3("127.0.0.1", listener.port, foreign, settings=SMALL_WINDOWS, timeout=5)
+
+
+async def test_certificate_without_uri_reaches_the_app_without_identity(server, certs: TestPki) -> None:
+    # The handshake only proves the CA issued it; authorization (http3.authz) refuses it for want of an identity.
+    listener, _ = server
+    async with KvspClient(certs.files("nouri"), settings=SMALL_WINDOWS) as client:
+        response = await client.request("GET", url(listener))
+    assert response.content is not None and response.content.startswith(b"None 3 GET")
+
+
+async def test_64_mib_up_and_down_with_bounded_memory(server, certs: TestPki) -> None:
+    listener, app = server
+    body = os.urandom(1 << 20) * 64
+    async with KvspClient(certs.files("alice"), settings=SMALL_WINDOWS, timeout=120) as client:
+        response = await client.request("PUT", url(listener, "/slow-upload"), content=body)
+        assert response.content is not None and response.content.endswith(hashlib.sha256(body).hexdigest().encode())
+        # The app read slowly: the server never held more than one stream window of unread body.
+        assert 0 < app.max_unread <= SMALL_WINDOWS.stream_window
+        digest, n = hashlib.sha256(), 0
+        async with client.stream("GET", url(listener, f"/download/{64 << 20}")) as response:
+            async for chunk in response.aiter_bytes():
+                digest.update(chunk)
+                n += len(chunk)
+                await asyncio.sleep(0) if n % (8 << 20) else await asyncio.sleep(0.05)  # a reader that pauses
+    assert n == 64 << 20
+    assert digest.hexdigest() == hashlib.sha256(bytes(range(256)) * ((64 << 20) // 256)).hexdigest()
+    # The app's 4 MiB writes were sliced and each waited for QUIC's send buffer to drain.
+    assert 0 < app.max_buffered <= SMALL_WINDOWS.send_buffer + SMALL_WINDOWS.send_buffer // 2
+
+
+async def test_many_concurrent_requests_share_one_connection(server, certs: TestPki) -> None:
+    listener, _ = server
+    async with KvspClient(certs.files("alice"), settings=SMALL_WINDOWS) as client:
+        responses = await asyncio.gather(*(client.request("POST", url(listener), content=str(i).encode())
+                                           for i in range(60)))
+        assert {r.status for r in responses} == {200}
+        assert listener.connections == 1
+        # more requests than the stream limit over time: closed streams give credit back
+        for _ in range(3):
+            await asyncio.gather(*(client.request("GET", url(listener)) for _ in range(60)))
+        assert listener.connections == 1
+
+
+async def test_limits_and_errors(server, certs: TestPki) -> None:
+    listener, _ = server
+    async with KvspClient(certs.files("alice"), settings=SMALL_WINDOWS) as client:
+        too_big = await client.request("PUT", url(listener), content=bytes(SMALL_WINDOWS.max_body_bytes + 1))
+        assert too_big.status == 413 and too_big.headers["content-type"] == "application/problem+json"
+        assert too_big.json()["status"] == 413
+        many = {f"x-h{i}": "a" * 1000 for i in range(80)}  # 80 KB of fields > the 64 KiB limit
+        huge_header = await client.request("GET", url(listener), headers=many)
+        assert huge_header.status == 431
+        boom = await client.request("GET", url(listener, "/boom"))
+        assert boom.status == 500 and boom.json()["title"] == "Internal Server Error"
+        assert "boom" not in (boom.content or b"").decode()  # no internals leak
+        ok = await client.request("GET", url(listener))  # the connection survived all of that
+        assert ok.status == 200
+
+
+async def test_graceful_shutdown_finishes_in_flight_requests(certs: TestPki) -> None:
+    app = App()
+    listener = QuicListener(certs.files("server"), {"h3": h3_handler(app)}, settings=SMALL_WINDOWS)
+    app.listener = listener
+    await listener.start("127.0.0.1", 0)
+    async with KvspClient(certs.files("alice"), settings=SMALL_WINDOWS, retries=0, timeout=10) as client:
+        in_flight = asyncio.ensure_future(client.request("GET", url(listener, "/wait")))
+        while app.calls == 0:
+            await asyncio.sleep(0.01)
+        closing = asyncio.ensure_future(listener.close())
+        await asyncio.sleep(0.1)
+        assert not closing.done()  # waiting for the request
+        app.gate.set()
+        response = await in_flight
+        assert response.status == 200
+        await closing
+    async with KvspClient(certs.files("alice"), settings=SMALL_WINDOWS, retries=0, connect_timeout=1) as client:
+        with pytest.raises(TransportError):
+            await client.request("GET", url(listener))  # nothing listens any more (and no TCP fallback)
+
+
+async def test_client_falls_back_and_remembers(certs: TestPki) -> None:
+    # Nothing answers on UDP: the client falls back to TCP (here refused too) and remembers the origin.
+    sock = bind_udp("127.0.0.1", 0, 1 << 16)  # a UDP port that swallows datagrams: QUIC times out
+    port = sock.getsockname()[1]
+    try:
+        async with KvspClient(certs.files("alice"), connect_timeout=0.3, retries=0) as client:
+            target = f"https://127.0.0.1:{port}/"
+            assert client.transport_for(target) == "h3"
+            with pytest.raises(TransportError):
+                await client.request("GET", target)
+            assert client.transport_for(target) == "tcp"
+    finally:
+        sock.close()
+
+
+def test_server_requires_a_handler(certs: TestPki) -> None:
+    with pytest.raises(ValueError):
+        QuicListener(certs.files("server"), {})
+
+
+def test_server_context_asks_for_client_certificates(certs: TestPki) -> None:
+    # The TLS posture of the TCP side is checked in test_tcp_server; here the QUIC configuration.
+    from http3.tls import quic_configuration
+
+    config = quic_configuration(certs.files("server"), is_client=False, alpn=["h3"])
+    assert config.verify_mode == ssl.CERT_REQUIRED and config.cadata == certs.ca.read_bytes()
