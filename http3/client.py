@@ -2,9 +2,9 @@
 
 HTTP/3 first (pooled connections, concurrent streams, streamed bodies under flow control, mutual TLS); when an
 origin cannot be reached over QUIC (UDP blocked, no answer, h3 refused) the client falls back to HTTP/1.1 (or,
-with ``fallback_http2``, HTTP/2) over TLS on the same port and remembers that for ``fallback_ttl`` seconds. Requests time out; only
-idempotent requests with a replayable body are retried, and only after a transport failure, never after an
-HTTP answer.
+with ``fallback_http2``, HTTP/2) over TLS on the same port and remembers that for ``fallback_ttl`` seconds.
+Requests time out; only idempotent requests with a replayable body are retried, and only after a transport
+failure, never after an HTTP answer.
 
     async with KvspClient(TlsFiles.in_dir("certs", "alice")) as client:
         response = await client.request("GET", "https://127.0.0.1:8443/blocks/...")
