@@ -15,12 +15,11 @@ import os
 import platform
 import statistics
 import struct
-import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from benchmarks.timing import compare, timed
 from kvsp_quic import container as c
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.keys import BLOCK_LABEL, BlockKeyer
@@ -30,20 +29,6 @@ DESCRIPTOR_16MIB = CompatDescriptor(  # 32 layers x (K + V) of 16 tokens x 8 hea
     kv_heads=8, head_dim=128, kv_dtype="bf16", positional="rope", block_tokens=256)
 
 
-def timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def compare(subject: Callable[[], object], baseline: Callable[[], object], reps: int) -> tuple[float, float]:
-    """Median seconds of *subject* and *baseline*, run alternately after one warm-up each."""
-    subject(), baseline()
-    s, b = [], []
-    for _ in range(reps):
-        s.append(timed(subject))
-        b.append(timed(baseline))
-    return statistics.median(s), statistics.median(b)
 
 
 def bench_block_keys(reps: int) -> list[tuple[str, str, str, float]]:

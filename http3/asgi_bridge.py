@@ -22,7 +22,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from email.utils import formatdate
 from http import HTTPStatus
@@ -31,13 +31,10 @@ from urllib.parse import unquote
 
 from http3.tls import TransportSettings
 
+from .asgi_types import ASGIApp, Message, Scope
+
 log = logging.getLogger("http3.asgi")
 
-Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 Headers = list[tuple[bytes, bytes]]
 Buffer = bytes | bytearray | memoryview
 

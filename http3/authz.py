@@ -18,20 +18,16 @@ ASGI app may raise one; starlette apps render their own with :func:`http3.proble
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from http3.problem_response import send_problem
 from http3.tls import scope_identity
 from kvsp_quic.auth import Policy, Principal, Role, parse_roles, require_role
-from kvsp_quic.problems import Forbidden, Problem
+from kvsp_quic.problems import Forbidden, NoSuchResource, Problem
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+from .asgi_types import ASGIApp, Message, Receive, Scope, Send
 
 PRINCIPAL_KEY = "kvsp.principal"
 ANY_ROLE = "*"  # Rule roles: any principal of the policy
@@ -162,7 +158,7 @@ class Authorization:
                 if rule.allowed is not None:
                     require_role(principal, *rule.allowed)
                 return principal
-        raise Problem(f"no resource {'/' + path!r} for {method}", status=404)
+        raise NoSuchResource(f"no resource {'/' + path!r} for {method}")
 
 
 def route_path(scope: Mapping[str, Any]) -> str:

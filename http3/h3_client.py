@@ -126,13 +126,26 @@ class H3Response:
         self._conn.transmit_soon()
 
 
+class _ClientH3(H3Connection):
+    """aioquic's HTTP/3 connection, minus one check that is wrong for responses to HEAD (RFC 9110 9.3.2: they
+    carry the Content-Length the GET would have, and no content)."""
+
+    def __init__(self, quic: KvspQuicConnection) -> None:
+        super().__init__(quic)
+        self.head_streams: set[int] = set()
+
+    def _check_content_length(self, stream: Any) -> None:
+        if stream.stream_id not in self.head_streams:
+            super()._check_content_length(stream)
+
+
 class H3ClientConnection(QuicConnectionProtocol):
     """One HTTP/3 connection to an origin."""
 
     def __init__(self, quic: KvspQuicConnection, *, settings: TransportSettings, **kwargs: Any) -> None:
         super().__init__(quic, **kwargs)
         self.settings = settings
-        self.h3 = H3Connection(quic)
+        self.h3 = _ClientH3(quic)
         self.quic = quic
         self._responses: dict[int, H3Response] = {}
         self._writers: dict[int, asyncio.Future[None]] = {}
@@ -224,6 +237,7 @@ class H3ClientConnection(QuicConnectionProtocol):
             await waiter
 
     def stream_done(self, stream_id: int) -> None:
+        self.h3.head_streams.discard(stream_id)
         if self._responses.pop(stream_id, None) is not None:
             self.active -= 1
 
@@ -233,6 +247,8 @@ class H3ClientConnection(QuicConnectionProtocol):
         if self.closed:
             raise H3StreamError(f"connection closed ({self.close_reason})")
         stream_id = self.quic.get_next_available_stream_id()
+        if method == "HEAD":
+            self.h3.head_streams.add(stream_id)
         response = H3Response(self, stream_id)
         self._responses[stream_id] = response
         self.active += 1

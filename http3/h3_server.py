@@ -18,7 +18,8 @@ from aioquic.h3.events import DataReceived, HeadersReceived
 from aioquic.h3.exceptions import H3Error
 from aioquic.quic import events
 
-from .asgi_bridge import ASGIApp, AsgiContext, Buffer, ClientDisconnected, Exchange, Headers, RequestBody, http_scope
+from .asgi_bridge import AsgiContext, Buffer, ClientDisconnected, Exchange, Headers, RequestBody, http_scope
+from .asgi_types import ASGIApp
 from .h3_frames import send_data
 from .quic_server import HandlerFactory, QuicConnectionContext
 

@@ -11,9 +11,8 @@ Every problem response carries ``Content-Type: application/problem+json`` and ``
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Iterable
 from http import HTTPStatus
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -22,7 +21,8 @@ from starlette.responses import Response
 
 from kvsp_quic.problems import PROBLEM_MEDIA_TYPE, Problem, to_problem_json
 
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+from .asgi_types import Send
+
 HeaderItems = Iterable[tuple[str | bytes, str | bytes]]
 
 INTERNAL_ERROR_DETAIL = "the server failed to complete the request"

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import socket
 
-from .asgi_bridge import ASGIApp
+from .asgi_types import ASGIApp
 from .h3_server import h3_handler
 from .quic_server import HandlerFactory, QuicListener, bind_udp
 from .tcp_server import TcpServer

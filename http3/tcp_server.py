@@ -20,7 +20,8 @@ import logging
 import socket
 from typing import Any
 
-from http3.asgi_bridge import ASGIApp, AsgiContext, Lifespan, address, alt_svc_h3, tls_cipher_code
+from http3.asgi_bridge import AsgiContext, Lifespan, address, alt_svc_h3, tls_cipher_code
+from http3.asgi_types import ASGIApp
 from http3.tcp_h1 import H1Connection
 from http3.tcp_h2 import H2Connection
 from http3.tls import TLS_1_3, TlsFiles, TransportSettings, ssl_server_context, tls_extension

@@ -103,10 +103,16 @@ class Policy:
 
     principals: Mapping[str, Principal] = field(default_factory=lambda: MappingProxyType({}))
     source: str = "policy"  # where it came from, for messages
+    anyone: bool = False  # --dev only: every verified identity not listed gets every right (see dev_ca)
 
     def principal(self, identity: str | None) -> Principal | None:
         """The principal of *identity*, or None when the identity is absent or not in the policy."""
-        return None if identity is None else self.principals.get(identity)
+        if identity is None:
+            return None
+        found = self.principals.get(identity)
+        if found is None and self.anyone:
+            return Principal(identity, frozenset(Role), ALL, ALL)
+        return found
 
     def __len__(self) -> int:
         return len(self.principals)
@@ -135,6 +141,13 @@ class Policy:
     def from_dict(cls, obj: Mapping[str, Any], *, source: str = "policy") -> Policy:
         """A policy from the parsed TOML document (or an equivalent dict)."""
         return cls(MappingProxyType(_Parser(source).policy(obj)), source)
+
+    @classmethod
+    def dev_ca(cls) -> Policy:
+        """The policy of ``--dev`` servers: whoever holds a certificate of the dev CA -- the handshake has already
+        checked that -- gets every role, every scope and may publish for any holder. Roles started with the same
+        dev directory thus trust each other. Never use it outside a development setup."""
+        return cls(MappingProxyType({}), "dev policy (every certificate of the dev CA)", anyone=True)
 
     @classmethod
     def dev(cls, identities_with_full_rights: Iterable[str]) -> Policy:

@@ -154,6 +154,18 @@ class Forbidden(Problem):
     status = 403
 
 
+class NoSuchResource(Problem):
+    """No resource at this path (about:blank); an unknown block, lease or session is :class:`NotFound`."""
+
+    status = 404
+
+
+class NotAcceptable(Problem):
+    """``codec=n`` names a codec the replica is not stored in and the holder does not transcode."""
+
+    status = 406
+
+
 class PreconditionFailed(Problem):
     status = 412
 
@@ -166,6 +178,12 @@ class UnsupportedMediaType(Problem):
     status = 415
 
 
+class PreconditionRequired(Problem):
+    """A PUT of a block without ``If-None-Match: *`` (RFC 6585)."""
+
+    status = 428
+
+
 class TooManyRequests(Problem):
     status = 429
 
@@ -174,10 +192,16 @@ class Unavailable(Problem):
     status = 503
 
 
+class InsufficientStorage(Problem):
+    """No tier can take the block without evicting leased replicas, or the block is larger than every tier."""
+
+    status = 507
+
+
 _GENERIC_BY_STATUS: dict[int, type[Problem]] = {
     cls.status: cls
-    for cls in (BadRequest, Forbidden, PreconditionFailed, ContentTooLarge, UnsupportedMediaType,
-                TooManyRequests, Unavailable)
+    for cls in (BadRequest, Forbidden, NoSuchResource, NotAcceptable, PreconditionFailed, ContentTooLarge,
+                UnsupportedMediaType, PreconditionRequired, TooManyRequests, Unavailable, InsufficientStorage)
 }
 
 

@@ -268,6 +268,23 @@ class ReplicaRecord(Record):
         elif self.moqt_namespace is not None:
             raise RecordError("moqt_namespace: only allowed when the holder is a moqt URI")
 
+    def to_json(self) -> dict[str, Any]:
+        """Written out rather than generic: lookups serialize thousands of these (tests check they agree)."""
+        out: dict[str, Any] = {
+            "block_key": self.block_key.hex(), "compat_id": self.compat_id.hex(), "scope_id": self.scope_id.hex(),
+            "holder": self.holder, "codec": self.codec, "size": self.size,
+            "digest": f.DIGEST_PREFIX + self.digest.hex(),
+            "residency": [{"tier": e.tier, "layers": list(e.layers)} if e.read_mbit_per_s is None else
+                          {"tier": e.tier, "layers": list(e.layers), "read_mbit_per_s": e.read_mbit_per_s}
+                          for e in self.residency],
+            "ttl_ms": self.ttl_ms,
+        }
+        if self.layer_digests is not None:
+            out["layer_digests"] = [d.hex() for d in self.layer_digests]
+        if self.moqt_namespace is not None:
+            out["moqt_namespace"] = self.moqt_namespace
+        return out
+
     @property
     def layers(self) -> set[int]:
         """The layer numbers this replica holds, in any tier."""

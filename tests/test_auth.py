@@ -244,3 +244,14 @@ def test_the_readme_example_is_valid() -> None:
     holder = _get(policy, "https://127.0.0.1:8444/kvsp/")
     assert auth.may_publish_for(holder, "moqt://127.0.0.1:8444/")
     auth.require_scope(holder, bytes.fromhex("6d1c6481cd428737da312c089db3832a"))
+
+
+def test_dev_ca_policy_gives_every_verified_identity_every_right() -> None:
+    from kvsp_quic.auth import ALL, Policy, Role
+
+    policy = Policy.dev_ca()
+    who = policy.principal("https://127.0.0.1:4433/")
+    assert who is not None and who.roles == frozenset(Role) and who.scopes is ALL and who.publish_for is ALL
+    assert policy.principal(None) is None  # still nobody without a verified identity
+    assert not Policy.from_dict({"principal": [{"identity": "urn:kvsp:client:a", "roles": ["client"]}]}).principal(
+        "urn:kvsp:client:b")

@@ -250,3 +250,20 @@ def test_server_context_asks_for_client_certificates(certs: TestPki) -> None:
 
     config = quic_configuration(certs.files("server"), is_client=False, alpn=["h3"])
     assert config.verify_mode == ssl.CERT_REQUIRED and config.cadata == certs.ca.read_bytes()
+
+
+async def test_head_responses_keep_their_content_length(certs: TestPki) -> None:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"1234")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    listener = QuicListener(certs.files("server"), {"h3": h3_handler(app)}, settings=SMALL_WINDOWS)
+    await listener.start("127.0.0.1", 0)
+    try:
+        async with KvspClient(certs.files("alice"), settings=SMALL_WINDOWS) as client:
+            response = await client.request("HEAD", url(listener))
+            assert response.status == 200 and response.headers["content-length"] == "1234"
+            assert response.content == b""
+            assert (await client.request("HEAD", url(listener))).status == 200  # the connection survived
+    finally:
+        await listener.close()

@@ -305,3 +305,10 @@ def test_any_member_value_gives_a_record_or_a_record_error(cls, obj, data: st.Da
     except RecordError:
         return
     assert cls.from_json(parsed.to_json()) == parsed
+
+
+@settings(max_examples=30, deadline=None)
+@given(obj=replicas())
+def test_replica_fast_to_json_agrees_with_the_generic_writer(obj: dict[str, Any]) -> None:
+    record = r.ReplicaRecord.from_json(obj)
+    assert record.to_json() == r.Record.to_json(record)

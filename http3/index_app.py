@@ -1,0 +1,140 @@
+"""The Index Service's HTTP edge: a starlette app that translates requests to :class:`IndexService` calls.
+
+    service = IndexService(MemoryIndexStore(), clock=time.monotonic, config=IndexConfig(...))
+    app = index_app(service, policy, base_path="/kvsp/")
+    server = RoleServer(app, files); await server.start("0.0.0.0", 8443)
+
+Resources, relative to the base URI's path (docs/wire.md, "Index Service"), with the roles of :data:`INDEX_RULES`:
+
+* ``PUT replicas/{holder_id}/{block_key}`` (holder): 201 + the stored record when created, 200 + it when refreshed;
+* ``DELETE replicas/{holder_id}/{block_key}`` (holder): 204;
+* ``POST lookup`` (controller, instance, client, holder): 200 + the lookup response;
+* ``PUT instances/{instance_id}/status`` (instance): 200 + ``{"state": s}``.
+
+Request bodies must be ``application/kvsp+json`` (else 415) and at most ``max_body_bytes`` (else 413); they are
+parsed with the records' strict readers (400). Every response carries ``Cache-Control: no-store``; bodies are
+``application/kvsp+json``, errors ``application/problem+json`` (:mod:`http3.problem_response`). The app is
+wrapped in :class:`http3.authz.Authorization` with :data:`INDEX_RULES`; requests outside the base path get 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from kvsp_quic import fields as f
+from kvsp_quic.auth import Policy
+from kvsp_quic.problems import BadRequest
+from kvsp_quic.records import InstanceStatusRecord, LookupRequest, LookupResponse, ReplicaRecord
+from kvsp_quic.roles.index import IndexService
+
+from .app_kit import NO_STORE, kvsp_json, read_json_body, role_app
+from .asgi_types import ASGIApp
+from .authz import Rule, principal_of
+from .problem_response import install
+
+log = logging.getLogger("kvsp.index")
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # a lookup of 8192 keys is ~560 KB; a 32-layer Replica Record ~3 KB
+
+INDEX_RULES: tuple[Rule, ...] = (
+    Rule("PUT", "replicas/{holder_id}/{block_key}", ["holder"]),
+    Rule("DELETE", "replicas/{holder_id}/{block_key}", ["holder"]),
+    Rule("POST", "lookup", ["controller", "instance", "client", "holder"]),
+    Rule("PUT", "instances/{instance_id}/status", ["instance"]),
+)
+
+
+
+def lookup_json(response: LookupResponse) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "matched": response.matched,
+        "blocks": [{"block_key": m.block_key.hex(), "replicas": [r.to_json() for r in m.replicas]}
+                   for m in response.blocks],
+    }
+    if response.targets is not None:
+        out["targets"] = [t.to_json() for t in response.targets]
+    return out
+
+
+def _block_key(request: Request) -> bytes:
+    return f.block_key(request.path_params["block_key"], "block_key (path)")
+
+
+def _uri_id(request: Request, name: str) -> str:
+    value = str(request.path_params[name])
+    if len(value) != 43 or not all(c.isascii() and (c.isalnum() or c in "-_") for c in value):
+        raise BadRequest(f"{name} (path): must be 43 base64url characters (SHA-256 of a base URI)")
+    return value
+
+
+def index_app(service: IndexService, policy: Policy, *, base_path: str = "/",
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, rules: Sequence[Rule] = INDEX_RULES,
+              sweep_interval: float | None = 1.0, sweep_limit: int = 65536) -> ASGIApp:
+    """The Index Service as an ASGI app (see the module docstring). *sweep_interval* seconds between removals
+    of expired entries while the app's lifespan runs (None: never; lookups skip expired entries anyway)."""
+
+    async def put_replica(request: Request) -> Response:
+        principal = principal_of(request)
+        block_key = _block_key(request)
+        holder_id = _uri_id(request, "holder_id")
+        record = ReplicaRecord.loads(await read_json_body(request, max_body_bytes))
+        result = await service.publish(principal, holder_id, block_key, record)
+        return kvsp_json(result.record.to_json(), 201 if result.created else 200)
+
+    async def delete_replica(request: Request) -> Response:
+        principal = principal_of(request)
+        block_key = _block_key(request)
+        await service.withdraw(principal, _uri_id(request, "holder_id"), block_key)
+        return Response(status_code=204, headers=NO_STORE)
+
+    async def lookup(request: Request) -> Response:
+        principal = principal_of(request)
+        body = LookupRequest.loads(await read_json_body(request, max_body_bytes))
+        return kvsp_json(lookup_json(await service.lookup(principal, body)))
+
+    async def put_status(request: Request) -> Response:
+        principal = principal_of(request)
+        instance_id = _uri_id(request, "instance_id")
+        record = InstanceStatusRecord.loads(await read_json_body(request, max_body_bytes))
+        return kvsp_json(service.report_status(principal, instance_id, record).to_json())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        task = asyncio.create_task(_sweeper(service, sweep_interval, sweep_limit)) if sweep_interval else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    app = Starlette(routes=[
+        Route("/replicas/{holder_id}/{block_key}", put_replica, methods=["PUT"]),
+        Route("/replicas/{holder_id}/{block_key}", delete_replica, methods=["DELETE"]),
+        Route("/lookup", lookup, methods=["POST"]),
+        Route("/instances/{instance_id}/status", put_status, methods=["PUT"]),
+    ], lifespan=lifespan)
+    install(app)
+    return role_app(app, policy, rules, base_path)
+
+
+async def _sweeper(service: IndexService, interval: float, limit: int) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await service.sweep(limit)
+        except Exception:  # a store outage must not end the sweeper
+            log.exception("sweeping expired index entries failed")
+
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "INDEX_RULES", "index_app", "lookup_json"]

@@ -1,0 +1,135 @@
+"""The asyncio adapter that keeps a holder's replicas published at the Index Service.
+
+:class:`ReplicaPublisher` drains the holder's sans-I/O outbox (:meth:`Holder.take_intents`) with
+:class:`http3.client.KvspClient` (spec: "Publishing and Withdrawing Replicas"):
+
+    PUT    {index-base}replicas/{holder-id}/{block_key}   body: the Replica Record (application/kvsp+json)
+    DELETE {index-base}replicas/{holder-id}/{block_key}
+
+A 2xx answers a publish; a 2xx or 404 answers a withdraw (the record is gone either way). Anything else, and
+every transport failure, is reported as failed and the holder retries it with backoff. Requests run in their
+own tasks, at most *concurrency* at a time, so request handling never waits for the Index Service. The loop
+also drives the holder's timers (:meth:`Holder.tick`).
+
+    publisher = ReplicaPublisher(holder, client, "https://is.example/kvsp/")
+    publisher.start()
+    ...
+    await publisher.stop()                 # or stop(withdraw=True) when the holder leaves for good
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+
+from kvsp_quic import fields as f
+from kvsp_quic.keys import uri_id
+from kvsp_quic.roles.holder import Holder, Intent, IntentKind
+
+from .client import KvspClient
+
+log = logging.getLogger("kvsp.publisher")
+
+JSON_MEDIA_TYPE = "application/kvsp+json"
+
+
+class ReplicaPublisher:
+    def __init__(self, holder: Holder, client: KvspClient, index_base: str, *, concurrency: int = 8,
+                 max_sleep: float = 1.0, timeout: float = 10.0) -> None:
+        self.holder = holder
+        self.client = client
+        self.index_base = f.base_uri(index_base, "index base URI")
+        self.holder_id = uri_id(holder.base_uri)
+        self.concurrency = concurrency
+        self.max_sleep = max_sleep
+        self.timeout = timeout
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._stopping = False
+
+    def url(self, block_key_hex: str) -> str:
+        return f"{self.index_base}replicas/{self.holder_id}/{block_key_hex}"
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def start(self) -> None:
+        if self._task is not None:
+            raise RuntimeError("the publisher is already started")
+        self._stopping = False
+        self.holder.outbox.wakeup = self._wake.set
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="kvsp-replica-publisher")
+
+    async def stop(self, *, withdraw: bool = False, timeout: float = 5.0) -> None:
+        """Stop the loop and cancel what is in flight. With *withdraw*, first withdraw every replica (waiting
+        up to *timeout* seconds for the Index Service)."""
+        if self._task is None:
+            return
+        if withdraw and self.running:
+            self.holder.withdraw_all()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    while len(self.holder.outbox):
+                        await asyncio.sleep(0.01)
+        self._stopping = True
+        self._wake.set()
+        task, self._task = self._task, None
+        await task
+        pending = list(self._inflight)
+        for request in pending:
+            request.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        if self.holder.outbox.wakeup == self._wake.set:
+            self.holder.outbox.wakeup = None
+
+    async def _run(self) -> None:
+        clock = self.holder.clock
+        while not self._stopping:
+            self._wake.clear()
+            try:
+                self.holder.tick()
+                free = self.concurrency - len(self._inflight)
+                if free > 0:
+                    for intent in self.holder.take_intents(free):
+                        task = asyncio.get_running_loop().create_task(self._send(intent))
+                        self._inflight.add(task)
+                        task.add_done_callback(self._inflight.discard)
+                due = self.holder.next_due()
+            except Exception:  # a bug must not end publishing for good
+                log.exception("replica publisher iteration failed")
+                due = None
+            sleep = self.max_sleep
+            if due is not None and len(self._inflight) < self.concurrency:
+                sleep = min(max(due - clock(), 0.001), self.max_sleep)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(sleep):
+                    await self._wake.wait()
+
+    async def _send(self, intent: Intent) -> None:
+        url = self.url(intent.block_key)
+        ok = False
+        try:
+            if intent.kind is IntentKind.PUBLISH:
+                assert intent.record is not None
+                body = json.dumps(intent.record.to_json(), separators=(",", ":")).encode()
+                response = await self.client.request("PUT", url, headers={"content-type": JSON_MEDIA_TYPE},
+                                                     content=body, timeout=self.timeout)
+                ok = 200 <= response.status < 300
+            else:
+                response = await self.client.request("DELETE", url, timeout=self.timeout)
+                ok = 200 <= response.status < 300 or response.status == 404
+            if not ok:
+                log.warning("%s %s: %s", intent.kind.value, url, response.problem() or response.status)
+        except asyncio.CancelledError:
+            self.holder.intent_done(intent, False)
+            raise
+        except OSError as exc:  # http3.client.TransportError and friends
+            log.info("%s %s failed: %s", intent.kind.value, url, exc)
+        except Exception:
+            log.exception("%s %s failed", intent.kind.value, url)
+        self.holder.intent_done(intent, ok)
+        self._wake.set()

@@ -1,0 +1,674 @@
+"""The Holder role (spec: "Block Retrieval and Storage", "Leases", "Publishing and Withdrawing Replicas").
+
+Plain objects with an injected monotonic clock (seconds); no HTTP, no asyncio. ``http3/holder_app.py`` translates
+requests into calls on :class:`Holder`; ``http3/publisher.py`` drains the :class:`ReplicaOutbox` to the Index
+Service and drives the holder's timers (:meth:`Holder.tick`). docs/wire.md ("Holder") records the decisions:
+
+* a holder stores **complete blocks** only (layers 0..layers-1 of the descriptor, ``block_tokens`` tokens), so
+  every replica has all its layer digests and a replica digest; any inclusive layer range of it can be served;
+* ``PUT`` requires ``If-None-Match: *`` (else 428); an existing replica gives 412 and is kept;
+* ``GET`` with ``codec=n`` other than the stored codec gives 406: this holder does not transcode;
+* every stored block is a replica, published when stored (and when it moves between tiers, since its residency
+  changes), refreshed every third of its TTL, withdrawn right after eviction;
+* eviction never touches a leased replica; a store that cannot make room otherwise fails with 507;
+* a replica that fails verification on read (a fault) stops being served at once, its leases are marked
+  broken, its record is withdrawn, and only then -- or once its advertised record has expired anyway -- are
+  its octets dropped.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import enum
+import heapq
+import itertools
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..auth import Principal, require_scope
+from ..compat import CompatDescriptor
+from ..container import (
+    ENTRY,
+    FIXED_HEADER,
+    ContainerDecoder,
+    ContainerHeader,
+    EncodedContainer,
+    GeometryMismatch,
+    cut,
+)
+from ..fields import BlockKey, CompatId, ScopeId, base_uri
+from ..problems import (
+    BadRequest,
+    Incompatible,
+    InsufficientStorage,
+    LayersUnavailable,
+    LeaseQuota,
+    NotAcceptable,
+    NotFound,
+    PreconditionFailed,
+    PreconditionRequired,
+)
+from ..records import LeaseRenewal, LeaseRequest, LeaseResponse, ReplicaRecord, ResidencyEntry
+from ..storage.tiers import (
+    HOST,
+    LOCAL_STORAGE,
+    BlockId,
+    BlockMeta,
+    HostTier,
+    LocalStorageConfig,
+    LocalStorageTier,
+    NoRoom,
+    PutOutcome,
+    TieredStore,
+    TierFault,
+    eviction_policy,
+)
+from .leases import LeaseLimits, LeaseTable
+
+
+@dataclass(frozen=True)
+class HolderSettings:
+    base_uri: str  # the holder's base URI: the "holder" of its Replica Records and its identity
+    descriptors: tuple[CompatDescriptor, ...]  # the caches it serves
+    host_capacity: int = 1 << 30  # octets of containers kept in memory
+    host_read_mbit_per_s: int | None = None  # advertised for the host tier, when set
+    local_storage: LocalStorageConfig | None = None
+    eviction: str = "lru"  # a name in kvsp_quic.storage.tiers.EVICTION_POLICIES, for every tier
+    replica_ttl_ms: int = 300_000  # ttl_ms of published records; refreshed every third of it
+    retention_ms: int | None = None  # drop replicas this long after they were stored (None: no limit)
+    max_block_bytes: int = 1 << 30  # the largest container accepted by PUT
+    leases: LeaseLimits = field(default_factory=LeaseLimits)
+    publish_backoff_s: tuple[float, float] = (0.5, 30.0)  # first and longest retry delay of a failed publish
+
+    def __post_init__(self) -> None:
+        base_uri(self.base_uri, "holder base_uri", schemes=("https",))
+        if not self.descriptors:
+            raise ValueError("a holder serves at least one Compatibility Descriptor")
+        ids = [d.compat_id for d in self.descriptors]
+        if len(set(ids)) != len(ids):
+            raise ValueError("the holder's descriptors repeat a Compatibility ID")
+        if self.replica_ttl_ms <= 0 or (self.retention_ms is not None and self.retention_ms <= 0):
+            raise ValueError("replica_ttl_ms and retention_ms must be positive")
+        eviction_policy(self.eviction)  # raises ValueError for an unknown name
+
+
+# -- The outbox of publish / withdraw intents ------------------------------------------------------------------------
+
+
+class IntentKind(enum.Enum):
+    PUBLISH = "publish"  # PUT {index}replicas/{holder-id}/{block_key} with the record
+    WITHDRAW = "withdraw"  # DELETE {index}replicas/{holder-id}/{block_key}
+
+
+@dataclass(frozen=True)
+class Intent:
+    """One request the publisher should send to the Index Service, then report with :meth:`Holder.intent_done`."""
+
+    kind: IntentKind
+    block: BlockId
+    version: int
+    taken_at: float
+    record: ReplicaRecord | None = None  # for PUBLISH
+
+    @property
+    def block_key(self) -> str:
+        return self.block.block_key.hex()
+
+
+@dataclass
+class _Entry:
+    desired: IntentKind
+    due: float
+    version: int = 0
+    in_flight: bool = False
+    sent: bool = False  # something went out: the Index Service may hold a record
+    attempts: int = 0
+
+
+class ReplicaOutbox:
+    """The latest wanted state (published / withdrawn) per replica, with due times; newer intents supersede.
+
+    A withdraw of a replica that was never sent is dropped (there is nothing to withdraw). A publish that
+    succeeds is due again a third of its TTL after it was taken (refresh); failures are retried with
+    exponential backoff; a change while a request is in flight is sent as soon as that request completes.
+    """
+
+    def __init__(self, backoff: tuple[float, float] = (0.5, 30.0)) -> None:
+        self._entries: dict[BlockId, _Entry] = {}
+        self._heap: list[tuple[float, int, BlockId]] = []
+        self._seq = itertools.count()
+        self._backoff = backoff
+        self.wakeup: Callable[[], None] | None = None  # called when something becomes due now
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def state(self, block: BlockId) -> tuple[IntentKind, float, bool] | None:
+        """(wanted state, due time, in flight) of *block*, for tests and diagnostics."""
+        e = self._entries.get(block)
+        return (e.desired, e.due, e.in_flight) if e is not None else None
+
+    def _schedule(self, block: BlockId, entry: _Entry, due: float) -> None:
+        entry.due = due
+        heapq.heappush(self._heap, (due, next(self._seq), block))
+
+    def _wake(self) -> None:
+        if self.wakeup is not None:
+            self.wakeup()
+
+    def _want(self, block: BlockId, kind: IntentKind, now: float) -> None:
+        entry = self._entries.get(block)
+        if entry is None:
+            entry = self._entries[block] = _Entry(kind, now)
+        entry.desired = kind
+        entry.version += 1
+        entry.attempts = 0
+        if not entry.in_flight:
+            self._schedule(block, entry, now)
+        self._wake()
+
+    def publish(self, block: BlockId, now: float) -> None:
+        self._want(block, IntentKind.PUBLISH, now)
+
+    def withdraw(self, block: BlockId, now: float) -> bool:
+        """Want *block* withdrawn; False when nothing was ever sent for it (nothing to withdraw, entry gone)."""
+        entry = self._entries.get(block)
+        if entry is None or (not entry.sent and not entry.in_flight):
+            self._entries.pop(block, None)
+            return False
+        self._want(block, IntentKind.WITHDRAW, now)
+        return True
+
+    def take_due(self, now: float, limit: int) -> list[tuple[IntentKind, BlockId, int]]:
+        out: list[tuple[IntentKind, BlockId, int]] = []
+        while self._heap and self._heap[0][0] <= now and len(out) < limit:
+            due, _seq, block = heapq.heappop(self._heap)
+            entry = self._entries.get(block)
+            if entry is None or entry.in_flight or entry.due != due:
+                continue  # superseded
+            entry.in_flight = True
+            entry.sent = True
+            out.append((entry.desired, block, entry.version))
+        return out
+
+    def next_due(self) -> float | None:
+        while self._heap:
+            due, _seq, block = self._heap[0]
+            entry = self._entries.get(block)
+            if entry is not None and not entry.in_flight and entry.due == due:
+                return due
+            heapq.heappop(self._heap)
+        return None
+
+    def complete(self, block: BlockId, kind: IntentKind, version: int, ok: bool, now: float,
+                 refresh_at: float | None = None) -> bool:
+        """Report a taken intent; True when *block* is now withdrawn (its entry is gone)."""
+        entry = self._entries.get(block)
+        if entry is None or not entry.in_flight:
+            return False
+        entry.in_flight = False
+        if not ok:
+            entry.attempts += 1
+            delay = min(self._backoff[0] * 2 ** (entry.attempts - 1), self._backoff[1])
+            self._schedule(block, entry, now + delay)
+            return False
+        if entry.version != version:  # changed while in flight: send the new state now
+            self._schedule(block, entry, now)
+            self._wake()
+            return False
+        entry.attempts = 0
+        if kind is IntentKind.WITHDRAW:
+            del self._entries[block]
+            return True
+        self._schedule(block, entry, refresh_at if refresh_at is not None else now)
+        return False
+
+
+# -- Replicas --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Replica:
+    meta: BlockMeta
+    digest: bytes  # replica digest
+    stored_at: float
+    advertised_until: float  # when the last record sent to the Index Service expires there
+    expires_at: float | None  # retention limit
+    faulted: str | None = None  # why it is no longer served (awaiting withdrawal before its octets go)
+    repr_digest: bytes | None = None  # SHA-256 of the whole container, computed on first need
+
+    @property
+    def codec(self) -> int:
+        return self.meta.header.codec
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A block (or layer range) to send: views of the stored container, nothing copied."""
+
+    container: EncodedContainer
+    repr_digest: bytes
+    max_age_s: int  # the remaining TTL of the replica, for Cache-Control max-age
+    tier: str
+
+    @property
+    def size(self) -> int:
+        return len(self.container)
+
+    @property
+    def repr_digest_field(self) -> str:
+        """The value of the Repr-Digest field (RFC 9530)."""
+        return f"sha-256=:{base64.b64encode(self.repr_digest).decode('ascii')}:"
+
+
+class BlockUpload:
+    """One PUT body on its way in: fed chunk by chunk into the incremental decoder, which copies each octet
+    once, into the buffer the replica will be served from (the container header is written in front of it)."""
+
+    def __init__(self, holder: Holder, block: BlockId, descriptor: CompatDescriptor) -> None:
+        self._holder = holder
+        self.block = block
+        self._descriptor = descriptor
+        self._head_size = FIXED_HEADER.size + ENTRY.size * descriptor.layers  # a complete block's header
+        self._buffer: bytearray | None = None
+        self._decoder = ContainerDecoder(descriptor, allocate=self._allocate,
+                                         max_data=holder.settings.max_block_bytes - self._head_size)
+        self._checked = False
+        self.received = 0
+
+    def _allocate(self, size: int) -> memoryview:
+        self._buffer = bytearray(self._head_size + size)
+        return memoryview(self._buffer)[self._head_size:]
+
+    def _check_complete(self, header: ContainerHeader) -> None:
+        if header.first_layer != 0 or header.layer_count != self._descriptor.layers:
+            raise GeometryMismatch(f"the container holds layers {header.first_layer}-{header.last_layer}; this "
+                                   f"holder stores complete blocks (layers 0-{self._descriptor.layers - 1})")
+        self._checked = True
+
+    def feed(self, data: Any) -> None:
+        """More body octets; raises ContainerError (400) as soon as they cannot be a valid block."""
+        self.received += len(data)
+        self._decoder.feed(data)
+        if not self._checked and self._decoder.header is not None:
+            self._check_complete(self._decoder.header)
+
+    def finish(self) -> ReplicaRecord:
+        """The body is complete: store the block and return its Replica Record (as published)."""
+        header = self._decoder.finish()
+        if not self._checked:
+            self._check_complete(header)
+        assert self._buffer is not None and header.size == self._head_size
+        self._buffer[:self._head_size] = header.pack()
+        return self._holder._commit(self.block, header, tuple(self._decoder.layer_digests),
+                                    memoryview(self._buffer))
+
+
+# -- The role --------------------------------------------------------------------------------------------------------
+
+
+class Holder:
+    def __init__(self, settings: HolderSettings, *, clock: Callable[[], float] = time.monotonic,
+                 random: Callable[[int], bytes] = os.urandom, new_id: Callable[[], uuid.UUID] = uuid.uuid4,
+                 store: TieredStore | None = None) -> None:
+        self.settings = settings
+        self._clock = clock
+        self._descriptors: dict[bytes, CompatDescriptor] = {bytes(d.compat_id): d for d in settings.descriptors}
+        if store is None:
+            tiers: list[HostTier | LocalStorageTier] = [HostTier(settings.host_capacity,
+                                                                 eviction_policy(settings.eviction))]
+            if settings.local_storage is not None:
+                tiers.append(LocalStorageTier(settings.local_storage, eviction_policy(settings.eviction),
+                                              random=random))
+            store = TieredStore(tiers)
+        self.storage = store
+        self._rates: dict[str, int | None] = {
+            HOST: settings.host_read_mbit_per_s,
+            LOCAL_STORAGE: settings.local_storage.read_mbit_per_s if settings.local_storage else None,
+        }
+        self.leases = LeaseTable(settings.leases, clock=clock, new_id=new_id)
+        self.outbox = ReplicaOutbox(settings.publish_backoff_s)
+        self._replicas: dict[BlockId, Replica] = {}
+        self._faulted: set[BlockId] = set()
+        self._expiries: list[tuple[float, BlockId]] = []  # retention limits (heap; stale entries skipped)
+        self.metrics: collections.Counter[str] = collections.Counter()
+
+    # -- lookups ------------------------------------------------------------------------------------------------
+
+    @property
+    def base_uri(self) -> str:
+        return self.settings.base_uri
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The monotonic clock (seconds) the holder runs on; its adapters schedule with it too."""
+        return self._clock
+
+    def descriptor(self, compat_id: bytes) -> CompatDescriptor:
+        d = self._descriptors.get(bytes(compat_id))
+        if d is None:
+            raise Incompatible(f"this holder serves no cache with Compatibility ID {bytes(compat_id).hex()}")
+        return d
+
+    def replica(self, block: BlockId) -> Replica | None:
+        rep = self._replicas.get(block)
+        return rep if rep is not None and rep.faulted is None else None
+
+    def blocks(self) -> list[BlockId]:
+        return [b for b, r in self._replicas.items() if r.faulted is None]
+
+    def record(self, block: BlockId) -> ReplicaRecord:
+        rep = self.replica(block)
+        if rep is None:
+            raise NotFound(f"no replica of {block.block_key.hex()}")
+        return self._record(block, rep, self._clock())
+
+    def _record(self, block: BlockId, rep: Replica, now: float) -> ReplicaRecord:
+        tier = self.storage.tier_of(block)
+        assert tier is not None
+        layers = len(rep.meta.layer_digests)
+        residency = (ResidencyEntry(tier=tier.name, layers=(0, layers - 1),
+                                    read_mbit_per_s=self._rates.get(tier.name)),)
+        return ReplicaRecord(
+            block_key=BlockKey(block.block_key), compat_id=CompatId(block.compat_id),
+            scope_id=ScopeId(block.scope_id), holder=self.base_uri, codec=rep.codec, size=rep.meta.size,
+            digest=rep.digest, residency=residency, ttl_ms=self._record_ttl_ms(rep, now),
+            layer_digests=rep.meta.layer_digests)
+
+    def _record_ttl_ms(self, rep: Replica, now: float) -> int:
+        ttl = self.settings.replica_ttl_ms
+        if rep.expires_at is not None:
+            ttl = min(ttl, int((rep.expires_at - now) * 1000))
+        return max(ttl, 1)
+
+    # -- store ------------------------------------------------------------------------------------------------
+
+    def begin_store(self, principal: Principal, compat_id: bytes, scope_id: bytes, block_key: bytes,
+                    if_none_match: str | None) -> BlockUpload:
+        """Check a PUT before its body is read: the precondition (428), the scope (403), the Compatibility ID
+        (409) and that no replica exists (412)."""
+        if if_none_match is None or if_none_match.strip() != "*":
+            raise PreconditionRequired("storing a block requires If-None-Match: * (blocks are never replaced)")
+        require_scope(principal, scope_id)
+        descriptor = self.descriptor(compat_id)
+        block = BlockId(bytes(compat_id), bytes(scope_id), bytes(block_key))
+        self._check_absent(block)
+        return BlockUpload(self, block, descriptor)
+
+    def store(self, principal: Principal, compat_id: bytes, scope_id: bytes, block_key: bytes, body: Any,
+              if_none_match: str | None) -> ReplicaRecord:
+        """PUT blocks/{compat}/{scope}/{block_key} with a body held in memory (one copy, into the replica)."""
+        upload = self.begin_store(principal, compat_id, scope_id, block_key, if_none_match)
+        upload.feed(body)
+        return upload.finish()
+
+    def _check_absent(self, block: BlockId) -> None:
+        if self.replica(block) is not None:
+            raise PreconditionFailed(f"a replica of {block.block_key.hex()} exists; it is kept")
+
+    def _commit(self, block: BlockId, header: ContainerHeader, layer_digests: tuple[bytes, ...],
+                data: memoryview) -> ReplicaRecord:
+        self._check_absent(block)  # again: another PUT of the same key may have finished meanwhile
+        now = self._clock()
+        if block in self._replicas:  # a faulted copy awaiting withdrawal: the new replica replaces it
+            self._drop(block)
+        meta = BlockMeta(block, header, layer_digests, len(data))
+        try:
+            outcome = self.storage.put(meta, data, self.leases.protects)
+        except NoRoom as exc:
+            if exc.outcome is not None:
+                self._apply(exc.outcome, now)
+            raise InsufficientStorage(str(exc)) from None
+        self._apply(outcome, now)
+        retention = self.settings.retention_ms
+        rep = Replica(meta, meta.digest, now, now + self.settings.replica_ttl_ms / 1000,
+                      now + retention / 1000 if retention is not None else None)
+        self._replicas[block] = rep
+        if rep.expires_at is not None:
+            heapq.heappush(self._expiries, (rep.expires_at, block))
+        self.metrics["stored"] += 1
+        self.outbox.publish(block, now)
+        return self._record(block, rep, now)
+
+    def _apply(self, outcome: PutOutcome, now: float) -> None:
+        """Follow up on what a placement did to other replicas."""
+        for block, _tier in outcome.demoted:
+            self.metrics["demoted"] += 1
+            if block in self._replicas:
+                self.outbox.publish(block, now)  # its residency changed
+        for meta in outcome.evicted:
+            self.metrics["evicted"] += 1
+            self._replicas.pop(meta.id, None)
+            self._faulted.discard(meta.id)
+            self.outbox.withdraw(meta.id, now)  # right after the eviction
+        for fault in outcome.faulted:
+            self.metrics["faults"] += 1
+            self.leases.break_block(fault.block, fault.reason)
+            self._replicas.pop(fault.block, None)
+            self._faulted.discard(fault.block)
+            self.outbox.withdraw(fault.block, now)
+
+    # -- fetch ------------------------------------------------------------------------------------------------
+
+    def fetch(self, principal: Principal, compat_id: bytes, scope_id: bytes, block_key: bytes,
+              layers: tuple[int, int] | None = None, codec: int | None = None) -> Fetched:
+        """GET blocks/{compat}/{scope}/{block_key}[?layers=a-b][&codec=n]."""
+        require_scope(principal, scope_id)
+        self.descriptor(compat_id)
+        block = BlockId(bytes(compat_id), bytes(scope_id), bytes(block_key))
+        rep = self.replica(block)
+        if rep is None:
+            raise NotFound(f"no replica of {block.block_key.hex()}")
+        if codec is not None and codec != rep.codec:
+            raise NotAcceptable(f"the replica is stored with codec {rep.codec}; this holder does not transcode")
+        count = len(rep.meta.layer_digests)
+        first, last = layers if layers is not None else (0, count - 1)
+        if first > last:
+            raise BadRequest(f"layers {first}-{last}: the first layer is after the last")
+        if last >= count:
+            raise LayersUnavailable(f"layers {first}-{last} requested; the replica holds layers 0-{count - 1}")
+        try:
+            tier, data = self.storage.read(block)
+        except TierFault as fault:
+            self.fault(block, fault.reason)
+            raise NotFound(f"the replica of {block.block_key.hex()} failed verification and was dropped") from None
+        container = cut(data, first, last, layer_digests=rep.meta.layer_digests)
+        if first == 0 and last == count - 1:
+            if rep.repr_digest is None:
+                rep.repr_digest = container.repr_digest()
+            digest = rep.repr_digest
+        else:
+            digest = container.repr_digest()
+        self.metrics["fetched"] += 1
+        return Fetched(container, digest, self._max_age(rep, self._clock()), tier.name)
+
+    def _max_age(self, rep: Replica, now: float) -> int:
+        until = rep.advertised_until if rep.expires_at is None else min(rep.advertised_until, rep.expires_at)
+        return max(0, int(until - now))
+
+    # -- faults, eviction by time ---------------------------------------------------------------------------
+
+    def fault(self, block: BlockId, reason: str) -> None:
+        """*block*'s stored octets are bad: stop serving it, break its leases, withdraw it, then drop it."""
+        rep = self._replicas.get(block)
+        if rep is None or rep.faulted is not None:
+            return
+        rep.faulted = reason
+        self.metrics["faults"] += 1
+        self.leases.break_block(block, reason)
+        self._faulted.add(block)
+        if not self.outbox.withdraw(block, self._clock()):
+            self._drop(block)  # never published: nothing to withdraw first
+
+    def _drop(self, block: BlockId) -> None:
+        self._replicas.pop(block, None)
+        self._faulted.discard(block)
+        self.storage.remove(block)
+
+    def tick(self) -> None:
+        """Timers: forget expired leases, drop faulted replicas whose records expired at the Index Service
+        anyway, and evict replicas past their retention limit (unless leased; withdrawn right after)."""
+        now = self._clock()
+        self.leases.expire()
+        for block in list(self._faulted):
+            rep = self._replicas.get(block)
+            if rep is None or now >= rep.advertised_until:
+                self._drop(block)
+        deferred: list[tuple[float, BlockId]] = []
+        while self._expiries and self._expiries[0][0] <= now:
+            due, block = heapq.heappop(self._expiries)
+            rep = self._replicas.get(block)
+            if rep is None or rep.expires_at != due or rep.faulted is not None:
+                continue
+            if self.leases.protects(block):
+                deferred.append((now + 1.0, block))  # look again once the lease may have ended
+                continue
+            self.metrics["expired"] += 1
+            self._drop(block)
+            self.outbox.withdraw(block, now)
+        for due, block in deferred:
+            rep = self._replicas.get(block)
+            if rep is not None:
+                rep.expires_at = due
+                heapq.heappush(self._expiries, (due, block))
+
+    def next_due(self) -> float | None:
+        """The earliest time :meth:`take_intents` or :meth:`tick` has work (None: nothing scheduled)."""
+        times = [t for t in (self.outbox.next_due(), self._expiries[0][0] if self._expiries else None)
+                 if t is not None]
+        times += [self._replicas[b].advertised_until for b in self._faulted if b in self._replicas]
+        return min(times, default=None)
+
+    # -- the Index Service side --------------------------------------------------------------------------------
+
+    def take_intents(self, limit: int = 64) -> list[Intent]:
+        """Publish / withdraw requests due now, marked in flight; report each with :meth:`intent_done`."""
+        now = self._clock()
+        out: list[Intent] = []
+        for kind, block, version in self.outbox.take_due(now, limit):
+            if kind is IntentKind.PUBLISH:
+                rep = self.replica(block)
+                if rep is None:  # gone without a withdraw being wanted: nothing to publish
+                    self.outbox.complete(block, kind, version, True, now)
+                    continue
+                record = self._record(block, rep, now)
+                rep.advertised_until = max(rep.advertised_until, now + record.ttl_ms / 1000)
+                out.append(Intent(kind, block, version, now, record))
+            else:
+                out.append(Intent(kind, block, version, now))
+        return out
+
+    def intent_done(self, intent: Intent, ok: bool) -> None:
+        now = self._clock()
+        refresh_at = None
+        if intent.record is not None:
+            refresh_at = intent.taken_at + intent.record.ttl_ms / 3000
+        withdrawn = self.outbox.complete(intent.block, intent.kind, intent.version, ok, now, refresh_at)
+        if withdrawn and intent.block in self._faulted:
+            self._drop(intent.block)  # withdrawn first, now dropped
+        self.metrics["published" if intent.kind is IntentKind.PUBLISH else "withdrawn"] += ok
+
+    def withdraw_all(self) -> int:
+        """Want every replica withdrawn (a holder going away for good); returns how many need a request."""
+        now = self._clock()
+        return sum(self.outbox.withdraw(block, now) for block in list(self._replicas))
+
+    # -- restart --------------------------------------------------------------------------------------------------
+
+    def recover(self) -> int:
+        """Adopt the verified blocks found on local storage as replicas (to be published). Files of caches this
+        holder does not serve, or that another encryption key wrote, are left alone; corrupt ones are deleted."""
+        now = self._clock()
+        count = 0
+        for tier in self.storage.tiers:
+            if not isinstance(tier, LocalStorageTier):
+                continue
+            result = tier.scan(accept=self._acceptable)
+            for meta in result.recovered:
+                retention = self.settings.retention_ms
+                rep = Replica(meta, meta.digest, now, now + self.settings.replica_ttl_ms / 1000,
+                              now + retention / 1000 if retention is not None else None)
+                self._replicas[meta.id] = rep
+                if rep.expires_at is not None:
+                    heapq.heappush(self._expiries, (rep.expires_at, meta.id))
+                self.outbox.publish(meta.id, now)
+                count += 1
+            self.metrics["faults"] += len(result.dropped)
+        self.metrics["recovered"] += count
+        return count
+
+    def _acceptable(self, meta: BlockMeta) -> str | None:
+        descriptor = self._descriptors.get(meta.id.compat_id)
+        if descriptor is None:
+            return "a Compatibility ID this holder does not serve"
+        try:
+            meta.header.validate(descriptor)
+        except GeometryMismatch as exc:
+            return f"does not match its descriptor: {exc.detail}"
+        if meta.header.first_layer != 0 or meta.header.layer_count != descriptor.layers:
+            return "not a complete block"
+        return None
+
+    # -- leases -------------------------------------------------------------------------------------------------
+
+    def create_lease(self, principal: Principal, request: LeaseRequest) -> LeaseResponse:
+        """POST leases: every key must name a replica held here (else 404, and no lease is created)."""
+        require_scope(principal, request.scope_id)
+        self.descriptor(request.compat_id)
+        keys = list(dict.fromkeys(request.block_keys))
+        blocks = [BlockId(bytes(request.compat_id), bytes(request.scope_id), bytes(k)) for k in keys]
+        missing = [b.block_key.hex() for b in blocks if self.replica(b) is None]
+        if missing:
+            more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+            raise NotFound(f"no replica of {', '.join(missing[:4])}{more}; no lease was created")
+        sizes = [self._replicas[b].meta.size for b in blocks]
+        try:
+            lease = self.leases.create(principal.identity, blocks, sizes, request.ttl_ms)
+        except LeaseQuota:
+            self.metrics["lease_rejections"] += 1
+            raise
+        return LeaseResponse(lease=lease.id, ttl_ms=lease.ttl_ms, block_keys=tuple(keys))
+
+    def renew_lease(self, principal: Principal, lease_id: uuid.UUID, renewal: LeaseRenewal) -> LeaseResponse:
+        try:
+            lease = self.leases.renew(principal.identity, lease_id, renewal.ttl_ms)
+        except LeaseQuota:
+            self.metrics["lease_rejections"] += 1
+            raise
+        return LeaseResponse(lease=lease.id, ttl_ms=lease.ttl_ms,
+                             block_keys=tuple(BlockKey(b.block_key) for b in lease.blocks))
+
+    def release_lease(self, principal: Principal, lease_id: uuid.UUID) -> None:
+        self.leases.release(principal.identity, lease_id)
+
+
+def parse_layers(text: str) -> tuple[int, int]:
+    """The ``layers=a-b`` query parameter: decimal integers without signs or leading zeros, a <= b."""
+    first, sep, last = text.partition("-")
+    if not sep or not _is_decimal(first) or not _is_decimal(last):
+        raise BadRequest(f"layers={text!r}: expected a-b, two decimal layer numbers")
+    a, b = int(first), int(last)
+    if a > b:
+        raise BadRequest(f"layers={text}: the first layer is after the last")
+    return a, b
+
+
+def parse_codec(text: str) -> int:
+    if not _is_decimal(text) or int(text) > 0xFFFF or int(text) == 0:
+        raise BadRequest(f"codec={text!r}: expected a codec number 1-65535")
+    return int(text)
+
+
+def _is_decimal(text: str) -> bool:
+    return text.isascii() and text.isdigit() and (text == "0" or not text.startswith("0")) and len(text) <= 10
+
+
+__all__ = [
+    "BlockUpload", "Fetched", "Holder", "HolderSettings", "Intent", "IntentKind", "Replica", "ReplicaOutbox",
+    "parse_codec", "parse_layers",
+]

@@ -1,0 +1,202 @@
+"""The Index Service role (spec: "Publishing and Withdrawing Replicas", "Lookup", "Placement Inputs").
+
+Protocol rules only: no HTTP, no storage engine. :class:`IndexService` takes an
+:class:`~kvsp_quic.storage.index_store.IndexStore`, a :class:`~kvsp_quic.roles.status.StatusTable` (the
+Index Service and the Placement Controller run as one process, so the instance statuses that lookups with
+``targets`` need are reported here) and an injected monotonic clock in seconds. Every method takes the
+authenticated :class:`~kvsp_quic.auth.Principal` and raises :class:`~kvsp_quic.problems.Problem` subclasses.
+
+Decisions (docs/wire.md, "Index Service"):
+
+* publish: the path must name the record (``holder_id == holder-id(record.holder)``, ``block_key ==
+  record.block_key``), else 400; then the principal must be that holder or publish for it (403), and be
+  authorized for the record's scope (403 ``kvsp-scope-denied``). ``ttl_ms`` is capped at ``max_ttl_ms``; the
+  stored and returned record carries the capped TTL. A PUT of an unexpired replica refreshes it.
+* withdraw: the principal must be the holder or publish for it, decided from the path's holder-id before the
+  store is read (403); an unknown or expired replica is 404 ``kvsp-not-found``; the stored record's scope must
+  be one of the principal's (403 ``kvsp-scope-denied``).
+* lookup: more than ``max_lookup_keys`` keys (or ``max_lookup_targets`` targets) is 413; the scope is checked
+  before anything is read; replicas are returned with their **remaining** TTL.
+* estimates: for each target with an unexpired status that states ``prefill_tokens_per_s``, when the
+  compat_id's geometry (``block_tokens``, and ``layers`` if known) is configured; other targets are left out of
+  ``targets`` (which is then present, possibly empty).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from .. import cost
+from .. import keys as k
+from ..auth import ALL, Principal, Role, require_publish_for, require_role, require_scope
+from ..compat import CompatDescriptor, InstanceState
+from ..problems import BadRequest, ContentTooLarge, Forbidden, NotFound
+from ..records import (
+    InstanceStatusRecord,
+    LookupMatch,
+    LookupRequest,
+    LookupResponse,
+    ReplicaRecord,
+    StateMessage,
+    TargetEstimate,
+)
+from ..storage.index_store import IndexStore, with_ttl
+from .status import StatusTable
+
+Clock = Callable[[], float]
+
+DEFAULT_MAX_TTL_MS = 600_000  # the spec's example TTL: ten minutes
+DEFAULT_MAX_LOOKUP_KEYS = 8192  # 8192 blocks of 16 tokens: a 131072-token prompt
+DEFAULT_MAX_LOOKUP_TARGETS = 256
+DEFAULT_MAX_STATUS_TTL_MS = 60_000
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the Index Service must know of a Compatibility Descriptor to estimate: the block size in tokens and,
+    optionally, the number of layers (else taken from the replicas)."""
+
+    block_tokens: int
+    layers: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_tokens < 1 or (self.layers is not None and self.layers < 1):
+            raise ValueError("block_tokens and layers must be positive")
+
+    @classmethod
+    def of(cls, descriptor: CompatDescriptor) -> Geometry:
+        return cls(descriptor.block_tokens, descriptor.layers)
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    max_ttl_ms: int = DEFAULT_MAX_TTL_MS
+    max_lookup_keys: int = DEFAULT_MAX_LOOKUP_KEYS
+    max_lookup_targets: int = DEFAULT_MAX_LOOKUP_TARGETS
+    max_status_ttl_ms: int = DEFAULT_MAX_STATUS_TTL_MS
+    geometry: Mapping[bytes, Geometry] = field(default_factory=lambda: MappingProxyType({}))  # by compat_id
+
+    def __post_init__(self) -> None:
+        for name in ("max_ttl_ms", "max_lookup_keys", "max_lookup_targets", "max_status_ttl_ms"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive")
+
+    @classmethod
+    def with_descriptors(cls, descriptors: list[CompatDescriptor], **kwargs: int) -> IndexConfig:
+        geometry = {bytes(d.compat_id): Geometry.of(d) for d in descriptors}
+        return cls(geometry=MappingProxyType(geometry), **kwargs)
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    created: bool  # False: an unexpired replica was refreshed
+    record: ReplicaRecord  # as stored: ttl_ms is the granted (capped) TTL
+
+
+@functools.lru_cache(maxsize=65536)
+def _uri_id(uri: str) -> str:
+    return k.holder_id(uri)
+
+
+def may_publish_for_id(principal: Principal, holder_id: str) -> bool:
+    """Whether *principal* may publish for the holder whose holder-id is *holder_id* (the URI is not known)."""
+    if Role.HOLDER not in principal.roles:
+        return False
+    if principal.publish_for is ALL or _uri_id(principal.identity) == holder_id:
+        return True
+    return any(_uri_id(uri) == holder_id for uri in principal.publish_for)
+
+
+class IndexService:
+    def __init__(self, store: IndexStore, *, clock: Clock, config: IndexConfig | None = None,
+                 status: StatusTable | None = None) -> None:
+        self.store = store
+        self.clock = clock
+        self.config = config or IndexConfig()
+        self.status = status or StatusTable(clock, max_ttl_ms=self.config.max_status_ttl_ms)
+
+    # -- replicas -----------------------------------------------------------------------------------------------
+
+    async def publish(self, principal: Principal, holder_id: str, block_key: bytes,
+                      record: ReplicaRecord) -> PublishResult:
+        """PUT replicas/{holder-id}/{block_key}."""
+        if holder_id != _uri_id(record.holder):
+            raise BadRequest(f"the path's holder-id {holder_id!r} is not that of the record's holder "
+                             f"{record.holder!r}")
+        if bytes(block_key) != bytes(record.block_key):
+            raise BadRequest("the path's block_key differs from the record's block_key")
+        require_publish_for(principal, record.holder)
+        require_scope(principal, record.scope_id)
+        if record.ttl_ms > self.config.max_ttl_ms:
+            record = with_ttl(record, self.config.max_ttl_ms)
+        created = await self.store.put(record, self.clock())
+        return PublishResult(created, record)
+
+    async def withdraw(self, principal: Principal, holder_id: str, block_key: bytes) -> None:
+        """DELETE replicas/{holder-id}/{block_key}."""
+        if not may_publish_for_id(principal, holder_id):
+            if Role.HOLDER not in principal.roles:
+                raise Forbidden(f"identity {principal.identity!r} is not a holder and may not withdraw replicas")
+            raise Forbidden(f"identity {principal.identity!r} may not withdraw replicas of holder-id {holder_id!r}")
+        stored = await self.store.get(holder_id, block_key, self.clock())
+        if stored is None:
+            raise NotFound(f"no replica of holder-id {holder_id!r} for block {bytes(block_key).hex()}")
+        require_scope(principal, stored.scope_id)
+        await self.store.delete(holder_id, block_key)
+
+    # -- lookup -------------------------------------------------------------------------------------------------
+
+    async def lookup(self, principal: Principal, request: LookupRequest) -> LookupResponse:
+        """POST lookup."""
+        n, limit = len(request.block_keys), self.config.max_lookup_keys
+        if n > limit:
+            raise ContentTooLarge(f"a lookup carries at most {limit} block keys, got {n}")
+        targets = request.targets
+        if targets is not None and len(targets) > self.config.max_lookup_targets:
+            raise ContentTooLarge(f"a lookup names at most {self.config.max_lookup_targets} targets, "
+                                  f"got {len(targets)}")
+        require_scope(principal, request.scope_id)
+        found = await self.store.lookup(request.scope_id, request.compat_id, request.block_keys, self.clock())
+        blocks = tuple(LookupMatch(key, replicas) for key, replicas in zip(request.block_keys, found, strict=False))
+        estimates = None if targets is None else tuple(self.estimates(request.compat_id, targets, found))
+        return LookupResponse(len(blocks), blocks, estimates)
+
+    def estimates(self, compat_id: bytes, targets: tuple[str, ...],
+                  found: list[tuple[ReplicaRecord, ...]]) -> list[TargetEstimate]:
+        geometry = self.config.geometry.get(bytes(compat_id))
+        if geometry is None:
+            return []
+        out = []
+        for target in dict.fromkeys(targets):
+            entry = self.status.get(target)
+            if entry is None or entry.state is InstanceState.FAILED:
+                continue
+            est = cost.estimate(target, entry.record, found, geometry.block_tokens, geometry.layers)
+            if est is not None:
+                out.append(est)
+        return out
+
+    # -- instance status ----------------------------------------------------------------------------------------
+
+    def report_status(self, principal: Principal, instance_id: str, record: InstanceStatusRecord) -> StateMessage:
+        """PUT instances/{instance-id}/status: only the instance itself reports its status."""
+        require_role(principal, Role.INSTANCE)
+        if instance_id != _uri_id(principal.identity):
+            raise Forbidden(f"identity {principal.identity!r} may only report its own status")
+        if record.instance != principal.identity:
+            raise BadRequest(f"instance: {record.instance!r} is not the reporting instance "
+                             f"{principal.identity!r}")
+        return StateMessage(self.status.report(record).state)
+
+    # -- housekeeping -------------------------------------------------------------------------------------------
+
+    async def sweep(self, limit: int = 65536) -> int:
+        """Remove expired replicas (up to *limit* keys examined) and expired statuses; the replicas removed."""
+        self.status.expire()
+        return await self.store.expire(self.clock(), limit)
+
+
+__all__ = ["Geometry", "IndexConfig", "IndexService", "PublishResult", "may_publish_for_id"]

@@ -1,0 +1,183 @@
+"""Leases at a holder (spec: "Leases"): commitments not to evict replicas, with per-client quotas.
+
+Pure bookkeeping with an injected monotonic clock (seconds) and id source; the holder role
+(:mod:`kvsp_quic.roles.holder`) checks scopes and which replicas exist, and asks :meth:`LeaseTable.protects`
+before it evicts anything. docs/wire.md ("Holder") records the decisions:
+
+* the client is the authenticated identity; its quota counts the octets of the replicas named by each of its
+  unexpired leases (a replica leased twice counts twice) and the number of its leases;
+* a request whose ``ttl_ms`` exceeds the maximum, or that would take the client over a quota, is refused with
+  ``kvsp-lease-quota`` (429) -- nothing is clamped;
+* only the owner may renew or release a lease; anyone else gets 404 ``kvsp-not-found``, like an unknown or
+  expired lease, so lease ids reveal nothing to other clients;
+* a lease whose replica the holder had to drop after a fault is *broken*: it still protects its other
+  replicas until it expires, but cannot be renewed (404); releasing it works.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from ..problems import LeaseQuota, NotFound
+from ..storage.tiers import BlockId
+
+
+@dataclass(frozen=True)
+class LeaseLimits:
+    max_ttl_ms: int = 60_000  # the longest lease a client may ask for (and renew to)
+    max_octets_per_client: int = 16 << 30  # leased replica octets per client, over its unexpired leases
+    max_leases_per_client: int = 1024
+    max_keys_per_lease: int = 1024
+
+    def __post_init__(self) -> None:
+        if min(self.max_ttl_ms, self.max_octets_per_client, self.max_leases_per_client, self.max_keys_per_lease) <= 0:
+            raise ValueError("lease limits must be positive")
+
+
+@dataclass
+class Lease:
+    id: uuid.UUID
+    owner: str  # the authenticated identity that created it
+    blocks: tuple[BlockId, ...]
+    octets: int
+    ttl_ms: int  # as granted last (creation or renewal)
+    expires_at: float
+    broken: str | None = None  # why, once a replica it covers was dropped after a fault
+
+    def valid(self, now: float) -> bool:
+        return now < self.expires_at
+
+
+@dataclass
+class _Usage:
+    octets: int = 0
+    leases: set[uuid.UUID] = field(default_factory=set)
+
+
+class LeaseTable:
+    def __init__(self, limits: LeaseLimits = LeaseLimits(), *, clock: Callable[[], float] = time.monotonic,
+                 new_id: Callable[[], uuid.UUID] = uuid.uuid4) -> None:
+        self.limits = limits
+        self._clock = clock
+        self._new_id = new_id
+        self._leases: dict[uuid.UUID, Lease] = {}
+        self._by_block: dict[BlockId, set[uuid.UUID]] = {}
+        self._usage: dict[str, _Usage] = {}
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def get(self, lease_id: uuid.UUID) -> Lease | None:
+        lease = self._leases.get(lease_id)
+        return lease if lease is not None and lease.valid(self._clock()) else None
+
+    def usage(self, owner: str) -> tuple[int, int]:
+        """(leased octets, number of leases) of *owner*, over its unexpired leases."""
+        self.expire()
+        u = self._usage.get(owner)
+        return (u.octets, len(u.leases)) if u is not None else (0, 0)
+
+    def _check_ttl(self, ttl_ms: int) -> None:
+        if ttl_ms > self.limits.max_ttl_ms:
+            raise LeaseQuota(f"ttl_ms {ttl_ms} exceeds this holder's maximum lease TTL of {self.limits.max_ttl_ms} ms")
+
+    def create(self, owner: str, blocks: Sequence[BlockId], sizes: Sequence[int], ttl_ms: int) -> Lease:
+        """A new lease of *blocks* (whose replicas have *sizes* octets) for *ttl_ms*, or :class:`LeaseQuota`."""
+        if len(blocks) != len(sizes) or not blocks:
+            raise ValueError("one size per block, at least one block")
+        self._check_ttl(ttl_ms)
+        if len(blocks) > self.limits.max_keys_per_lease:
+            raise LeaseQuota(f"{len(blocks)} block keys exceed the maximum of {self.limits.max_keys_per_lease} "
+                             f"per lease")
+        octets = sum(sizes)
+        used, count = self.usage(owner)
+        if count + 1 > self.limits.max_leases_per_client:
+            raise LeaseQuota(f"the client already holds {count} leases, the maximum")
+        if used + octets > self.limits.max_octets_per_client:
+            raise LeaseQuota(f"the lease would cover {octets} octets; the client holds {used} of its quota of "
+                             f"{self.limits.max_octets_per_client}")
+        lease_id = self._new_id()
+        while lease_id in self._leases:  # an injected id source might repeat; uuid4 does not in practice
+            lease_id = self._new_id()
+        lease = Lease(lease_id, owner, tuple(blocks), octets, ttl_ms, self._clock() + ttl_ms / 1000)
+        self._leases[lease_id] = lease
+        for block in lease.blocks:
+            self._by_block.setdefault(block, set()).add(lease_id)
+        usage = self._usage.setdefault(owner, _Usage())
+        usage.octets += octets
+        usage.leases.add(lease_id)
+        return lease
+
+    def _owned(self, owner: str, lease_id: uuid.UUID) -> Lease:
+        lease = self.get(lease_id)
+        if lease is None or lease.owner != owner:
+            raise NotFound(f"lease {lease_id} is unknown or has expired")
+        return lease
+
+    def renew(self, owner: str, lease_id: uuid.UUID, ttl_ms: int) -> Lease:
+        """Extend the owner's lease to *ttl_ms* from now (shorter than before is allowed)."""
+        self.expire()
+        lease = self._owned(owner, lease_id)
+        if lease.broken is not None:
+            raise NotFound(f"lease {lease_id} is broken: {lease.broken}")
+        self._check_ttl(ttl_ms)
+        lease.ttl_ms = ttl_ms
+        lease.expires_at = self._clock() + ttl_ms / 1000
+        return lease
+
+    def release(self, owner: str, lease_id: uuid.UUID) -> Lease:
+        self.expire()
+        lease = self._owned(owner, lease_id)
+        self._remove(lease)
+        return lease
+
+    def protects(self, block: BlockId) -> bool:
+        """Whether an unexpired lease covers *block* (the holder must then not evict it)."""
+        ids = self._by_block.get(block)
+        if not ids:
+            return False
+        now = self._clock()
+        return any(self._leases[i].valid(now) for i in ids)
+
+    def leases_of(self, block: BlockId) -> list[Lease]:
+        now = self._clock()
+        return [self._leases[i] for i in self._by_block.get(block, ()) if self._leases[i].valid(now)]
+
+    def break_block(self, block: BlockId, reason: str) -> list[Lease]:
+        """Mark every unexpired lease covering *block* broken (its replica was dropped after a fault)."""
+        broken = self.leases_of(block)
+        for lease in broken:
+            if lease.broken is None:
+                lease.broken = reason
+        return broken
+
+    def expire(self) -> list[Lease]:
+        """Forget the leases that have expired; returns them."""
+        now = self._clock()
+        gone = [lease for lease in self._leases.values() if not lease.valid(now)]
+        for lease in gone:
+            self._remove(lease)
+        return gone
+
+    def next_expiry(self) -> float | None:
+        return min((lease.expires_at for lease in self._leases.values()), default=None)
+
+    def _remove(self, lease: Lease) -> None:
+        del self._leases[lease.id]
+        for block in lease.blocks:
+            ids = self._by_block.get(block)
+            if ids is not None:
+                ids.discard(lease.id)
+                if not ids:
+                    del self._by_block[block]
+        usage = self._usage[lease.owner]
+        usage.octets -= lease.octets
+        usage.leases.discard(lease.id)
+        if not usage.leases:
+            del self._usage[lease.owner]
+
+    def all(self) -> Iterable[Lease]:
+        return list(self._leases.values())

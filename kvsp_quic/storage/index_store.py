@@ -1,0 +1,175 @@
+"""The Index Service's replica storage: a :class:`typing.Protocol` and the compact record encoding the backends share.
+
+A store keeps Replica Records under (Block Key, holder-id) -- the resource ``replicas/{holder-id}/{block_key}`` --
+each with an expiry. The role (:mod:`kvsp_quic.roles.index`) does every protocol check (authorization, path
+against record, the TTL cap); a store only keeps what it is given and answers the chained lookup:
+
+* ``put(record, now)``: store *record* until ``now + record.ttl_ms``; True when it created the entry (none was
+  there, or only an expired one), False when it refreshed an unexpired one;
+* ``get`` / ``delete`` by (holder-id, Block Key), for withdrawals;
+* ``lookup(scope_id, compat_id, keys, now)``: for the keys in order, the unexpired replicas of that scope and
+  compat, stopping at the first key that has none (Block Keys are chained, spec "Lookup");
+* ``count`` and ``expire`` (sweeping expired entries; a no-op where the backend expires by itself).
+
+Returned records carry the **remaining** TTL in ``ttl_ms`` (milliseconds, rounded up, at least 1).
+
+*now* is the role's monotonic clock (seconds). The memory store keeps absolute expiries on that clock; the Redis
+store hands relative TTLs to Redis, which expires entries on its own clock, so it ignores *now*.
+
+The body encoding (:func:`pack_body` / :func:`unpack_body`) is what both backends store per replica besides the
+fields they keep apart (Block Key, scope, compat, holder, expiry): ``<HBBQ`` codec, residency count, flags, size;
+the replica digest (32 octets, only without layer digests -- with them it is their SHA-256 and is recomputed);
+per residency entry ``<BIIQ`` tier index, first layer, last layer, read rate (0 = none); then, by flag, ``<I``
+count + the raw layer digests, and ``<H`` length + the UTF-8 MOQT namespace.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+import struct
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from ..compat import STORAGE_TIERS
+from ..fields import BlockKey, CompatId, ScopeId
+from ..records import ReplicaRecord, ResidencyEntry
+
+
+@runtime_checkable
+class IndexStore(Protocol):
+    """Where the Index Service keeps Replica Records (see the module docstring for the contract)."""
+
+    async def put(self, record: ReplicaRecord, now: float) -> bool:
+        """Store *record* (its ``ttl_ms`` already capped) until ``now + ttl_ms``; True if created, False if an
+        unexpired entry for the same (holder, Block Key) was refreshed."""
+        ...
+
+    async def get(self, holder_id: str, block_key: bytes, now: float) -> ReplicaRecord | None:
+        """The unexpired record of *holder_id* for *block_key* (remaining TTL in ``ttl_ms``), or None."""
+        ...
+
+    async def delete(self, holder_id: str, block_key: bytes) -> bool:
+        """Remove the entry; True if there was one."""
+        ...
+
+    async def lookup(self, scope_id: bytes, compat_id: bytes, block_keys: Sequence[bytes],
+                     now: float) -> list[tuple[ReplicaRecord, ...]]:
+        """Per leading key, the unexpired replicas of (scope, compat); stops at the first key with none."""
+        ...
+
+    async def count(self) -> int:
+        """Entries stored (a backend may include expired entries it has not removed yet)."""
+        ...
+
+    async def expire(self, now: float, limit: int = 65536) -> int:
+        """Remove expired entries, examining at most *limit* Block Keys; the number removed."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections the store owns."""
+        ...
+
+
+# -- the compact body encoding ----------------------------------------------------------------------------------
+
+_HEAD = struct.Struct("<HBBQ")  # codec, residency entries, flags, size
+_RES = struct.Struct("<BIIQ")  # tier index, first layer, last layer, read_mbit_per_s (0: none)
+_U32 = struct.Struct("<I")
+_U16 = struct.Struct("<H")
+_FLAG_LAYER_DIGESTS = 1
+_FLAG_MOQT = 2
+_TIER_INDEX = {name: i for i, name in enumerate(STORAGE_TIERS)}
+_RESIDENCY_CACHE_MAX = 4096
+_residency_cache: dict[bytes, tuple[ResidencyEntry, ...]] = {}
+
+
+@functools.lru_cache(maxsize=256)
+def _digests_struct(n: int) -> struct.Struct:
+    return struct.Struct("32s" * n)
+
+
+def pack_body(record: ReplicaRecord) -> bytes:
+    """Everything of *record* but block_key, compat_id, scope_id, holder and ttl_ms, packed."""
+    flags = (_FLAG_LAYER_DIGESTS if record.layer_digests is not None else 0) | (
+        _FLAG_MOQT if record.moqt_namespace is not None else 0)
+    parts = [_HEAD.pack(record.codec, len(record.residency), flags, record.size)]
+    if record.layer_digests is None:
+        parts.append(record.digest)
+    parts.extend(_RES.pack(_TIER_INDEX[r.tier], r.layers[0], r.layers[1], r.read_mbit_per_s or 0)
+                 for r in record.residency)
+    if record.layer_digests is not None:
+        parts.append(_U32.pack(len(record.layer_digests)))
+        parts.extend(record.layer_digests)
+    if record.moqt_namespace is not None:
+        ns = record.moqt_namespace.encode("utf-8")
+        parts.append(_U16.pack(len(ns)))
+        parts.append(ns)
+    return b"".join(parts)
+
+
+def unpack_body(body: bytes, block_key: bytes, scope_id: bytes, compat_id: bytes, holder: str,
+                ttl_ms: int, offset: int = 0) -> ReplicaRecord:
+    """The record :func:`pack_body` packed (at *offset* of *body*), with the fields stored apart.
+
+    The record is rebuilt without running its constructor checks again: it passed them when it was published,
+    and the encoding round-trips exactly (tests/test_index.py checks that against the validated constructor).
+    """
+    codec, n_res, flags, size = _HEAD.unpack_from(body, offset)
+    pos = offset + _HEAD.size
+    digest: bytes | None = None
+    if not flags & _FLAG_LAYER_DIGESTS:
+        digest = body[pos:pos + 32]
+        pos += 32
+    end = pos + n_res * _RES.size
+    res_raw = body[pos:end]
+    residency = _residency_cache.get(res_raw)
+    if residency is None:
+        residency = tuple(ResidencyEntry(STORAGE_TIERS[t], (a, b), r or None)
+                          for t, a, b, r in _RES.iter_unpack(res_raw))
+        if len(_residency_cache) < _RESIDENCY_CACHE_MAX:
+            _residency_cache[res_raw] = residency
+    pos = end
+    layer_digests: tuple[bytes, ...] | None = None
+    if flags & _FLAG_LAYER_DIGESTS:
+        (n,) = _U32.unpack_from(body, pos)
+        pos += 4
+        raw = body[pos:pos + 32 * n]
+        pos += 32 * n
+        layer_digests = _digests_struct(n).unpack(raw)
+        digest = hashlib.sha256(raw).digest()
+    moqt_namespace: str | None = None
+    if flags & _FLAG_MOQT:
+        (n,) = _U16.unpack_from(body, pos)
+        pos += 2
+        moqt_namespace = body[pos:pos + n].decode("utf-8")
+    return unchecked_replica(
+        block_key=BlockKey(block_key), compat_id=CompatId(compat_id), scope_id=ScopeId(scope_id), holder=holder,
+        codec=codec, size=size, digest=digest, residency=residency, ttl_ms=ttl_ms, layer_digests=layer_digests,
+        moqt_namespace=moqt_namespace)
+
+
+def unchecked_replica(**values: Any) -> ReplicaRecord:
+    """A ReplicaRecord from values that already passed its checks (four times faster than the constructor)."""
+    record = object.__new__(ReplicaRecord)
+    try:
+        vars(record).update(values)
+    except TypeError:  # pragma: no cover - only if records become slotted dataclasses
+        return ReplicaRecord(**values)
+    return record
+
+
+def remaining_ms(expires_at: float, now: float) -> int:
+    """The remaining TTL in whole milliseconds, rounded up, at least 1 (for an entry not yet expired)."""
+    return max(1, math.ceil((expires_at - now) * 1000.0))
+
+
+def with_ttl(record: ReplicaRecord, ttl_ms: int) -> ReplicaRecord:
+    """*record* with another ``ttl_ms`` (no re-validation)."""
+    values = dict(vars(record))
+    values["ttl_ms"] = ttl_ms
+    return unchecked_replica(**values)
+
+
+__all__ = ["IndexStore", "pack_body", "remaining_ms", "unchecked_replica", "unpack_body", "with_ttl"]

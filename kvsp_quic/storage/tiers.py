@@ -1,0 +1,649 @@
+"""A holder's storage tiers: ``host`` (memory) and ``local-storage`` (a directory), with pluggable eviction.
+
+Mechanism apart from policy (DESIGN.md section 2.6): a :class:`Tier` does bookkeeping (what it holds, how many
+octets, where the octets are); an :class:`EvictionPolicy`, chosen by name from :data:`EVICTION_POLICIES`, only
+orders a tier's blocks as eviction candidates; :class:`TieredStore` plans and carries out placements: a block
+goes to the fastest tier with room, victims of a full tier are demoted to the next tier (host -> local-storage)
+instead of dropped, and only the last tier drops. Protected blocks (leased, see ``roles/leases.py``) are never
+dropped; they may be demoted, since a demoted block is still held.
+
+Data path: a block is one KV Block Container stored once -- in memory as the buffer it was received into, on
+disk as one file -- and served as views of it (``kvsp_quic.container.cut``). Its layer digests, replica digest
+and header are kept alongside (:class:`BlockMeta`).
+
+Local storage writes each block atomically (a temporary file in the same directory, flushed and fsync'd, then
+renamed over the final name) and checks every read: the file's header must name the block, the container must
+parse to the recorded header and every layer must match its recorded digest; anything else is a
+:class:`TierFault` (the caller drops the block). With an AES-256-GCM key the container is encrypted at rest
+with a random 96-bit nonce per file and the file header (block identity and layer digests) as associated data.
+On restart :meth:`LocalStorageTier.scan` verifies every file and returns the blocks that can be served again.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import struct
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple, Protocol
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from ..container import ContainerError, ContainerHeader, decode, replica_digest
+from ..problems import DigestMismatch
+
+log = logging.getLogger("kvsp.tiers")
+
+HOST = "host"
+LOCAL_STORAGE = "local-storage"
+
+
+class BlockId(NamedTuple):
+    """A stored block's identity: Compatibility ID (32 octets), Scope ID (16), Block Key (32)."""
+
+    compat_id: bytes
+    scope_id: bytes
+    block_key: bytes
+
+    def __str__(self) -> str:
+        return f"{self.compat_id.hex()[:8]}/{self.scope_id.hex()[:8]}/{self.block_key.hex()}"
+
+
+@dataclass(frozen=True)
+class BlockMeta:
+    """What a tier keeps beside a block's octets."""
+
+    id: BlockId
+    header: ContainerHeader
+    layer_digests: tuple[bytes, ...]  # raw 32-octet layer digests, by absolute layer (first_layer is 0)
+    size: int  # octets of the container
+
+    @property
+    def digest(self) -> bytes:
+        """The replica digest: SHA-256 over the concatenated layer digests."""
+        return replica_digest(self.layer_digests)
+
+
+class TierFault(Exception):
+    """A stored block cannot be read back intact (verification failed, file missing or unreadable)."""
+
+    def __init__(self, block: BlockId, reason: str) -> None:
+        super().__init__(f"block {block}: {reason}")
+        self.block = block
+        self.reason = reason
+
+
+class NoRoom(Exception):
+    """No placement exists: every candidate victim is protected, or the block is larger than every tier.
+
+    When raised part-way through a placement (an I/O error), *outcome* says what was already moved or dropped.
+    """
+
+    def __init__(self, message: str, outcome: PutOutcome | None = None) -> None:
+        super().__init__(message)
+        self.outcome = outcome
+
+
+# -- Eviction policies --------------------------------------------------------------------------------------------
+
+
+class EvictionPolicy(Protocol):
+    """Orders one tier's blocks as eviction candidates. Told about every insertion, read and removal."""
+
+    def inserted(self, block: BlockId) -> None: ...
+
+    def accessed(self, block: BlockId) -> None: ...
+
+    def removed(self, block: BlockId) -> None: ...
+
+    def victims(self) -> Iterator[BlockId]:
+        """Every block of the tier, the best victim first. The caller does not change the tier while iterating."""
+        ...
+
+
+class LruPolicy:
+    """Least recently used (inserted or read) first."""
+
+    def __init__(self) -> None:
+        self._order: collections.OrderedDict[BlockId, None] = collections.OrderedDict()
+
+    def inserted(self, block: BlockId) -> None:
+        self._order[block] = None
+        self._order.move_to_end(block)
+
+    def accessed(self, block: BlockId) -> None:
+        if block in self._order:
+            self._order.move_to_end(block)
+
+    def removed(self, block: BlockId) -> None:
+        self._order.pop(block, None)
+
+    def victims(self) -> Iterator[BlockId]:
+        return iter(self._order)
+
+
+class FifoPolicy(LruPolicy):
+    """First in, first out: reads do not change the order."""
+
+    def accessed(self, block: BlockId) -> None:
+        pass
+
+
+class LfuPolicy:
+    """Least frequently read first; ties go to the block inserted first."""
+
+    def __init__(self) -> None:
+        self._counts: dict[BlockId, int] = {}
+
+    def inserted(self, block: BlockId) -> None:
+        self._counts.pop(block, None)
+        self._counts[block] = 0
+
+    def accessed(self, block: BlockId) -> None:
+        if block in self._counts:
+            self._counts[block] += 1
+
+    def removed(self, block: BlockId) -> None:
+        self._counts.pop(block, None)
+
+    def victims(self) -> Iterator[BlockId]:
+        order = {b: i for i, b in enumerate(self._counts)}
+        return iter(sorted(self._counts, key=lambda b: (self._counts[b], order[b])))
+
+
+EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LruPolicy, "fifo": FifoPolicy, "lfu": LfuPolicy}
+
+
+def register_eviction_policy(name: str, factory: Callable[[], EvictionPolicy]) -> None:
+    """Make a policy available by *name* (lowercase) to configurations."""
+    if not re.fullmatch(r"[a-z][a-z0-9_-]*", name):
+        raise ValueError(f"eviction policy name {name!r} must be lowercase letters, digits, '-' or '_'")
+    EVICTION_POLICIES[name] = factory
+
+
+def eviction_policy(name: str) -> EvictionPolicy:
+    try:
+        factory = EVICTION_POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {name!r} (known: {', '.join(sorted(EVICTION_POLICIES))})") \
+            from None
+    return factory()
+
+
+# -- Tiers ----------------------------------------------------------------------------------------------------------
+
+
+class Tier(abc.ABC):
+    """Bookkeeping of one tier: the blocks it holds, their footprint against its capacity, its policy."""
+
+    def __init__(self, name: str, capacity: int, policy: EvictionPolicy) -> None:
+        if capacity <= 0:
+            raise ValueError(f"tier {name}: capacity must be positive, got {capacity}")
+        self.name = name
+        self.capacity = capacity
+        self.policy = policy
+        self.used = 0
+        self._metas: dict[BlockId, BlockMeta] = {}
+        self._footprints: dict[BlockId, int] = {}
+
+    def __contains__(self, block: object) -> bool:
+        return block in self._metas
+
+    def __len__(self) -> int:
+        return len(self._metas)
+
+    def meta(self, block: BlockId) -> BlockMeta:
+        return self._metas[block]
+
+    def blocks(self) -> list[BlockId]:
+        return list(self._metas)
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+    def footprint(self, meta: BlockMeta) -> int:
+        """Octets *meta*'s block takes in this tier."""
+        return meta.size
+
+    def store(self, meta: BlockMeta, data: memoryview) -> None:
+        """Keep the container *data* (the caller made room). May raise OSError (nothing is then kept)."""
+        if meta.id in self._metas:
+            raise ValueError(f"tier {self.name} already holds {meta.id}")
+        self._keep(meta, data)
+        self._account(meta, self.footprint(meta))
+
+    def _account(self, meta: BlockMeta, footprint: int) -> None:
+        self._metas[meta.id] = meta
+        self._footprints[meta.id] = footprint
+        self.used += footprint
+        self.policy.inserted(meta.id)
+
+    def read(self, block: BlockId) -> memoryview:
+        """The block's container octets; counts as an access. Raises KeyError or :class:`TierFault`."""
+        meta = self._metas[block]
+        data = self._read(meta)
+        self.policy.accessed(block)
+        return data
+
+    def discard(self, block: BlockId) -> BlockMeta | None:
+        meta = self._metas.pop(block, None)
+        if meta is None:
+            return None
+        self.used -= self._footprints.pop(block)
+        self.policy.removed(block)
+        self._forget(meta)
+        return meta
+
+    @abc.abstractmethod
+    def _keep(self, meta: BlockMeta, data: memoryview) -> None: ...
+
+    @abc.abstractmethod
+    def _read(self, meta: BlockMeta) -> memoryview: ...
+
+    @abc.abstractmethod
+    def _forget(self, meta: BlockMeta) -> None: ...
+
+
+class HostTier(Tier):
+    """Host memory: the container buffer itself, never copied (reads are views of it)."""
+
+    def __init__(self, capacity: int, policy: EvictionPolicy | None = None) -> None:
+        super().__init__(HOST, capacity, policy or LruPolicy())
+        self._data: dict[BlockId, memoryview] = {}
+
+    def _keep(self, meta: BlockMeta, data: memoryview) -> None:
+        if len(data) != meta.size:
+            raise ValueError(f"block {meta.id}: {len(data)} octets, its header says {meta.size}")
+        self._data[meta.id] = data.toreadonly()
+
+    def _read(self, meta: BlockMeta) -> memoryview:
+        return self._data[meta.id]
+
+    def _forget(self, meta: BlockMeta) -> None:
+        del self._data[meta.id]
+
+
+# Local-storage file: fixed header, layer digests, then the container (plain) or nonce || AES-GCM(container).
+FILE_MAGIC = b"KVSPTIER"
+FILE_VERSION = 1
+FLAG_ENCRYPTED = 0x01
+_FILE_HEADER = struct.Struct(">8sBB2x8s32s16s32sI")  # magic, version, flags, key id, compat, scope, key, layers
+NONCE_SIZE = 12
+TAG_SIZE = 16
+SUFFIX = ".kvb"
+_NAME_RE = re.compile(r"([0-9a-f]{64})\.([0-9a-f]{32})\.([0-9a-f]{64})\.kvb")
+_TMP_MARK = ".tmp-"
+_KEY_ID_LABEL = b"KVSP-TIER-KEY-ID\x00"
+
+
+def key_id(key: bytes) -> bytes:
+    """8 octets naming an encryption key in file headers (so a file under another key is recognised, not
+    mistaken for tampering)."""
+    return hashlib.sha256(_KEY_ID_LABEL + key).digest()[:8]
+
+
+@dataclass(frozen=True)
+class LocalStorageConfig:
+    """The ``local-storage`` tier of a holder."""
+
+    path: str | os.PathLike[str]
+    capacity: int  # octets of files (container plus a small header)
+    read_mbit_per_s: int | None = None  # advertised in Replica Records
+    encryption_key: bytes | None = field(default=None, repr=False)  # 32 octets: AES-256-GCM at rest
+    fsync: bool = True  # fsync each file and the directory before a write counts as done
+
+    def __post_init__(self) -> None:
+        if self.encryption_key is not None and len(self.encryption_key) != 32:
+            raise ValueError("local-storage encryption_key must be 32 octets (AES-256-GCM)")
+        if self.capacity <= 0:
+            raise ValueError("local-storage capacity must be positive")
+
+
+@dataclass(frozen=True)
+class ScanResult:
+    recovered: list[BlockMeta]  # verified blocks, oldest file first
+    dropped: list[tuple[str, str]]  # (file name, reason): failed verification, deleted
+    ignored: list[tuple[str, str]]  # (file name, reason): not ours to read (other key, other mode), left alone
+
+
+class LocalStorageTier(Tier):
+    """A directory of one file per block, written atomically, verified on every read, optionally encrypted."""
+
+    def __init__(self, config: LocalStorageConfig, policy: EvictionPolicy | None = None, *,
+                 random: Callable[[int], bytes] = os.urandom) -> None:
+        super().__init__(LOCAL_STORAGE, config.capacity, policy or LruPolicy())
+        self.config = config
+        self.directory = Path(config.path)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._random = random
+        self._aead = AESGCM(config.encryption_key) if config.encryption_key is not None else None
+        self._key_id = key_id(config.encryption_key) if config.encryption_key is not None else bytes(8)
+
+    # -- layout ---------------------------------------------------------------------------------------------------
+
+    def path_of(self, block: BlockId) -> Path:
+        return self.directory / f"{block.compat_id.hex()}.{block.scope_id.hex()}.{block.block_key.hex()}{SUFFIX}"
+
+    def _file_header(self, meta: BlockMeta) -> bytes:
+        flags = FLAG_ENCRYPTED if self._aead is not None else 0
+        head = _FILE_HEADER.pack(FILE_MAGIC, FILE_VERSION, flags, self._key_id, meta.id.compat_id, meta.id.scope_id,
+                                 meta.id.block_key, len(meta.layer_digests))
+        return head + b"".join(meta.layer_digests)
+
+    def footprint(self, meta: BlockMeta) -> int:
+        extra = NONCE_SIZE + TAG_SIZE if self._aead is not None else 0
+        return _FILE_HEADER.size + 32 * len(meta.layer_digests) + extra + meta.size
+
+    # -- writing --------------------------------------------------------------------------------------------------
+
+    def _keep(self, meta: BlockMeta, data: memoryview) -> None:
+        head = self._file_header(meta)
+        if self._aead is not None:
+            nonce = self._random(NONCE_SIZE)
+            payload: list[bytes | memoryview] = [nonce, self._aead.encrypt(nonce, data, head)]
+        else:
+            payload = [data]
+        self._write_atomically(self.path_of(meta.id), [head, *payload])
+
+    def _write_atomically(self, final: Path, parts: Sequence[bytes | memoryview]) -> None:
+        tmp = final.with_name(f".{final.name}{_TMP_MARK}{self._random(4).hex()}")
+        try:
+            with open(tmp, "xb") as fh:
+                for part in parts:
+                    fh.write(part)
+                fh.flush()
+                if self.config.fsync:
+                    os.fsync(fh.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        if self.config.fsync:
+            self._fsync_directory()
+
+    def _fsync_directory(self) -> None:
+        fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _forget(self, meta: BlockMeta) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path_of(meta.id).unlink()
+
+    # -- reading --------------------------------------------------------------------------------------------------
+
+    def _read(self, meta: BlockMeta) -> memoryview:
+        try:
+            data = self._load(self.path_of(meta.id), meta.id)
+        except OSError as exc:
+            raise TierFault(meta.id, f"cannot read its file: {exc.strerror or exc}") from None
+        return self._verify(meta.id, data, meta)[1]
+
+    def _load(self, path: Path, block: BlockId) -> tuple[tuple[bytes, ...], memoryview]:
+        """(layer digests, container octets) of the file at *path*, decrypted; raises TierFault or OSError."""
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size < _FILE_HEADER.size:
+                raise TierFault(block, f"file of {size} octets is shorter than its header")
+            raw = bytearray(size)
+            view = memoryview(raw)
+            got = 0
+            while got < size:
+                n = fh.readinto(view[got:])
+                if not n:
+                    raise TierFault(block, f"file ended after {got} of {size} octets")
+                got += n
+        magic, version, flags, kid, compat, scope, key, count = _FILE_HEADER.unpack_from(view)
+        if magic != FILE_MAGIC or version != FILE_VERSION:
+            raise TierFault(block, "not a local-storage block file (magic or version)")
+        if BlockId(compat, scope, key) != block:
+            raise TierFault(block, "the file names another block")
+        head_len = _FILE_HEADER.size + 32 * count
+        if size < head_len:
+            raise TierFault(block, "file is shorter than its layer digests")
+        digests = tuple(bytes(view[i:i + 32]) for i in range(_FILE_HEADER.size, head_len, 32))
+        body = view[head_len:]
+        if flags & FLAG_ENCRYPTED:
+            if self._aead is None or kid != self._key_id:
+                raise _Foreign("encrypted under another key" if self._aead is not None
+                               else "encrypted, and no key is configured")
+            if len(body) < NONCE_SIZE + TAG_SIZE:
+                raise TierFault(block, "encrypted payload is truncated")
+            try:
+                plain = self._aead.decrypt(body[:NONCE_SIZE], body[NONCE_SIZE:], view[:head_len])
+            except InvalidTag:
+                raise TierFault(block, "AES-GCM authentication failed (tampered or corrupted)") from None
+            return digests, memoryview(plain)
+        if flags:
+            raise TierFault(block, f"unknown flags 0x{flags:02x}")
+        if self._aead is not None:
+            raise _Foreign("stored in plain text, but encryption at rest is configured")
+        return digests, body
+
+    def _verify(self, block: BlockId, data: tuple[tuple[bytes, ...], memoryview],
+                meta: BlockMeta | None) -> tuple[ContainerHeader, memoryview]:
+        digests, container = data
+        if meta is not None and digests != meta.layer_digests:
+            raise TierFault(block, "the file's layer digests differ from the recorded ones")
+        try:
+            header, _layers = decode(container, expected_layer_digests=digests)
+        except (ContainerError, DigestMismatch) as exc:
+            raise TierFault(block, f"verification failed: {exc.detail}") from None
+        if header.first_layer != 0 or header.layer_count != len(digests):
+            raise TierFault(block, "the container does not hold the layers its digests list")
+        if meta is not None and header != meta.header:
+            raise TierFault(block, "the container header differs from the recorded one")
+        return header, container
+
+    # -- restart ------------------------------------------------------------------------------------------------
+
+    def scan(self, accept: Callable[[BlockMeta], str | None] = lambda meta: None) -> ScanResult:
+        """Verify every block file; register the good ones (oldest first), delete the bad ones and leftovers of
+        interrupted writes, leave files this configuration cannot read (another key) alone. *accept* may refuse
+        a verified block by returning a reason: its file is then left alone too (ignored)."""
+        recovered: list[tuple[float, BlockMeta]] = []
+        dropped: list[tuple[str, str]] = []
+        ignored: list[tuple[str, str]] = []
+        for path in sorted(self.directory.iterdir()):
+            name = path.name
+            if _TMP_MARK in name and name.startswith("."):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                continue
+            match = _NAME_RE.fullmatch(name)
+            if match is None or not path.is_file():
+                continue
+            block = BlockId(*(bytes.fromhex(g) for g in match.groups()))
+            if block in self._metas:
+                continue
+            try:
+                data = self._load(path, block)
+                header, container = self._verify(block, data, None)
+                meta = BlockMeta(block, header, data[0], len(container))
+                mtime = path.stat().st_mtime
+            except _Foreign as exc:
+                ignored.append((name, str(exc)))
+                continue
+            except (TierFault, OSError) as exc:
+                reason = exc.reason if isinstance(exc, TierFault) else str(exc)
+                log.warning("local-storage: dropping %s: %s", name, reason)
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                dropped.append((name, reason))
+                continue
+            refusal = accept(meta)
+            if refusal is not None:
+                ignored.append((name, refusal))
+                continue
+            recovered.append((mtime, meta))
+        recovered.sort(key=lambda item: item[0])
+        for _mtime, meta in recovered:
+            self._account(meta, self.footprint(meta))
+        return ScanResult([m for _t, m in recovered], dropped, ignored)
+
+
+class _Foreign(Exception):
+    """A block file that this configuration cannot read but that is not corrupt (another key or mode)."""
+
+
+# -- The tiered store -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PutOutcome:
+    """What a placement did besides storing the new block."""
+
+    tier: str
+    demoted: list[tuple[BlockId, str]] = field(default_factory=list)  # (block, tier it went to)
+    evicted: list[BlockMeta] = field(default_factory=list)  # dropped to make room
+    faulted: list[TierFault] = field(default_factory=list)  # victims that could not be read back to demote
+
+
+@dataclass(frozen=True)
+class _Move:
+    meta: BlockMeta
+    source: int | None  # tier index it leaves (None: the new block)
+    target: int | None  # tier index it goes to (None: dropped)
+
+
+class TieredStore:
+    """Tiers from fastest to slowest, e.g. ``[HostTier(...), LocalStorageTier(...)]``."""
+
+    def __init__(self, tiers: Sequence[Tier]) -> None:
+        if not tiers:
+            raise ValueError("a store needs at least one tier")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names repeat: {names}")
+        self.tiers = list(tiers)
+
+    def tier_of(self, block: BlockId) -> Tier | None:
+        return next((t for t in self.tiers if block in t), None)
+
+    def __contains__(self, block: object) -> bool:
+        return any(block in t for t in self.tiers)
+
+    def meta(self, block: BlockId) -> BlockMeta:
+        tier = self.tier_of(block)
+        if tier is None:
+            raise KeyError(block)
+        return tier.meta(block)
+
+    def read(self, block: BlockId) -> tuple[Tier, memoryview]:
+        tier = self.tier_of(block)
+        if tier is None:
+            raise KeyError(block)
+        return tier, tier.read(block)
+
+    def remove(self, block: BlockId) -> BlockMeta | None:
+        tier = self.tier_of(block)
+        return tier.discard(block) if tier is not None else None
+
+    def put(self, meta: BlockMeta, data: memoryview, protected: Callable[[BlockId], bool]) -> PutOutcome:
+        """Store a new block in the fastest tier that can make room, demoting or dropping unprotected victims.
+
+        Raises :class:`NoRoom` (nothing changed) when no tier can take it without dropping a protected block.
+        """
+        if meta.id in self:
+            raise ValueError(f"block {meta.id} is already stored")
+        for i in range(len(self.tiers)):
+            plan = self._plan(i, [(meta, None)], protected)
+            if plan is not None:
+                return self._execute(plan, meta, data, protected)
+        if all(t.footprint(meta) > t.capacity for t in self.tiers):
+            biggest = max(t.capacity for t in self.tiers)
+            raise NoRoom(f"a block of {meta.size} octets is larger than every tier (largest: {biggest})")
+        raise NoRoom("no tier can make room: the candidates for eviction are leased")
+
+    def _plan(self, i: int, incoming: list[tuple[BlockMeta, int | None]],
+              protected: Callable[[BlockId], bool]) -> list[_Move] | None:
+        """Moves that place *incoming* in tier *i*, in execution order (room is made below first)."""
+        tier = self.tiers[i]
+        sizes = [tier.footprint(m) for m, _ in incoming]
+        if any(s > tier.capacity for s in sizes):
+            return None
+        need = tier.used + sum(sizes) - tier.capacity
+        victims: list[BlockMeta] = []
+        if need > 0:
+            lower = i + 1 < len(self.tiers)
+            freed = 0
+            chosen: set[BlockId] = set()
+            # Unprotected blocks first; protected ones may only move down a tier, never be dropped.
+            for allow_protected in ((False, True) if lower else (False,)):
+                if freed >= need:
+                    break
+                for block in tier.policy.victims():  # lazily: usually only the first few are looked at
+                    if freed >= need:
+                        break
+                    if block in chosen or protected(block) != allow_protected:
+                        continue
+                    chosen.add(block)
+                    victims.append(tier.meta(block))
+                    freed += tier.footprint(tier.meta(block))
+            if freed < need:
+                return None
+        moves: list[_Move] = []
+        if victims:
+            below = self._plan(i + 1, [(v, i) for v in victims], protected) if i + 1 < len(self.tiers) else None
+            if below is not None:
+                moves += below
+            elif any(protected(v.id) for v in victims):
+                return None
+            else:
+                moves += [_Move(v, i, None) for v in victims]
+        moves += [_Move(m, source, i) for m, source in incoming]
+        return moves
+
+    def _execute(self, plan: list[_Move], new: BlockMeta, data: memoryview,
+                 protected: Callable[[BlockId], bool]) -> PutOutcome:
+        """Carry out *plan*. A failure part-way leaves every block either where it was or where it moved to."""
+        outcome = PutOutcome(tier="")
+        for move in plan:
+            if move.source is None:  # the new block
+                assert move.target is not None
+                target = self.tiers[move.target]
+                try:
+                    target.store(new, data)
+                except OSError as exc:
+                    raise NoRoom(f"tier {target.name} could not store the block: {exc.strerror or exc}",
+                                 outcome) from None
+                outcome.tier = target.name
+                continue
+            source = self.tiers[move.source]
+            if move.meta.id not in source:
+                continue  # already dropped by an earlier failure
+            if move.target is None:
+                source.discard(move.meta.id)
+                outcome.evicted.append(move.meta)
+                continue
+            target = self.tiers[move.target]
+            try:
+                octets = source.read(move.meta.id)
+                target.store(move.meta, octets)
+            except TierFault as fault:  # (only a verified tier faults; the caller withdraws the replica)
+                source.discard(move.meta.id)
+                outcome.faulted.append(fault)
+                continue
+            except OSError as exc:
+                if protected(move.meta.id):
+                    raise NoRoom(f"demoting a leased block to {target.name} failed: {exc.strerror or exc}",
+                                 outcome) from None
+                log.warning("demoting %s to %s failed (%s): dropping it", move.meta.id, target.name, exc)
+                source.discard(move.meta.id)
+                outcome.evicted.append(move.meta)
+                continue
+            source.discard(move.meta.id)
+            outcome.demoted.append((move.meta.id, target.name))
+        return outcome

@@ -1,0 +1,189 @@
+"""A real redis-server for tests and benchmarks: 127.0.0.1, a free port, a temporary directory, no persistence.
+
+    with RedisServer.start(tmp_path) as server:      # or: server = RedisServer.start(dir); ...; server.stop()
+        client = redis.asyncio.Redis(port=server.port)
+
+    with RedisClusterServers.start(tmp_path, nodes=3) as cluster:   # primaries only, slots split evenly
+        client = redis.asyncio.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
+
+Tests skip with :data:`SKIP_REASON` when ``redis-server`` is not on PATH (Debian: ``apt-get install -y
+redis-server``; it does not start a service by itself in a container). The ``redis`` Python package is the
+``redis`` extra of the project (``pip install -e '.[test,redis]'``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REDIS_SERVER = shutil.which("redis-server")
+SKIP_REASON = ("redis-server is not installed (Debian/Ubuntu: apt-get install -y redis-server); "
+               "the Redis index tests need a real server")
+_SLOTS = 16384
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def command(port: int, *args: str, timeout: float = 5.0) -> bytes:
+    """Send one command in RESP and return the raw reply (enough for PING, CLUSTER, CONFIG)."""
+    payload = f"*{len(args)}\r\n".encode() + b"".join(
+        f"${len(a.encode())}\r\n".encode() + a.encode() + b"\r\n" for a in args)
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(payload)
+        data = b""
+        while not data.endswith(b"\r\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        if data.startswith(b"$"):  # a bulk string: read the rest of it
+            size = int(data[1:data.index(b"\r\n")])
+            while size >= 0 and len(data) < data.index(b"\r\n") + 2 + size + 2:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+        return data
+
+
+@dataclass
+class RedisServer:
+    port: int
+    directory: Path
+    process: subprocess.Popen[bytes]
+    log: Path = field(default=Path())
+
+    @classmethod
+    def start(cls, directory: str | os.PathLike[str], *, extra: tuple[str, ...] = (), attempts: int = 5) -> RedisServer:
+        if REDIS_SERVER is None:
+            raise RuntimeError(SKIP_REASON)
+        root = Path(directory)
+        root.mkdir(parents=True, exist_ok=True)
+        last = ""
+        for _ in range(attempts):  # a free port can be taken between the probe and the bind: retry
+            port = free_port()
+            log = root / f"redis-{port}.log"
+            args = [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                    "--dir", str(root), "--logfile", str(log), "--protected-mode", "no", *extra]
+            process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL)
+            server = cls(port, root, process, log)
+            if server._wait_ready():
+                return server
+            server.stop()
+            last = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+        raise RuntimeError(f"redis-server did not start: {last}")
+
+    def _wait_ready(self, timeout: float = 10.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                return False
+            try:
+                if command(self.port, "PING", timeout=1.0).startswith(b"+PONG"):
+                    return True
+            except OSError:
+                pass
+            time.sleep(0.01)
+        return False
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def __enter__(self) -> RedisServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass
+class RedisClusterServers:
+    """A Redis Cluster of *nodes* primaries on 127.0.0.1 (no replicas), its slots split evenly."""
+
+    servers: list[RedisServer]
+
+    @property
+    def ports(self) -> list[int]:
+        return [s.port for s in self.servers]
+
+    @classmethod
+    def start(cls, directory: str | os.PathLike[str], *, nodes: int = 3) -> RedisClusterServers:
+        root = Path(directory)
+        servers: list[RedisServer] = []
+        try:
+            for i in range(nodes):
+                node_dir = root / f"node{i}"
+                servers.append(RedisServer.start(node_dir, extra=(
+                    "--cluster-enabled", "yes", "--cluster-config-file", str(node_dir / "nodes.conf"),
+                    "--cluster-node-timeout", "2000")))
+            per = _SLOTS // nodes
+            for i, server in enumerate(servers):
+                last = _SLOTS - 1 if i == nodes - 1 else (i + 1) * per - 1
+                reply = command(server.port, "CLUSTER", "ADDSLOTSRANGE", str(i * per), str(last))
+                if not reply.startswith(b"+OK"):
+                    raise RuntimeError(f"CLUSTER ADDSLOTSRANGE: {reply!r}")
+            for server in servers[1:]:
+                command(server.port, "CLUSTER", "MEET", "127.0.0.1", str(servers[0].port))
+            cluster = cls(servers)
+            cluster._wait_ok()
+            return cluster
+        except BaseException:
+            for s in servers:
+                s.stop()
+            raise
+
+    def _wait_ok(self, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ok = all(b"cluster_state:ok" in command(s.port, "CLUSTER", "INFO")
+                     and command(s.port, "CLUSTER", "NODES").count(b"master") == len(self.servers)
+                     for s in self.servers)
+            if ok:
+                return
+            time.sleep(0.05)
+        raise RuntimeError("the Redis Cluster did not reach cluster_state:ok")
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+
+    def __enter__(self) -> RedisClusterServers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def running(directory: str | os.PathLike[str]) -> Iterator[RedisServer]:
+    server = RedisServer.start(directory)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+__all__ = ["REDIS_SERVER", "SKIP_REASON", "RedisClusterServers", "RedisServer", "command", "free_port", "running"]

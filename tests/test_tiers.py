@@ -1,0 +1,267 @@
+"""Storage tiers: capacity, eviction policies, demotion, encryption at rest, checked reads, restart, atomic writes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvsp_quic import container as c
+from kvsp_quic.compat import CompatDescriptor
+from kvsp_quic.samples import random_sections
+from kvsp_quic.storage import tiers as t
+from kvsp_quic.storage.tiers import BlockId, BlockMeta, HostTier, LocalStorageConfig, LocalStorageTier, TieredStore
+
+from .conftest import small_descriptor
+
+KEY = bytes(range(32))
+
+
+def block(descriptor: CompatDescriptor, n: int, scope: bytes = bytes(16)) -> tuple[BlockMeta, memoryview]:
+    """Block number *n*: a complete container of the descriptor, with its meta."""
+    enc = c.encode(random_sections(descriptor, descriptor.block_tokens, 0, descriptor.layers - 1, n),
+                   first_layer=0, token_count=descriptor.block_tokens, descriptor=descriptor)
+    data = memoryview(enc.tobytes())
+    assert enc.layer_digests is not None
+    meta = BlockMeta(BlockId(descriptor.compat_id, scope, n.to_bytes(32, "big")), enc.header, enc.layer_digests,
+                     len(data))
+    return meta, data
+
+
+@pytest.fixture
+def d() -> CompatDescriptor:
+    return small_descriptor()
+
+
+def never(_block: BlockId) -> bool:
+    return False
+
+
+def local(tmp_path: Path, capacity: int, **kw: object) -> LocalStorageTier:
+    config = LocalStorageConfig(tmp_path / "blocks", capacity, **kw)  # type: ignore[arg-type]
+    return LocalStorageTier(config)
+
+
+def fill(store: TieredStore, d: CompatDescriptor, numbers: range) -> dict[int, BlockMeta]:
+    out = {}
+    for n in numbers:
+        meta, data = block(d, n)
+        store.put(meta, data, never)
+        out[n] = meta
+    return out
+
+
+def test_host_tier_keeps_the_buffer_and_honours_capacity(d: CompatDescriptor) -> None:
+    meta, data = block(d, 1)
+    host = HostTier(3 * meta.size)
+    store = TieredStore([host])
+    store.put(meta, data, never)
+    tier, view = store.read(meta.id)
+    assert tier is host and view.obj is data.obj and view.readonly  # the same buffer, not a copy
+    fill(store, d, range(2, 4))
+    assert host.used == 3 * meta.size and len(host) == 3
+    outcome = store.put(*block(d, 4), never)
+    assert [m.id.block_key[-1] for m in outcome.evicted] == [1] and host.used == 3 * meta.size
+    assert meta.id not in store
+
+
+@pytest.mark.parametrize(("policy", "victim"), [("lru", 2), ("fifo", 1), ("lfu", 2)])
+def test_eviction_policies_pick_the_victim(d: CompatDescriptor, policy: str, victim: int) -> None:
+    size = block(d, 1)[0].size
+    store = TieredStore([HostTier(3 * size, t.eviction_policy(policy))])
+    metas = fill(store, d, range(1, 4))
+    store.read(metas[1].id)  # block 1 is read: LRU and LFU keep it, FIFO does not care
+    store.read(metas[3].id)
+    outcome = store.put(*block(d, 4), never)
+    assert [m.id for m in outcome.evicted] == [metas[victim].id]
+
+
+def test_policy_registry() -> None:
+    with pytest.raises(ValueError, match=r"unknown eviction policy 'mru'.*fifo, lfu, lru"):
+        t.eviction_policy("mru")
+    with pytest.raises(ValueError):
+        t.register_eviction_policy("Bad Name", t.LruPolicy)
+
+    class Newest(t.LruPolicy):
+        def victims(self):  # type: ignore[no-untyped-def]
+            return reversed(list(super().victims()))
+
+    t.register_eviction_policy("newest-first", Newest)
+    try:
+        assert isinstance(t.eviction_policy("newest-first"), Newest)
+    finally:
+        del t.EVICTION_POLICIES["newest-first"]
+
+
+def test_protected_blocks_are_never_evicted(d: CompatDescriptor) -> None:
+    size = block(d, 1)[0].size
+    host = HostTier(2 * size)
+    store = TieredStore([host])
+    metas = fill(store, d, range(1, 3))
+    leased = {metas[1].id}
+    outcome = store.put(*block(d, 3), lambda b: b in leased)
+    assert [m.id for m in outcome.evicted] == [metas[2].id] and metas[1].id in store
+    leased.add(block(d, 3)[0].id)
+    with pytest.raises(t.NoRoom, match="leased"):
+        store.put(*block(d, 4), lambda b: b in leased)
+    assert set(host.blocks()) == leased and host.used == 2 * size  # nothing changed
+
+
+def test_a_block_larger_than_every_tier_is_refused(d: CompatDescriptor, tmp_path: Path) -> None:
+    meta, data = block(d, 1)
+    store = TieredStore([HostTier(meta.size - 1), local(tmp_path, meta.size, fsync=False)])
+    with pytest.raises(t.NoRoom, match="larger than every tier"):
+        store.put(meta, data, never)
+
+
+def test_full_host_demotes_to_local_storage(d: CompatDescriptor, tmp_path: Path) -> None:
+    meta1, data1 = block(d, 1)
+    host = HostTier(2 * meta1.size)
+    disk = local(tmp_path, 1 << 20, fsync=False)
+    disk.capacity = disk.footprint(meta1)
+    store = TieredStore([host, disk])
+    store.put(meta1, data1, never)
+    fill(store, d, range(2, 4))
+    assert host.blocks() == [block(d, 2)[0].id, block(d, 3)[0].id] and disk.blocks() == [meta1.id]
+    assert disk.path_of(meta1.id).is_file() and disk.used == disk.footprint(meta1) > meta1.size
+    tier, view = store.read(meta1.id)
+    assert tier is disk and bytes(view) == bytes(data1)
+    # Both full: the host's victim moves down, the disk's LRU block (block 1) is dropped.
+    outcome = store.put(*block(d, 4), never)
+    assert outcome.demoted == [(block(d, 2)[0].id, "local-storage")]
+    assert [m.id for m in outcome.evicted] == [meta1.id] and not disk.path_of(meta1.id).exists()
+    assert outcome.tier == "host"
+
+
+def test_leased_blocks_move_down_but_are_never_dropped(d: CompatDescriptor, tmp_path: Path) -> None:
+    size = block(d, 1)[0].size
+    disk = local(tmp_path, 1 << 20, fsync=False)
+    disk.capacity = disk.footprint(block(d, 1)[0])  # room for one block
+    store = TieredStore([HostTier(size), disk])
+    metas = fill(store, d, range(1, 3))  # 1 on disk, 2 in host
+    leased = {metas[1].id, metas[2].id}
+    with pytest.raises(t.NoRoom):  # 2 may go down, but 1 (leased) would have to be dropped
+        store.put(*block(d, 3), lambda b: b in leased)
+    assert metas[1].id in store.tiers[1] and metas[2].id in store.tiers[0]
+    leased = {metas[2].id}
+    outcome = store.put(*block(d, 3), lambda b: b in leased)  # 1 dropped, leased 2 demoted
+    assert [m.id for m in outcome.evicted] == [metas[1].id]
+    assert outcome.demoted == [(metas[2].id, "local-storage")]
+
+
+def test_local_storage_reads_are_checked(d: CompatDescriptor, tmp_path: Path) -> None:
+    disk = local(tmp_path, 1 << 20, fsync=False)
+    meta, data = block(d, 1)
+    disk.store(meta, data)
+    path = disk.path_of(meta.id)
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 1  # a bit flip in the last layer's V section
+    path.write_bytes(raw)
+    with pytest.raises(t.TierFault, match="layer 3"):
+        disk.read(meta.id)
+    path.unlink()
+    with pytest.raises(t.TierFault, match="cannot read"):
+        disk.read(meta.id)
+
+
+def test_encryption_at_rest_round_trip_and_tamper_detection(d: CompatDescriptor, tmp_path: Path) -> None:
+    disk = local(tmp_path, 1 << 20, encryption_key=KEY, fsync=False)
+    meta, data = block(d, 1)
+    disk.store(meta, data)
+    raw = disk.path_of(meta.id).read_bytes()
+    assert bytes(data[200:264]) not in raw  # the K/V octets are not on disk in the clear
+    assert len(raw) == disk.footprint(meta)
+    assert bytes(disk.read(meta.id)) == bytes(data)
+    head = t._FILE_HEADER.size + 32 * len(meta.layer_digests)  # authenticated as associated data
+    for offset in (head + 3, len(raw) - 1, head - 5, head + 40):  # nonce, tag, a layer digest, ciphertext
+        tampered = bytearray(raw)
+        tampered[offset] ^= 0x80
+        disk.path_of(meta.id).write_bytes(tampered)
+        with pytest.raises(t.TierFault):
+            disk.read(meta.id)
+    # Another block's file copied over this one: authenticated, but it names another block.
+    disk.path_of(meta.id).write_bytes(raw)
+    other, other_data = block(d, 2)
+    disk.store(other, other_data)
+    disk.path_of(meta.id).write_bytes(disk.path_of(other.id).read_bytes())
+    with pytest.raises(t.TierFault, match="names another block"):
+        disk.read(meta.id)
+
+
+def test_two_writes_of_one_block_use_different_nonces(d: CompatDescriptor, tmp_path: Path) -> None:
+    disk = local(tmp_path, 1 << 20, encryption_key=KEY, fsync=False)
+    meta, data = block(d, 1)
+    disk.store(meta, data)
+    first = disk.path_of(meta.id).read_bytes()
+    disk.discard(meta.id)
+    disk.store(meta, data)
+    assert disk.path_of(meta.id).read_bytes() != first
+
+
+def test_restart_recovers_verified_blocks(d: CompatDescriptor, tmp_path: Path) -> None:
+    disk = local(tmp_path, 1 << 20, encryption_key=KEY, fsync=False)
+    metas = {}
+    for n in range(1, 5):
+        meta, data = block(d, n)
+        disk.store(meta, data)
+        metas[n] = meta
+        os.utime(disk.path_of(meta.id), (1000 + n, 1000 + n))
+    corrupt = disk.path_of(metas[2].id)
+    raw = bytearray(corrupt.read_bytes())
+    raw[-20] ^= 1
+    corrupt.write_bytes(raw)
+    (disk.directory / f".{corrupt.name}.tmp-deadbeef").write_bytes(b"partial")  # an interrupted write
+    (disk.directory / "notes.txt").write_text("not ours")
+    foreign = local(tmp_path / "other", 1 << 20, encryption_key=bytes(32), fsync=False)
+    meta5, data5 = block(d, 5)
+    foreign.store(meta5, data5)
+    os.replace(foreign.path_of(meta5.id), disk.path_of(meta5.id))  # written under another key
+
+    again = local(tmp_path, 1 << 20, encryption_key=KEY, fsync=False)
+    result = again.scan(accept=lambda m: "refused" if m.id == metas[4].id else None)
+    assert [m.id for m in result.recovered] == [metas[1].id, metas[3].id]  # oldest first
+    assert result.recovered[0] == metas[1]
+    assert [name for name, _ in result.dropped] == [corrupt.name] and not corrupt.exists()
+    assert sorted(r for _, r in result.ignored) == ["encrypted under another key", "refused"]
+    assert disk.path_of(meta5.id).exists() and disk.path_of(metas[4].id).exists()  # left alone
+    assert sorted(p.name for p in again.directory.iterdir() if p.name.startswith(".")) == []
+    assert again.used == again.footprint(metas[1]) + again.footprint(metas[3])
+    assert bytes(again.read(metas[3].id)) == bytes(block(d, 3)[1])
+    plain = local(tmp_path, 1 << 20, fsync=False)  # no key: encrypted files are not ours to read
+    assert plain.scan().recovered == []
+
+
+def test_atomic_write_leaves_no_partial_file(d: CompatDescriptor, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    disk = local(tmp_path, 1 << 20, fsync=True)
+    meta, data = block(d, 1)
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(t.os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="No space"):
+        disk.store(meta, data)
+    assert list(disk.directory.iterdir()) == [] and disk.used == 0 and meta.id not in disk
+    monkeypatch.undo()
+    disk.store(meta, data)
+    assert [p.name for p in disk.directory.iterdir()] == [disk.path_of(meta.id).name]
+
+
+def test_failed_demotion_drops_an_unleased_victim(d: CompatDescriptor, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    size = block(d, 1)[0].size
+    disk = local(tmp_path, 1 << 20, fsync=False)
+    store = TieredStore([HostTier(size), disk])
+    metas = fill(store, d, range(1, 2))
+
+    def broken(meta: BlockMeta, data: memoryview) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(disk, "_keep", broken)
+    outcome = store.put(*block(d, 2), never)
+    assert [m.id for m in outcome.evicted] == [metas[1].id] and outcome.demoted == []
+    with pytest.raises(t.NoRoom, match="leased") as info:  # a leased victim is kept, the new block refused
+        store.put(*block(d, 3), lambda b: True)
+    assert info.value.outcome is not None and block(d, 2)[0].id in store.tiers[0]
