@@ -15,6 +15,7 @@ Two gaps of aioquic 1.7.2 (pinned; FACTS.md) are closed here, and nowhere else:
 
 from __future__ import annotations
 
+import ipaddress
 import ssl
 from typing import Any
 
@@ -42,6 +43,50 @@ class MutualTlsContext(tls.Context):
         super()._server_handle_certificate_verify(input_buf)  # checks the signature with the certificate's key
         verify_client_certificate(self._peer_certificate, self._peer_certificate_chain, cadata=self._cadata,
                                   cafile=self._cafile)
+
+
+class ServerCheckingContext(tls.Context):
+    """A client TLS context that checks the server's name itself.
+
+    aioquic delegates the name check to service_identity, which fails ("Certificate extensions could not be
+    parsed") on any certificate whose subjectAltName holds a URI with a port -- and every KVSP role certificate
+    carries its base URI, port included. So the chain and dates are verified by aioquic with no name, and the
+    name (an IP address or a DNS name, RFC 6125 rules: exact, or one leftmost wildcard label) here.
+    """
+
+    def _client_handle_certificate_verify(self, input_buf: Buffer) -> None:
+        name, self._server_name = self._server_name, None
+        try:
+            super()._client_handle_certificate_verify(input_buf)
+        finally:
+            self._server_name = name
+        if self._verify_mode != ssl.CERT_NONE and name is not None:
+            check_server_name(self._peer_certificate, name)
+
+
+def check_server_name(cert: x509.Certificate | None, name: str) -> None:
+    if cert is None:
+        raise tls.AlertBadCertificate("the server sent no certificate")
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        raise tls.AlertBadCertificate(f"the server certificate has no subjectAltName for {name!r}") from None
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:
+        address = None
+    if address is not None:
+        if address in sans.get_values_for_type(x509.IPAddress):
+            return
+    else:
+        wanted = name.lower().rstrip(".")
+        for pattern in sans.get_values_for_type(x509.DNSName):
+            pattern = pattern.lower().rstrip(".")
+            if pattern == wanted:
+                return
+            if pattern.startswith("*.") and "." in wanted and wanted.split(".", 1)[1] == pattern[2:]:
+                return
+    raise tls.AlertBadCertificate(f"the server certificate is not valid for {name!r}")
 
 
 def verify_client_certificate(cert: x509.Certificate | None, chain: list[x509.Certificate], *,
@@ -96,7 +141,9 @@ class KvspQuicConnection(QuicConnection):
 
     def _initialize(self, peer_cid: bytes) -> None:
         super()._initialize(peer_cid)
-        if not self._is_client:
+        if self._is_client:
+            self.tls.__class__ = ServerCheckingContext
+        else:
             self.tls.__class__ = MutualTlsContext
             self.tls._request_client_certificate = True
             self.tls._verify_mode = ssl.CERT_REQUIRED

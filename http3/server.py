@@ -49,9 +49,16 @@ class RoleServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"https://{host}:{self.port}{path}"
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        tcp_sock, udp_sock = bind_pair(host, port, self.settings.socket_buffer,
-                                       want_udp=self._http3 or bool(self._handlers))
+    async def start(self, host: str = "127.0.0.1", port: int = 0, *,
+                    sockets: tuple[socket.socket, socket.socket | None] | None = None) -> None:
+        """Listen on *host*:*port*, or on *sockets* from :func:`bind_pair` (a role that must know its port
+        before it starts, to issue its certificate, binds first)."""
+        if sockets is not None:
+            tcp_sock, udp_sock = sockets
+            host = tcp_sock.getsockname()[0]
+        else:
+            tcp_sock, udp_sock = bind_pair(host, port, self.settings.socket_buffer,
+                                           want_udp=self._http3 or bool(self._handlers))
         self.host = host
         self._port = tcp_sock.getsockname()[1]
         try:

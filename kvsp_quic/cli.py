@@ -45,20 +45,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return handler(args)
-    except (CliError, Problem) as exc:
-        message = exc.detail if isinstance(exc, Problem) and exc.detail else str(exc)
-        print(f"{PROG}: error: {message}", file=sys.stderr)
-        return 1
+    except BrokenPipeError:  # the reader went away (``| head``): stop quietly
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps interpreter shutdown from flushing into the pipe
+        return 141
     except OSError as exc:
         where = f" {exc.filename!r}" if exc.filename else ""
         print(f"{PROG}: error:{where} {exc.strerror or exc}", file=sys.stderr)
         return 1
-    except BrokenPipeError:  # the reader went away (``| head``): stop quietly
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps interpreter shutdown from flushing into the pipe
-        return 141
+    except Exception as exc:
+        if not _is_user_error(exc):
+            raise
+        message = exc.detail if isinstance(exc, Problem) and exc.detail else str(exc)
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+
+
+def _is_user_error(exc: Exception) -> bool:
+    """Errors that are the user's to fix (bad input, configuration, files): one line, no traceback."""
+    from http3.pki import PkiError
+    from http3.tls import TlsConfigError
+
+    from .auth import PolicyError
+    from .config import ConfigError
+
+    return isinstance(exc, CliError | Problem | ConfigError | PolicyError | PkiError | TlsConfigError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     cinit.add_argument("--host", action="append", default=[], metavar="H",
                        help="an extra SAN IP address or DNS name for every role certificate (repeatable)")
     cinit.set_defaults(handler=cmd_certs_init)
+
+    from .cli_serve import add_commands
+
+    add_commands(sub)
     return parser
 
 

@@ -83,6 +83,76 @@ def host_port(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+# -- the roles ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class IndexSection:
+    store: typing.Literal["memory", "redis"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_cluster: bool = False
+    redis_prefix: str = "kvsp:"
+    max_ttl_ms: int = 600_000  # replica TTLs are capped at this
+    max_lookup_keys: int = 8192
+    max_lookup_targets: int = 256
+    max_status_ttl_ms: int = 60_000
+    descriptors: list[Path] = field(default_factory=list)  # their geometry makes lookups estimate costs
+
+
+@dataclass(frozen=True)
+class IndexFile:
+    server: ServerSection = field(default_factory=ServerSection)
+    tls: TlsSection | None = None  # required unless --dev
+    transport: dict[str, float] = field(default_factory=dict)  # fields of http3.tls.TransportSettings
+    index: IndexSection = field(default_factory=IndexSection)
+
+
+@dataclass(frozen=True)
+class LocalStorageSection:
+    path: Path
+    capacity: int
+    read_mbit_per_s: int | None = None
+    encryption_key_file: Path | None = None  # 32 raw octets, or 64 hex characters: AES-256-GCM at rest
+    fsync: bool = True
+
+
+@dataclass(frozen=True)
+class LeaseSection:
+    max_ttl_ms: int = 60_000
+    max_octets_per_client: int = 16 << 30
+    max_leases_per_client: int = 1024
+    max_keys_per_lease: int = 1024
+
+
+@dataclass(frozen=True)
+class HolderSection:
+    index: str | None = None  # the Index Service's base URI; without one, replicas are not published
+    descriptors: list[Path] = field(default_factory=list)  # the caches it serves (at least one)
+    host_capacity: int = 1 << 30
+    host_read_mbit_per_s: int | None = None
+    eviction: str = "lru"
+    replica_ttl_ms: int = 300_000
+    retention_ms: int | None = None
+    max_block_bytes: int = 1 << 30
+    local_storage: LocalStorageSection | None = None
+    leases: LeaseSection = field(default_factory=LeaseSection)
+
+    def __post_init__(self) -> None:
+        if self.index is not None:
+            try:
+                base_uri(self.index, "holder.index")
+            except RecordError as exc:
+                raise ConfigError(exc.detail) from None
+
+
+@dataclass(frozen=True)
+class HolderFile:
+    server: ServerSection = field(default_factory=ServerSection)
+    tls: TlsSection | None = None
+    transport: dict[str, float] = field(default_factory=dict)
+    holder: HolderSection = field(default_factory=HolderSection)
+
+
 # -- loading -----------------------------------------------------------------------------------------------------
 
 
@@ -181,4 +251,5 @@ def _value(hint: Any, value: Any, where: str, root: Path) -> Any:
     raise ConfigError(f"{where}: unsupported type {hint}")  # pragma: no cover - a programming error
 
 
-__all__ = ["ConfigError", "ServerSection", "TlsSection", "build", "field", "host_port", "load"]
+__all__ = ["ConfigError", "HolderFile", "HolderSection", "IndexFile", "IndexSection", "LeaseSection",
+           "LocalStorageSection", "ServerSection", "TlsSection", "build", "host_port", "load"]

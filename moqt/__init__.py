@@ -1,0 +1,52 @@
+"""Media over QUIC Transport, sans I/O: codecs and a session state machine for draft 14 (ALPN "moq-00") and
+draft 18 (ALPN "moqt-18"). See docs/moqt.md.
+
+    session = MoqtSession.for_alpn(alpn, Role.CLIENT, SessionConfig(path=b"/"))
+    session.start()
+    rid = session.fetch(namespace, track_name, Location(0, 0), Location(1, 0))
+    for action in session.take_actions(): ...          # hand to the transport
+    for event in session.receive_stream_data(stream_id, data, fin): ...   # moqt.events.*
+"""
+
+from . import events
+from .actions import Action, CloseSession, OpenStream, ResetStream, SendDatagram, SendStreamData, StopSending
+from .errors import (
+    MoqtError,
+    MoqtUsageError,
+    PublishDoneCode14,
+    PublishDoneCode18,
+    RequestErrorCode14,
+    RequestErrorCode18,
+    SessionErrorCode,
+    StreamResetCode,
+)
+from .events import Event
+from .messages18 import Params18, Redirect
+from .requests import Role, SessionConfig
+from .session import MoqtSession
+from .types import (
+    ALPNS,
+    AuthToken,
+    Draft,
+    FetchType,
+    FilterType,
+    GroupOrder,
+    JoiningFetch,
+    Location,
+    Namespace,
+    ObjectStatus,
+    StandaloneFetch,
+    SubscriptionFilter,
+    parse_name,
+    render_name,
+)
+from .writers import FetchStreamWriter, SubgroupWriter
+
+__all__ = [
+    "ALPNS", "Action", "AuthToken", "CloseSession", "Draft", "Event", "FetchStreamWriter", "FetchType", "FilterType",
+    "GroupOrder", "JoiningFetch", "Location", "MoqtError", "MoqtSession", "MoqtUsageError", "Namespace",
+    "ObjectStatus", "OpenStream", "Params18", "PublishDoneCode14", "PublishDoneCode18", "Redirect",
+    "RequestErrorCode14", "RequestErrorCode18", "ResetStream", "Role", "SendDatagram", "SendStreamData",
+    "SessionConfig", "SessionErrorCode", "StandaloneFetch", "StopSending", "StreamResetCode", "SubgroupWriter",
+    "SubscriptionFilter", "events", "parse_name", "render_name",
+]

@@ -267,3 +267,31 @@ async def test_head_responses_keep_their_content_length(certs: TestPki) -> None:
             assert (await client.request("HEAD", url(listener))).status == 200  # the connection survived
     finally:
         await listener.close()
+
+
+async def test_role_certificates_with_a_port_in_their_uri(tmp_path: Path) -> None:
+    # Every real role's certificate names its base URI with a port; aioquic's stock name check chokes on that.
+    certs = make_pki(tmp_path, roles={"server": "https://127.0.0.1:8443/kvsp/"})
+    listener = QuicListener(certs.files("server"), {"h3": h3_handler(App())}, settings=SMALL_WINDOWS)
+    await listener.start("127.0.0.1", 0)
+    try:
+        async with KvspClient(certs.files("alice"), settings=SMALL_WINDOWS) as client:
+            assert (await client.request("GET", url(listener))).status == 200
+    finally:
+        await listener.close()
+
+
+def test_server_name_check(certs: TestPki) -> None:
+    from aioquic import tls
+    from cryptography import x509
+
+    from http3.quic_conn import check_server_name
+
+    cert = x509.load_pem_x509_certificate(certs.files("server").cert.read_bytes())
+    check_server_name(cert, "127.0.0.1")
+    check_server_name(cert, "LOCALHOST.")
+    for wrong in ("127.0.0.2", "example.com", "::1"):
+        with pytest.raises(tls.AlertBadCertificate):
+            check_server_name(cert, wrong)
+    with pytest.raises(tls.AlertBadCertificate):
+        check_server_name(x509.load_pem_x509_certificate(certs.ca.read_bytes()), "127.0.0.1")

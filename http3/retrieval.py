@@ -1,0 +1,730 @@
+"""The retrieval client: look blocks up at the Index Service, fetch them from their replicas, verify every octet.
+
+Used by everyone who loads blocks (inference instances, the Placement Controller's prefetch, tools). Spec:
+"Lookup", "Leases", "Block Retrieval and Storage", "Error Handling"; docs/wire.md, "Retrieval".
+
+    fetcher = BlockFetcher(client, "https://is.example/kvsp/", lease_ms=2000)
+    results = await fetcher.load_prefix(compat_id, scope_id, keys)      # [FetchResult | None, ...]
+
+    found = await fetcher.lookup(compat_id, scope_id, keys)
+    async with fetcher.fetch_layers(found.blocks[0], layers=(0, 15)) as stream:
+        async for layer in stream:                                       # verified, in ascending order,
+            place(layer.index, layer.k_parts, layer.v_parts)             # while later layers still arrive
+    if not stream.complete: ...                                          # missing: recompute from stream.next_layer
+
+For each block the candidate replicas are ordered by a :class:`~kvsp_quic.retrieval_plan.Ranking` (default:
+link estimates, then tier, then https first) and tried in turn, skipping holders that failed recently. One
+attempt: optionally ``POST {holder}leases`` (a refusal moves on), then ``GET {holder}blocks/{compat}/{scope}/
+{key}[?layers=a-b][&codec=n]``, the body streamed through :class:`~kvsp_quic.container.ContainerDecoder` with
+the record's layer digests (and the replica digest when the whole block is fetched) while SHA-256 of the whole
+body is checked against ``Repr-Digest``; the lease is released (``DELETE``) after the transfer. A layer is handed
+to the caller as soon as it is complete and its layer digest matched the record; the layers of the chunk that
+ends the container are held back until the body has ended and ``Repr-Digest`` matched. Without layer digests
+to check (a record without them, or a transcoded codec) every layer is held back until the end.
+
+When an attempt fails after some layers were delivered, the next replica is asked for the remaining layers
+only (``layers=n-b``), so the caller sees each layer once, in order. A digest mismatch or a malformed container
+withdraws the replica on the holder's behalf (``DELETE {is}replicas/{holder-id}/{key}``; a 403 is only noted).
+A block no replica delivers is reported missing -- a miss is never an exception; only misuse raises.
+
+Source kinds: an attempt talks to a :class:`BlockSource` chosen by the replica's holder URI.
+:class:`HttpSource` serves ``https`` holders; a MOQT source for ``moqt://`` holders plugs in the same way: its
+``open`` returns the container octets (a header built from the descriptor, then each object's K || V payload,
+which is the layer digest's input) with ``repr_digest=None``, and the same decoder verifies the layer digests.
+
+Concurrency: streams are independent; bound them with a semaphore::
+
+    sem = asyncio.Semaphore(8)
+    async def load(match):
+        async with sem, fetcher.fetch_layers(match) as stream:
+            async for layer in stream: ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+from urllib.parse import urljoin
+
+from kvsp_quic import fields as f
+from kvsp_quic.compat import CompatDescriptor
+from kvsp_quic.container import (
+    ContainerDecoder,
+    ContainerError,
+    ContainerHeader,
+    DecodedLayer,
+    EncodedContainer,
+    encode,
+)
+from kvsp_quic.cost import block_layer_count
+from kvsp_quic.keys import holder_id
+from kvsp_quic.problems import DigestMismatch, LeaseQuota, Problem, problem_from_json
+from kvsp_quic.records import LeaseResponse, Link, LookupMatch, LookupResponse, ReplicaRecord
+from kvsp_quic.retrieval_plan import (
+    AttemptError,
+    DefaultRanking,
+    Failure,
+    FailureMemory,
+    LayerRange,
+    Ranking,
+    ReprDigestError,
+    RetrievalMetrics,
+    covers,
+    failure_for_status,
+    parse_repr_digest,
+)
+
+from .client import KvspClient, Response, TransportError
+
+log = logging.getLogger("kvsp.retrieval")
+
+JSON_MEDIA_TYPE = "application/kvsp+json"
+BLOCK_MEDIA_TYPE = "application/kvsp-block"
+DEFAULT_MAX_LOOKUP_KEYS = 8192  # the Index Service's default limit; longer lookups are sent in parts
+_ERROR_BODY_LIMIT = 64 << 10
+
+
+# -- source kinds -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SourceBody:
+    """The container octets one source sends for one request."""
+
+    chunks: AsyncIterator[bytes]  # immutable chunks (kept as views in the zero-copy decoder mode)
+    repr_digest: bytes | None  # SHA-256 of the whole body as the source states it; None: this kind states none
+    transport: str  # "HTTP/3", "HTTP/2", "HTTP/1.1", "moqt", ...: the key of RetrievalMetrics.bytes_by_transport
+    close: Callable[[], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A lease taken at a holder (spec: "Leases")."""
+
+    lease: str
+    url: str
+    ttl_ms: int
+
+
+class BlockSource(Protocol):
+    """One way of fetching a replica's octets. Methods raise :class:`AttemptError` for every failure that
+    should move on to the next replica (the engine counts it, remembers the holder, withdraws corrupt data)."""
+
+    kind: str
+
+    def handles(self, record: ReplicaRecord) -> bool:
+        """Whether this source can fetch *record* (by its holder URI's scheme)."""
+        ...
+
+    async def lease(self, record: ReplicaRecord, ttl_ms: int) -> Lease | None:
+        """Take a lease on the replica; None when this kind of source has no leases."""
+        ...
+
+    async def release(self, lease: Lease) -> bool:
+        """Release a lease (best effort; never raises for a failure). True when the holder confirmed."""
+        ...
+
+    async def open(self, record: ReplicaRecord, layers: LayerRange | None, codec: int | None) -> SourceBody:
+        """Start the transfer of the container (the whole block when *layers* is None)."""
+        ...
+
+
+class HttpSource:
+    """``https`` holders, through :class:`~http3.client.KvspClient` (HTTP/3, falling back to HTTP/1.1 or 2)."""
+
+    kind = "https"
+
+    def __init__(self, client: KvspClient, *, timeout: float | None = None) -> None:
+        self.client = client
+        self.timeout = timeout
+
+    def handles(self, record: ReplicaRecord) -> bool:
+        return record.holder.startswith("https://")
+
+    @staticmethod
+    def block_url(record: ReplicaRecord, layers: LayerRange | None = None, codec: int | None = None) -> str:
+        url = (f"{record.holder}blocks/{record.compat_id.hex()}/{record.scope_id.hex()}/"
+               f"{record.block_key.hex()}")
+        query = ([f"layers={layers[0]}-{layers[1]}"] if layers is not None else []) + \
+                ([f"codec={codec}"] if codec is not None else [])
+        return url + ("?" + "&".join(query) if query else "")
+
+    async def lease(self, record: ReplicaRecord, ttl_ms: int) -> Lease | None:
+        body = json.dumps({"compat_id": record.compat_id.hex(), "scope_id": record.scope_id.hex(),
+                           "block_keys": [record.block_key.hex()], "ttl_ms": ttl_ms}).encode()
+        url = f"{record.holder}leases"
+        try:
+            response = await self.client.request("POST", url, headers={"content-type": JSON_MEDIA_TYPE},
+                                                 content=body, timeout=self.timeout)
+        except TransportError as exc:
+            raise AttemptError(Failure.TRANSPORT, f"POST {url}: {exc}") from None
+        if response.status != 201:
+            problem = response.problem()
+            failure = failure_for_status(response.status)
+            if isinstance(problem, LeaseQuota) or response.status == 429:
+                failure = Failure.LEASE_REFUSED
+            elif failure is not Failure.MISS and failure is not Failure.SERVER_ERROR:
+                failure = Failure.LEASE_REFUSED  # 403 and friends: this client gets no lease there
+            raise AttemptError(failure, f"POST {url}: {problem or response.status}")
+        try:
+            granted = LeaseResponse.loads(response.content or b"")
+        except Problem as exc:
+            raise AttemptError(Failure.BAD_RESPONSE, f"POST {url}: {exc}") from None
+        location = urljoin(url, response.headers.get("location") or "")
+        if not location.startswith(record.holder + "leases/"):  # never send a DELETE elsewhere
+            location = f"{record.holder}leases/{granted.lease}"
+        return Lease(str(granted.lease), location, granted.ttl_ms)
+
+    async def release(self, lease: Lease) -> bool:
+        try:
+            response = await self.client.request("DELETE", lease.url, timeout=self.timeout)
+        except TransportError as exc:
+            log.info("releasing lease %s failed: %s", lease.url, exc)
+            return False
+        if response.status not in (204, 404):  # 404: expired meanwhile
+            log.info("releasing lease %s: %s", lease.url, response.problem() or response.status)
+        return response.status == 204
+
+    async def open(self, record: ReplicaRecord, layers: LayerRange | None, codec: int | None) -> SourceBody:
+        url = self.block_url(record, layers, codec)
+        try:
+            response = await self.client.send("GET", url, timeout=self.timeout)
+        except TransportError as exc:
+            raise AttemptError(Failure.TRANSPORT, f"GET {url}: {exc}") from None
+        try:
+            if response.status != 200:
+                body = await _read_limited(response)
+                problem = problem_from_json(response.status, body) if response.status >= 400 else None
+                raise AttemptError(failure_for_status(response.status), f"GET {url}: {problem or response.status}")
+            media = (response.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
+            if media != BLOCK_MEDIA_TYPE:
+                raise AttemptError(Failure.BAD_RESPONSE, f"GET {url}: content-type {media or 'missing'!r}")
+            try:
+                digest = parse_repr_digest(response.headers.get("repr-digest"))
+            except ReprDigestError as exc:
+                raise AttemptError(Failure.BAD_RESPONSE, f"GET {url}: {exc}") from None
+        except BaseException:
+            await response.aclose()
+            raise
+        chunks = response.aiter_bytes()
+
+        async def close() -> None:
+            await chunks.aclose()  # type: ignore[attr-defined]  # an async generator
+            await response.aclose()
+
+        return SourceBody(chunks, digest, response.http_version, close)
+
+
+async def _read_limited(response: Response, limit: int = _ERROR_BODY_LIMIT) -> bytes:
+    """Up to *limit* octets of an error body; the rest is not read."""
+    body = bytearray()
+    chunks = response.aiter_bytes()
+    try:
+        async for chunk in chunks:
+            body += chunk
+            if len(body) >= limit:
+                break
+    except TransportError:
+        pass
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]  # an async generator
+    return bytes(body[:limit])
+
+
+# -- results ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    """A block (or layer range) loaded and verified. ``layers`` are views of the received octets."""
+
+    block_key: bytes
+    layers: tuple[DecodedLayer, ...]
+    records: tuple[ReplicaRecord, ...]  # the replicas the layers came from (several after a failure midway)
+    transports: tuple[str, ...]  # per record: "HTTP/3", "HTTP/1.1", ...
+    codec: int
+    token_count: int
+
+    @property
+    def record(self) -> ReplicaRecord:
+        """The replica the first layer came from."""
+        return self.records[0]
+
+    @property
+    def http_version(self) -> str:
+        return self.transports[0]
+
+    @property
+    def first_layer(self) -> int:
+        return self.layers[0].index
+
+    @property
+    def last_layer(self) -> int:
+        return self.layers[-1].index
+
+    def container(self) -> EncodedContainer:
+        """The layers as a container (header rebuilt; sections are the received views, joined only when a layer
+        arrived in several chunks)."""
+        return encode([(layer.k, layer.v) for layer in self.layers], first_layer=self.first_layer,
+                      token_count=self.token_count, codec=self.codec, digests=False)
+
+    def tobytes(self) -> bytes:
+        return self.container().tobytes()
+
+
+class LayerStream:
+    """The verified layers of one block (or layer range), in ascending order, as they arrive.
+
+    Iterate it once (``async for``); use ``async with`` (or :meth:`aclose`) when you may stop early, so that the
+    transfer is cancelled and the lease released at once. Afterwards ``complete`` says whether every requested
+    layer was delivered; if not, the block is missing from ``next_layer`` on (recompute it).
+    """
+
+    def __init__(self, fetcher: BlockFetcher, match: LookupMatch, layers: LayerRange, whole: bool,
+                 codec: int | None, count: bool) -> None:
+        self._fetcher = fetcher
+        self.match = match
+        self.first, self.last = layers
+        self.whole = whole  # the caller asked for the whole block (the replica digest can be checked)
+        self.codec = codec
+        self.next_layer = self.first
+        self.records: list[ReplicaRecord] = []
+        self.transports: list[str] = []
+        self.header: ContainerHeader | None = None  # the header of the last container that delivered layers
+        self.done = False
+        self._count = count
+        self._iterator: AsyncGenerator[DecodedLayer, None] | None = None
+
+    @property
+    def block_key(self) -> bytes:
+        return bytes(self.match.block_key)
+
+    @property
+    def complete(self) -> bool:
+        return self.next_layer > self.last
+
+    def __aiter__(self) -> AsyncIterator[DecodedLayer]:
+        if self._iterator is not None:
+            raise RuntimeError("a LayerStream can be iterated only once")
+        self._iterator = self._run()
+        return self._iterator
+
+    async def aclose(self) -> None:
+        if self._iterator is not None:
+            await self._iterator.aclose()
+
+    async def __aenter__(self) -> LayerStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _run(self) -> AsyncGenerator[DecodedLayer, None]:
+        fetcher = self._fetcher
+        try:
+            for record, source in fetcher._candidates(self.match, (self.first, self.last)):
+                if self.complete:
+                    break
+                if fetcher.failures.recent(record.holder):  # failed while this stream was running
+                    fetcher.metrics.skipped_recent_failures += 1
+                    continue
+                fetcher.metrics.attempts += 1
+                lease: Lease | None = None
+                try:
+                    if fetcher.lease_ms is not None:
+                        lease = await source.lease(record, fetcher.lease_ms)
+                        if lease is not None:
+                            fetcher.metrics.leases_taken += 1
+                    async with contextlib.aclosing(self._attempt(source, record)) as attempt:
+                        async for layer in attempt:
+                            yield layer
+                except AttemptError as err:
+                    await fetcher._failed(record, err)
+                finally:
+                    if lease is not None and await source.release(lease):
+                        fetcher.metrics.leases_released += 1
+        finally:
+            self.done = True
+        if self._count:
+            if self.complete:
+                fetcher.metrics.hits += 1
+            else:
+                fetcher.metrics.misses += 1
+
+    async def _attempt(self, source: BlockSource, record: ReplicaRecord) -> AsyncGenerator[DecodedLayer, None]:
+        """One replica: stream, verify and yield layers from ``next_layer`` to ``last``; AttemptError on failure."""
+        fetcher = self._fetcher
+        first, last = self.next_layer, self.last
+        whole_request = self.whole and first == 0
+        transcoded = self.codec is not None and self.codec != record.codec
+        expected = None if transcoded else record.layer_digests
+        decoder = ContainerDecoder(
+            fetcher.descriptors.get(bytes(record.compat_id)),
+            expected_layer_digests=expected,
+            expected_replica_digest=record.digest if whole_request and not transcoded else None,
+            assemble=fetcher.assemble, allocate=fetcher.allocate,
+            max_data=fetcher.max_block_bytes if transcoded else record.size)
+        body = await source.open(record, None if whole_request else (first, last), self.codec)
+        streaming = expected is not None  # each layer can be checked on its own
+        if not streaming and body.repr_digest is None:
+            await body.close()
+            raise AttemptError(Failure.BAD_RESPONSE, f"{record.holder}: nothing to verify the block against (no "
+                                                     f"layer digests, no representation digest)")
+        delivered = False
+
+        def deliver(layer: DecodedLayer) -> DecodedLayer:
+            nonlocal delivered
+            if not delivered:  # this replica is a source of the result from its first layer on
+                delivered = True
+                self.records.append(record)
+                self.transports.append(body.transport)
+                self.header = decoder.header
+            self.next_layer = layer.index + 1
+            fetcher.metrics.layers += 1
+            return layer
+
+        whole = hashlib.sha256()
+        held: list[DecodedLayer] = []
+        checked = False
+        try:
+            async for chunk in body.chunks:
+                fetcher.metrics.add_bytes(body.transport, len(chunk))
+                whole.update(chunk)
+                layers = decoder.feed(chunk)
+                if not checked and decoder.header is not None:
+                    self._check_header(decoder.header, record, first, last)
+                    checked = True
+                if streaming and not decoder.done:
+                    for layer in layers:
+                        yield deliver(layer)
+                else:  # the layers that end the container wait for the end of the body and Repr-Digest
+                    held.extend(layers)
+            decoder.finish()
+            if body.repr_digest is not None and whole.digest() != body.repr_digest:
+                raise AttemptError(Failure.CORRUPT, f"{record.holder}: Repr-Digest does not match the body")
+        except DigestMismatch as exc:
+            raise AttemptError(Failure.CORRUPT, f"{record.holder}: {exc.detail}") from None
+        except ContainerError as exc:
+            raise AttemptError(Failure.MALFORMED, f"{record.holder}: {exc.detail}") from None
+        except TransportError as exc:
+            raise AttemptError(Failure.TRANSPORT, f"{record.holder}: {exc}") from None
+        finally:
+            await body.close()
+        for layer in held:
+            yield deliver(layer)
+
+    def _check_header(self, header: ContainerHeader, record: ReplicaRecord, first: int, last: int) -> None:
+        codec = record.codec if self.codec is None else self.codec
+        if header.first_layer != first or header.last_layer != last or header.codec != codec:
+            raise ContainerError(f"asked for layers {first}-{last} in codec {codec}; got layers "
+                                 f"{header.first_layer}-{header.last_layer} in codec {header.codec}")
+        if self.header is not None and header.token_count != self.header.token_count:
+            raise ContainerError(f"token count {header.token_count} differs from the {self.header.token_count} "
+                                 f"of the layers already delivered")
+
+
+# -- the fetcher ------------------------------------------------------------------------------------------------
+
+
+class BlockFetcher:
+    """Lookups at one Index Service and verified block retrieval from the replicas it lists.
+
+    * *client*: the mutual-TLS client for the Index Service and ``https`` holders.
+    * *lease_ms*: take a lease of this TTL at each replica before fetching it (released afterwards).
+    * *ranking*: orders the replicas of a block (default :class:`DefaultRanking` with *links*).
+    * *links*: this client's links to holders (as in its Instance Status Record), for the default ranking.
+    * *failures*: the memory of holders that failed recently (default: 10 s).
+    * *descriptors*: Compatibility Descriptors; a container of a known compat_id is checked against its geometry.
+    * *exclude_holders*: holders never fetched from (an instance's own base URI).
+    * *sources*: the source kinds (default: one :class:`HttpSource` over *client*).
+    * *withdraw_corrupt*: withdraw replicas that served wrong data on the holder's behalf (needs the ``holder``
+      role with ``publish_for`` at the Index Service; a 403 is only counted).
+    * *assemble*, *allocate*: decoder mode. Default: zero-copy, a layer's K and V are the received chunks'
+      views (``k_parts``); ``assemble=True`` copies each container into one buffer from *allocate*.
+    """
+
+    def __init__(self, client: KvspClient, index_uri: str, *, lease_ms: int | None = None,
+                 metrics: RetrievalMetrics | None = None, ranking: Ranking | None = None,
+                 links: Iterable[Link] | Mapping[str, Link] | None = None, failures: FailureMemory | None = None,
+                 descriptors: Iterable[CompatDescriptor] = (), exclude_holders: Iterable[str] = (),
+                 sources: Sequence[BlockSource] | None = None, withdraw_corrupt: bool = True,
+                 assemble: bool = False, allocate: Callable[[int], Any] | None = None,
+                 max_block_bytes: int = 1 << 30, max_lookup_keys: int = DEFAULT_MAX_LOOKUP_KEYS,
+                 timeout: float | None = None) -> None:
+        if lease_ms is not None and (isinstance(lease_ms, bool) or lease_ms <= 0):
+            raise ValueError("lease_ms must be a positive number of milliseconds")
+        if max_lookup_keys < 1:
+            raise ValueError("max_lookup_keys must be positive")
+        if ranking is not None and links is not None:
+            raise ValueError("links feed the default ranking; give them to your ranking instead")
+        self.client = client
+        try:
+            self.index_uri = f.base_uri(index_uri, "index URI")
+        except f.RecordError as exc:
+            raise ValueError(exc.detail) from None
+        self.lease_ms = lease_ms
+        self.metrics = metrics if metrics is not None else RetrievalMetrics()
+        self.ranking: Ranking = ranking if ranking is not None else DefaultRanking(links)
+        self.failures = failures if failures is not None else FailureMemory()
+        self.descriptors = {bytes(d.compat_id): d for d in descriptors}
+        self.exclude_holders = frozenset(exclude_holders)
+        self.sources: tuple[BlockSource, ...] = tuple(sources) if sources is not None else (
+            HttpSource(client, timeout=timeout),)
+        self.withdraw_corrupt = withdraw_corrupt
+        self.assemble = assemble
+        self.allocate = allocate
+        self.max_block_bytes = max_block_bytes
+        self.max_lookup_keys = max_lookup_keys
+        self.timeout = timeout
+        self._withdraw_denied: set[str] = set()  # holders the Index Service refused withdrawals for
+
+    # -- lookup -------------------------------------------------------------------------------------------------
+
+    async def lookup(self, compat_id: bytes, scope_id: bytes, keys: Sequence[bytes],
+                     targets: Sequence[str] | None = None) -> LookupResponse:
+        """``POST {is}lookup``: the matched prefix of *keys* with its replicas.
+
+        More keys than *max_lookup_keys* are sent in parts, the next only while every key so far matched. An
+        Index Service that cannot be reached, times out or answers 5xx gives an empty match (counted in
+        ``lookup_errors``: the caller recomputes); a 4xx answer is a misconfiguration and raises its
+        :class:`~kvsp_quic.problems.Problem` (403 ``kvsp-scope-denied``: this client lacks the scope).
+        """
+        compat, scope, keys = _check_ids(compat_id, scope_id, keys)
+        targets = list(targets) if targets is not None else None
+        self.metrics.lookups += 1
+        self.metrics.lookup_keys += len(keys)
+        if not keys and targets is None:
+            return LookupResponse(0, ())
+        blocks: list[LookupMatch] = []
+        estimates = None
+        start = 0
+        while True:
+            part = keys[start:start + self.max_lookup_keys]
+            answer = await self._lookup_part(compat, scope, part, targets if start == 0 else None)
+            if answer is None:
+                self.metrics.lookup_errors += 1
+                return LookupResponse(0, (), () if targets is not None else None)
+            if start == 0:
+                estimates = answer.targets
+            matched = _usable_prefix(answer, compat, scope, part)
+            blocks.extend(matched)
+            start += len(part)
+            if len(matched) < len(part) or start >= len(keys):
+                break
+        self.metrics.lookup_matched += len(blocks)
+        return LookupResponse(len(blocks), tuple(blocks), estimates)
+
+    async def _lookup_part(self, compat: bytes, scope: bytes, keys: list[bytes],
+                           targets: list[str] | None) -> LookupResponse | None:
+        request: dict[str, Any] = {"scope_id": scope.hex(), "compat_id": compat.hex(),
+                                   "block_keys": [key.hex() for key in keys]}
+        if targets is not None:
+            request["targets"] = targets
+        url = f"{self.index_uri}lookup"
+        try:
+            response = await self.client.request("POST", url, headers={"content-type": JSON_MEDIA_TYPE},
+                                                 content=json.dumps(request).encode(), timeout=self.timeout)
+        except TransportError as exc:
+            log.warning("lookup at %s failed: %s", url, exc)
+            return None
+        if response.status >= 500 or response.status == 429:
+            log.warning("lookup at %s: %s", url, response.problem() or response.status)
+            return None
+        response.raise_for_problem()
+        if response.status != 200:
+            log.warning("lookup at %s answered %d", url, response.status)
+            return None
+        try:
+            return LookupResponse.loads(response.content or b"")
+        except Problem as exc:
+            log.warning("lookup at %s: unreadable answer: %s", url, exc)
+            return None
+
+    # -- retrieval ----------------------------------------------------------------------------------------------
+
+    def fetch_layers(self, match: LookupMatch, layers: LayerRange | None = None, *,
+                     codec: int | None = None) -> LayerStream:
+        """The verified layers of *match*'s block (all of them, or the inclusive range *layers*), as they arrive.
+
+        *codec* asks the holders for a codec (``codec=n``); a transcoded representation is protected only by
+        Repr-Digest, so its layers are delivered after the whole body was verified.
+        """
+        return self._stream(match, layers, codec, count=True)
+
+    async def fetch_block(self, match: LookupMatch, layers: LayerRange | None = None, *,
+                          codec: int | None = None) -> FetchResult | None:
+        """The whole block (or *layers*), verified; None when no replica delivers it (the caller recomputes)."""
+        return await self._collect(self._stream(match, layers, codec, count=True))
+
+    async def load_prefix(self, compat_id: bytes, scope_id: bytes, keys: Sequence[bytes], *,
+                          layers: LayerRange | None = None, codec: int | None = None,
+                          concurrency: int = 4) -> list[FetchResult | None]:
+        """Look *keys* (a prompt's Block Keys in prefix order) up and load the matched blocks, at most
+        *concurrency* at a time. One result per key; every key from the first missing block on is None (later
+        blocks depend on earlier ones, so the caller recomputes from there), and their transfers are cancelled.
+        """
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        found = await self.lookup(compat_id, scope_id, keys)
+        results: list[FetchResult | None] = [None] * len(keys)
+        gate = asyncio.Semaphore(concurrency)
+        first_missing = len(keys)
+
+        async def one(i: int, match: LookupMatch) -> FetchResult | None:
+            nonlocal first_missing
+            async with gate:
+                if i > first_missing:  # an earlier block is missing: this one is recomputed anyway
+                    return None
+                result = await self._collect(self._stream(match, layers, codec, count=False))
+                if result is None:
+                    first_missing = min(first_missing, i)
+                return result
+
+        tasks = [asyncio.create_task(one(i, match)) for i, match in enumerate(found.blocks)]
+        loaded = 0
+        try:
+            for i, task in enumerate(tasks):
+                result = await task
+                if result is None:
+                    break
+                results[i] = result
+                loaded += 1
+        finally:
+            pending = [task for task in tasks if not task.done()]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        self.metrics.hits += loaded
+        self.metrics.misses += len(keys) - loaded
+        return results
+
+    def _stream(self, match: LookupMatch, layers: LayerRange | None, codec: int | None,
+                count: bool) -> LayerStream:
+        if not isinstance(match, LookupMatch):
+            raise TypeError("fetch a LookupMatch (an entry of LookupResponse.blocks)")
+        if codec is not None and (isinstance(codec, bool) or not 0 < codec <= 0xFFFF):
+            raise ValueError(f"codec must be 1-65535, got {codec!r}")
+        descriptor = self.descriptors.get(bytes(match.replicas[0].compat_id))
+        total = block_layer_count(match.replicas, descriptor.layers if descriptor is not None else None)
+        if layers is None:
+            return LayerStream(self, match, (0, total - 1), True, codec, count)
+        first, last = layers
+        if not (isinstance(first, int) and isinstance(last, int)) or not 0 <= first <= last < total:
+            raise ValueError(f"layers {layers!r}: need 0 <= first <= last < {total} (the block's layers)")
+        return LayerStream(self, match, (first, last), first == 0 and last == total - 1, codec, count)
+
+    async def _collect(self, stream: LayerStream) -> FetchResult | None:
+        async with stream:
+            layers = tuple([layer async for layer in stream])
+        if not stream.complete or stream.header is None:
+            return None
+        used = [(r, t) for r, t in zip(stream.records, stream.transports, strict=True)]
+        return FetchResult(stream.block_key, layers, tuple(r for r, _ in used), tuple(t for _, t in used),
+                           stream.header.codec, stream.header.token_count)
+
+    def _candidates(self, match: LookupMatch, layers: LayerRange) -> list[tuple[ReplicaRecord, BlockSource]]:
+        """The replicas worth trying for *layers*, best first, each with the source that fetches it."""
+        reference = match.replicas[0]
+        usable: list[ReplicaRecord] = []
+        for record in match.replicas:
+            if record.compat_id != reference.compat_id or record.scope_id != reference.scope_id:
+                continue
+            if record.holder in self.exclude_holders or not covers(record, layers):
+                continue
+            if self._source_for(record) is None:
+                continue
+            if self.failures.recent(record.holder):
+                self.metrics.skipped_recent_failures += 1
+                continue
+            usable.append(record)
+        out: list[tuple[ReplicaRecord, BlockSource]] = []
+        for record in self.ranking(usable, layers):
+            source = self._source_for(record)
+            if source is not None:
+                out.append((record, source))
+        return out
+
+    def _source_for(self, record: ReplicaRecord) -> BlockSource | None:
+        return next((s for s in self.sources if s.handles(record)), None)
+
+    async def _failed(self, record: ReplicaRecord, err: AttemptError) -> None:
+        failure = err.failure
+        self.metrics.count_failure(failure)
+        level = logging.WARNING if failure.withdraws else logging.INFO
+        log.log(level, "replica of %s at %s: %s", record.block_key.hex(), record.holder, err.detail)
+        if failure.remembered:
+            self.failures.note(record.holder)
+        if failure.withdraws and self.withdraw_corrupt:
+            await self.withdraw(record)
+
+    # -- withdrawal on a holder's behalf --------------------------------------------------------------------------
+
+    async def withdraw(self, record: ReplicaRecord) -> bool:
+        """``DELETE {is}replicas/{holder-id}/{block_key}`` for a replica that served wrong data (spec, Error
+        Handling). True when the record is gone (204, or 404: it already was). A 403 is counted and that
+        holder's replicas are not withdrawn again by this fetcher."""
+        if record.holder in self._withdraw_denied:
+            self.metrics.withdrawals_denied += 1
+            return False
+        url = f"{self.index_uri}replicas/{holder_id(record.holder)}/{record.block_key.hex()}"
+        try:
+            response = await self.client.request("DELETE", url, timeout=self.timeout)
+        except TransportError as exc:
+            self.metrics.withdrawal_errors += 1
+            log.info("withdrawing %s failed: %s", url, exc)
+            return False
+        if response.status in (204, 404) or 200 <= response.status < 300:
+            self.metrics.withdrawals += 1
+            log.warning("withdrew the replica of %s at %s on its holder's behalf", record.block_key.hex(),
+                        record.holder)
+            return True
+        if response.status == 403:
+            self.metrics.withdrawals_denied += 1
+            self._withdraw_denied.add(record.holder)
+            log.info("not authorized to withdraw replicas of %s: %s", record.holder, response.problem())
+        else:
+            self.metrics.withdrawal_errors += 1
+            log.info("withdrawing %s: %s", url, response.problem() or response.status)
+        return False
+
+
+# -- helpers ----------------------------------------------------------------------------------------------------
+
+
+def _check_ids(compat_id: bytes, scope_id: bytes, keys: Sequence[bytes]) -> tuple[bytes, bytes, list[bytes]]:
+    if not isinstance(compat_id, bytes | bytearray) or len(compat_id) != 32:
+        raise ValueError("compat_id is 32 octets")
+    if not isinstance(scope_id, bytes | bytearray) or len(scope_id) != 16:
+        raise ValueError("scope_id is 16 octets")
+    as_object: object = keys
+    if isinstance(as_object, bytes | bytearray | str):
+        raise TypeError("keys is a sequence of 32-octet Block Keys")
+    out = [bytes(key) for key in keys]
+    if any(len(key) != 32 for key in out):
+        raise ValueError("every Block Key is 32 octets")
+    return bytes(compat_id), bytes(scope_id), out
+
+
+def _usable_prefix(answer: LookupResponse, compat: bytes, scope: bytes, keys: list[bytes]) -> list[LookupMatch]:
+    """The answer's blocks that are the requested keys in order, keeping only replicas of the request's scope and
+    compat_id; stops at the first block left without a replica."""
+    out: list[LookupMatch] = []
+    for i, match in enumerate(answer.blocks):
+        if i >= len(keys) or bytes(match.block_key) != keys[i]:
+            break
+        replicas = tuple(r for r in match.replicas if r.compat_id == compat and r.scope_id == scope)
+        if not replicas:
+            break
+        out.append(match if len(replicas) == len(match.replicas) else LookupMatch(match.block_key, replicas))
+    return out
+
+
+__all__ = [
+    "BlockFetcher", "BlockSource", "FetchResult", "HttpSource", "LayerStream", "Lease", "SourceBody",
+]

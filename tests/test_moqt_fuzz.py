@@ -1,0 +1,208 @@
+"""Fuzzing the moqt parsers and sessions: arbitrary or mutated octets may only raise MoqtError (parsers) or close
+the session (sessions); never another exception.
+
+The default runs are bounded (CI); the ``slow`` variants run longer, and KVSP_SLOW=1 runs them in full.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moqt.actions import CloseSession
+from moqt.control import ControlParser, encode_message
+from moqt.data import decode_datagram
+from moqt.dataparser import DataStreamParser
+from moqt.errors import MoqtError
+from moqt.events import SessionClosed
+from moqt.messages14 import ClientSetup, ServerSetup
+from moqt.messages18 import Setup
+from moqt.session import MoqtSession, Role, SessionConfig
+from moqt.types import Draft, GroupOrder, Location
+from moqt.varint import NeedMore
+
+from .test_moqt_codec import MESSAGES_14, MESSAGES_18
+from .test_moqt_data import DATAGRAMS, FETCH_OBJECTS, fetch_stream
+
+FULL = os.environ.get("KVSP_SLOW") == "1"
+drafts = st.sampled_from(list(Draft))
+chunks = st.lists(st.binary(max_size=64), max_size=8)
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SLOW = settings(max_examples=20_000 if FULL else 1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _valid_control(draft: Draft) -> bytes:
+    return b"".join(encode_message(m, draft) for m in (MESSAGES_14 if draft is Draft.D14 else MESSAGES_18))
+
+
+def _valid_data(draft: Draft) -> bytes:
+    return fetch_stream(draft, GroupOrder.ASCENDING, FETCH_OBJECTS)
+
+
+@st.composite
+def mutated(draw: st.DrawFn, kind: str) -> tuple[Draft, bytes]:
+    draft = draw(drafts)
+    data = bytearray(_valid_control(draft) if kind == "control" else _valid_data(draft))
+    for _ in range(draw(st.integers(1, 4))):
+        op = draw(st.sampled_from(["flip", "cut", "insert", "delete"]))
+        i = draw(st.integers(0, max(len(data) - 1, 0)))
+        if op == "flip" and data:
+            data[i] ^= 1 << draw(st.integers(0, 7))
+        elif op == "cut":
+            del data[i:]
+        elif op == "insert":
+            data[i:i] = draw(st.binary(min_size=1, max_size=4))
+        elif data:
+            del data[i:i + draw(st.integers(1, 8))]
+    return draft, bytes(data)
+
+
+def _feed_control(draft: Draft, parts: list[bytes]) -> None:
+    parser = ControlParser(draft)
+    try:
+        for part in parts:
+            parser.feed(part)
+    except MoqtError:
+        pass
+
+
+def _feed_data(draft: Draft, parts: list[bytes], fin: bool) -> None:
+    parser = DataStreamParser(draft, 3)
+    try:
+        for part in parts:
+            parser.feed(part)
+        parser.feed(b"", fin=fin)
+    except MoqtError:
+        pass
+
+
+def _split(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(data) + 1) for c in cuts})
+    return [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True)]
+
+
+# -- Parsers ------------------------------------------------------------------------------------------------
+
+
+@FAST
+@given(drafts, chunks)
+def test_control_parser_arbitrary_bytes(draft: Draft, parts: list[bytes]) -> None:
+    _feed_control(draft, parts)
+
+
+@FAST
+@given(mutated("control"), st.lists(st.integers(0, 10_000), max_size=4))
+def test_control_parser_mutated_messages(case: tuple[Draft, bytes], cuts: list[int]) -> None:
+    draft, data = case
+    _feed_control(draft, _split(data, cuts))
+
+
+@FAST
+@given(drafts, chunks, st.booleans())
+def test_data_parser_arbitrary_bytes(draft: Draft, parts: list[bytes], fin: bool) -> None:
+    _feed_data(draft, parts, fin)
+
+
+@FAST
+@given(mutated("data"), st.lists(st.integers(0, 10_000), max_size=4), st.booleans())
+def test_data_parser_mutated_streams(case: tuple[Draft, bytes], cuts: list[int], fin: bool) -> None:
+    draft, data = case
+    _feed_data(draft, _split(data, cuts), fin)
+
+
+@FAST
+@given(drafts, st.one_of(st.binary(max_size=40), st.sampled_from(DATAGRAMS).map(lambda d: d.encode(Draft.D14))))
+def test_datagram_decoder(draft: Draft, data: bytes) -> None:
+    with contextlib.suppress(MoqtError, NeedMore):
+        decode_datagram(draft, data)
+
+
+# -- Sessions -----------------------------------------------------------------------------------------------------
+
+
+def _session(draft: Draft, role: Role) -> MoqtSession:
+    s = MoqtSession.create(draft, role, SessionConfig(datagrams=True))
+    s.start()
+    if role is Role.SERVER:
+        setup = ClientSetup((draft.version,), ((2, 1000),)) if draft is Draft.D14 else Setup()
+        s.receive_stream_data(0 if draft is Draft.D14 else 2, encode_message(setup, draft))
+    else:
+        setup2 = ServerSetup(draft.version, ((2, 1000),)) if draft is Draft.D14 else Setup()
+        s.receive_stream_data(0 if draft is Draft.D14 else 3, encode_message(setup2, draft))
+        s.fetch((b"n",), b"t", Location(0, 0), Location(1, 0))
+        s.subscribe((b"n",), b"u")
+    s.take_actions()
+    return s
+
+
+inputs = st.lists(st.tuples(st.sampled_from(["data", "reset", "stop", "datagram"]), st.integers(0, 12),
+                            st.binary(max_size=48), st.booleans()), max_size=12)
+
+
+def _drive(session: MoqtSession, steps: list[tuple[str, int, bytes, bool]]) -> None:
+    for kind, stream, data, fin in steps:
+        if kind == "data":
+            events = session.receive_stream_data(stream, data, fin)
+        elif kind == "reset":
+            events = session.receive_stream_reset(stream, len(data))
+        elif kind == "stop":
+            events = session.receive_stop_sending(stream, len(data))
+        else:
+            events = session.receive_datagram(data)
+        actions = session.take_actions()
+        closes = [e for e in events if isinstance(e, SessionClosed)]
+        if closes:
+            assert isinstance(actions[-1], CloseSession) and session.closed
+
+
+@FAST
+@given(drafts, st.sampled_from(list(Role)), inputs)
+def test_session_arbitrary_inputs(draft: Draft, role: Role, steps: list[tuple[str, int, bytes, bool]]) -> None:
+    _drive(_session(draft, role), steps)
+
+
+@FAST
+@given(mutated("control"), st.sampled_from(list(Role)))
+def test_session_mutated_control_stream(case: tuple[Draft, bytes], role: Role) -> None:
+    draft, data = case
+    session = _session(draft, role)
+    stream = 0 if draft is Draft.D14 else 4
+    _drive(session, [("data", stream, data[i:i + 50], False) for i in range(0, len(data), 50)])
+
+
+@FAST
+@given(mutated("data"), st.booleans())
+def test_session_mutated_data_stream(case: tuple[Draft, bytes], fin: bool) -> None:
+    draft, data = case
+    session = _session(draft, Role.CLIENT)
+    _drive(session, [("data", 7, data, fin)])
+
+
+# -- Long runs ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@SLOW
+@given(mutated("control"), st.lists(st.integers(0, 10_000), max_size=6))
+def test_slow_control_parser_mutations(case: tuple[Draft, bytes], cuts: list[int]) -> None:
+    draft, data = case
+    _feed_control(draft, _split(data, cuts))
+
+
+@pytest.mark.slow
+@SLOW
+@given(mutated("data"), st.lists(st.integers(0, 10_000), max_size=6), st.booleans())
+def test_slow_data_parser_mutations(case: tuple[Draft, bytes], cuts: list[int], fin: bool) -> None:
+    draft, data = case
+    _feed_data(draft, _split(data, cuts), fin)
+
+
+@pytest.mark.slow
+@SLOW
+@given(drafts, st.sampled_from(list(Role)), inputs)
+def test_slow_session_inputs(draft: Draft, role: Role, steps: list[tuple[str, int, bytes, bool]]) -> None:
+    _drive(_session(draft, role), steps)
