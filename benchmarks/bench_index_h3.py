@@ -1,0 +1,133 @@
+"""The Index Service over HTTP/3: publish rate, lookup latency and lookup throughput against a real
+``kvsp-quic index --dev`` process, each next to the same operation in-process in the same run.
+
+    python -m benchmarks.bench_index_h3 [--records 8192] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from http3.client import KvspClient
+from http3.tls import TlsFiles
+from kvsp_quic.auth import Policy
+from kvsp_quic.keys import holder_id
+from kvsp_quic.records import LookupRequest, ReplicaRecord, ResidencyEntry
+from kvsp_quic.roles.index import IndexService
+from kvsp_quic.storage.memory_index import MemoryIndexStore
+
+HOLDER = "https://h1.example/kvsp/"
+COMPAT, SCOPE = hashlib.sha256(b"compat").digest(), hashlib.sha256(b"scope").digest()[:16]
+
+
+def record(i: int) -> ReplicaRecord:
+    digests = tuple(hashlib.sha256(b"%d/%d" % (i, n)).digest() for n in range(32))
+    return ReplicaRecord(hashlib.sha256(b"key%d" % i).digest(), COMPAT, SCOPE, HOLDER, 1, 16 << 20,  # type: ignore[arg-type]
+                         hashlib.sha256(b"".join(digests)).digest(), (ResidencyEntry("host", (0, 31)),), 600_000,
+                         digests)
+
+
+async def run(records: int, reps: int) -> list[tuple[str, str, str, float]]:
+    rows = []
+    recs = [record(i) for i in range(records)]
+    keys = [r.block_key for r in recs]
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.Popen([sys.executable, "-m", "kvsp_quic", "index", "--dev", tmp, "--log-level", "ERROR"],
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None
+            ready = json.loads(proc.stdout.readline())
+            base = ready["base_uri"]
+            files = TlsFiles(Path(ready["ca"]), Path(ready["client_cert"]), Path(ready["client_key"]))
+            async with KvspClient(files, timeout=120) as client:
+                hid = holder_id(HOLDER)
+                bodies = [json.dumps(r.to_json()).encode() for r in recs]
+                headers = {"content-type": "application/kvsp+json"}
+                sem = asyncio.Semaphore(64)
+
+                async def publish(i: int) -> None:
+                    async with sem:
+                        r = await client.request("PUT", f"{base}replicas/{hid}/{keys[i].hex()}", content=bodies[i],
+                                                 headers=headers)
+                        assert r.status in (200, 201), r.content
+
+                t0 = time.perf_counter()
+                await asyncio.gather(*(publish(i) for i in range(records)))
+                h3_rate = records / (time.perf_counter() - t0)
+
+                service = IndexService(MemoryIndexStore(), clock=time.monotonic)
+                principal = Policy.dev_ca().principal("urn:kvsp:client:bench")
+                assert principal is not None
+                t0 = time.perf_counter()
+                for r in recs:
+                    await service.publish(principal, hid, r.block_key, r)
+                local_rate = records / (time.perf_counter() - t0)
+                rows.append((f"publish {records} records (32 layer digests), 64 in flight", f"{h3_rate:,.0f}/s",
+                             f"{local_rate:,.0f}/s in-process", h3_rate / local_rate))
+
+                for hits in (64, records):
+                    lookup_keys = [*keys[:hits], hashlib.sha256(b"miss").digest(), *keys[hits + 1:records]]
+                    lookup_keys = lookup_keys[:8192]
+                    request = LookupRequest(SCOPE, COMPAT, tuple(lookup_keys))  # type: ignore[arg-type]
+                    body = json.dumps(request.to_json()).encode()
+                    h3_times, local_times = [], []
+                    for _ in range(reps):
+                        t0 = time.perf_counter()
+                        r = await client.request("POST", f"{base}lookup", content=body, headers=headers)
+                        h3_times.append(time.perf_counter() - t0)
+                        assert r.status == 200 and r.json()["matched"] == min(hits, len(lookup_keys))
+                        t0 = time.perf_counter()
+                        await service.lookup(principal, request)
+                        local_times.append(time.perf_counter() - t0)
+                    h3, local = statistics.median(h3_times), statistics.median(local_times)
+                    rows.append((f"lookup of {len(lookup_keys)} keys, {min(hits, len(lookup_keys))} matched",
+                                 f"{h3 * 1e3:.1f} ms", f"{local * 1e3:.1f} ms in-process", local / h3))
+
+                small = json.dumps(LookupRequest(SCOPE, COMPAT, tuple(keys[:64])).to_json()).encode()  # type: ignore[arg-type]
+                n = 2000
+
+                async def one() -> None:
+                    async with sem:
+                        await client.request("POST", f"{base}lookup", content=small, headers=headers)
+
+                t0 = time.perf_counter()
+                await asyncio.gather(*(one() for _ in range(n)))
+                h3_qps = n / (time.perf_counter() - t0)
+                small_request = LookupRequest(SCOPE, COMPAT, tuple(keys[:64]))  # type: ignore[arg-type]
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    await service.lookup(principal, small_request)
+                local_qps = n / (time.perf_counter() - t0)
+                rows.append(("lookup throughput, 64 keys all matched, 64 in flight", f"{h3_qps:,.0f}/s",
+                             f"{local_qps:,.0f}/s in-process", h3_qps / local_qps))
+        finally:
+            proc.terminate()
+            proc.wait()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--records", type=int, default=8192)
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    rows = asyncio.run(run(args.records, args.reps))
+    print(f"{os.cpu_count()} CPUs; the index in its own process (kvsp-quic index --dev), memory store\n")
+    print("| operation | over HTTP/3 | in-process (same run) | ratio |")
+    print("|---|---|---|---|")
+    for name, ours, base, ratio in rows:
+        print(f"| {name} | {ours} | {base} | {ratio:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
