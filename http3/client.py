@@ -123,7 +123,7 @@ class Response:
 class KvspClient:
     def __init__(self, files: TlsFiles, *, settings: TransportSettings = TransportSettings(),
                  connect_timeout: float = 5.0, timeout: float = 30.0, retries: int = 2, h3: bool = True,
-                 fallback_ttl: float = 300.0, fallback_http2: bool = False,
+                 fallback_ttl: float = 300.0, fallback_http2: bool = False, fallback: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.files = files
         self.settings = settings
@@ -131,6 +131,7 @@ class KvspClient:
         self.retries = retries
         self.h3_enabled = h3
         self.fallback_ttl = fallback_ttl
+        self.fallback = fallback  # False: HTTP/3 or nothing (tests, the interop matrix)
         self._clock = clock
         self._pool = H3Pool(files, settings, connect_timeout)
         self._no_h3: dict[tuple[str, int], float] = {}  # origin -> when to try HTTP/3 again
@@ -204,6 +205,8 @@ class KvspClient:
             try:
                 conn = await self._pool.get(*origin)
             except H3ConnectError as exc:
+                if not self.fallback:
+                    raise TransportError(str(exc)) from None
                 log.warning("%s; using HTTP/2 or HTTP/1.1 for %s:%d for %.0f s", exc, *origin, self.fallback_ttl)
                 self._no_h3[origin] = self._clock() + self.fallback_ttl
             else:

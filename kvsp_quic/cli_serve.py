@@ -66,6 +66,10 @@ def add_commands(sub: Any) -> None:
     holder.set_defaults(handler=cmd_holder)
 
 
+    # Parsed by interop.runner itself (kvsp_quic.cli.main hands it the arguments); listed here for --help.
+    sub.add_parser("interop", help="run the interop matrix (python -m interop; see kvsp-quic interop --help)")
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, metavar="FILE", help="TOML configuration (docs in README)")
     p.add_argument("--dev", type=Path, metavar="DIR",

@@ -1,0 +1,251 @@
+"""The test cases of the interop matrix: each drives one client implementation against our servers.
+
+A case gets the :class:`Env` (the running servers, the principals' certificates, a setup client) and a
+:class:`~interop.drivers.Driver`; it passes by returning, fails by raising AssertionError, and is unsupported by
+raising :class:`~interop.drivers.Unsupported`. Setup steps that are not what the case tests (storing the block a
+GET case reads) go through ``env.setup``, our own client, so a peer is judged only on the exchange under test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from http3.client import KvspClient
+from http3.tls import TlsFiles
+from kvsp_quic import container
+from kvsp_quic.compat import CompatDescriptor
+from kvsp_quic.keys import BlockKeyer, holder_id, instance_id
+from kvsp_quic.samples import random_sections
+
+from .drivers import Driver, Refused, Reply, Request
+
+JSON = {"content-type": "application/kvsp+json"}
+BLOCK = {"content-type": "application/kvsp-block", "if-none-match": "*"}
+KVSP = "https://iana.org/assignments/kvsp#"
+
+
+@dataclass
+class Env:
+    index: str  # base URIs of our servers
+    holder: str
+    tls: Callable[[str], TlsFiles]  # principal name -> its files ("dev", "expired", "foreign", "instance")
+    instance_uri: str  # the base URI in the "instance" certificate
+    setup: KvspClient  # our client, as the dev principal
+    instance_client: KvspClient  # our client, as the instance principal
+    descriptor: CompatDescriptor
+    keyer: BlockKeyer
+    counter: int = 0
+
+    async def setup_as_instance(self, method: str, url: str, body: bytes) -> int:
+        r = await self.instance_client.request(method, url, content=body, headers=JSON)
+        return r.status
+
+    def fresh(self) -> int:
+        """A number no other cell has used: every cell works on its own keys."""
+        self.counter += 1
+        return self.counter
+
+
+Case = Callable[[Env, Driver], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class CaseInfo:
+    name: str
+    resource: str  # the spec resource (or MOQT feature) it covers
+    run: Case | None  # None: no server of ours implements it yet
+    why_not: str = ""
+
+
+def expect(reply: Reply | Refused, status: int, what: str) -> Reply:
+    assert isinstance(reply, Reply), f"{what}: no HTTP exchange ({reply.reason if isinstance(reply, Refused) else ''})"
+    assert reply.status == status, f"{what}: status {reply.status}, expected {status}: {reply.body[:300]!r}"
+    return reply
+
+
+def expect_problem(reply: Reply | Refused, status: int, suffix: str | None, what: str) -> None:
+    r = expect(reply, status, what)
+    assert r.headers.get("content-type", "").startswith("application/problem+json"), f"{what}: not problem+json"
+    if suffix is not None:
+        assert json.loads(r.body)["type"] == KVSP + suffix, f"{what}: problem type {json.loads(r.body)['type']}"
+
+
+def block_of(env: Env, n: int) -> tuple[bytes, bytes, Any]:
+    """Block *n* of a prompt of its own: key, container octets, encoded container."""
+    tokens = list(range(n * 1000, n * 1000 + env.descriptor.block_tokens))
+    key = env.keyer.keys(tokens)[-1]
+    enc = container.encode(random_sections(env.descriptor, env.descriptor.block_tokens, 0,
+                                           env.descriptor.layers - 1, seed=n),
+                           first_layer=0, token_count=env.descriptor.block_tokens, descriptor=env.descriptor)
+    return key, enc.tobytes(), enc
+
+
+def block_url(env: Env, key: bytes, query: str = "") -> str:
+    return (f"{env.holder}blocks/{env.descriptor.compat_id.hex()}/{env.keyer.scope_id.hex()}/{key.hex()}"
+            + (f"?{query}" if query else ""))
+
+
+def replica_record(env: Env, key: bytes, holder: str, ttl_ms: int = 60_000) -> dict[str, Any]:
+    digests = [hashlib.sha256(key + bytes([i])).digest() for i in range(env.descriptor.layers)]
+    return {"block_key": key.hex(), "compat_id": env.descriptor.compat_id.hex(), "scope_id": env.keyer.scope_id.hex(),
+            "holder": holder, "codec": 1, "size": 1 << 20,
+            "digest": "sha-256:" + hashlib.sha256(b"".join(digests)).hexdigest(),
+            "layer_digests": [d.hex() for d in digests],
+            "residency": [{"tier": "host", "layers": [0, env.descriptor.layers - 1]}], "ttl_ms": ttl_ms}
+
+
+async def stored(env: Env, n: int) -> tuple[bytes, bytes, Any]:
+    key, body, enc = block_of(env, n)
+    r = await env.setup.request("PUT", block_url(env, key), content=body, headers=BLOCK)
+    assert r.status == 201, f"setup: storing block {n} gave {r.status}"
+    return key, body, enc
+
+
+def send(driver: Driver, env: Env, who: str = "dev") -> Callable[..., Awaitable[Reply | Refused]]:
+    async def call(method: str, url: str, body: bytes = b"", headers: dict[str, str] | None = None,
+                   log: list[str] | None = None) -> Reply | Refused:
+        request = Request(method, url, body, headers or {})
+        return await driver.send(request, env.tls(who), log if log is not None else [])
+    return call
+
+
+# -- the cases ---------------------------------------------------------------------------------------------------
+
+
+async def mtls_refused(env: Env, driver: Driver) -> None:
+    for who in ("expired", "foreign"):
+        reply = await send(driver, env, who)("GET", f"{env.holder}blocks/00/00/00")
+        assert isinstance(reply, Refused), f"a client with the {who} certificate got HTTP status {reply.status}"
+
+
+async def replica_publish_refresh_withdraw(env: Env, driver: Driver) -> None:
+    call = send(driver, env)
+    key = hashlib.sha256(b"replica %d" % env.fresh()).digest()
+    holder = "https://h-interop.example/kvsp/"
+    url = f"{env.index}replicas/{holder_id(holder)}/{key.hex()}"
+    body = json.dumps(replica_record(env, key, holder)).encode()
+    created = expect(await call("PUT", url, body, JSON), 201, "publish")
+    assert json.loads(created.body)["block_key"] == key.hex()
+    expect(await call("PUT", url, body, JSON), 200, "refresh")
+    expect(await call("DELETE", url), 204, "withdraw")
+    expect_problem(await call("DELETE", url), 404, "kvsp-not-found", "withdraw again")
+
+
+async def lookup_with_estimates(env: Env, driver: Driver) -> None:
+    call = send(driver, env)
+    n = env.fresh()
+    key, _, _ = await stored(env, 10_000 + n)  # the holder publishes it to the index
+    status = {"instance": env.instance_uri, "epoch": 1000 + n, "state": "active", "ttl_ms": 30_000,
+              "prefill_tokens_per_s": 10_000, "links": [{"holder": env.holder, "mbit_per_s": 10_000, "rtt_us": 50}]}
+    r = await env.setup_as_instance("PUT", f"{env.index}instances/{instance_id(env.instance_uri)}/status",
+                                    json.dumps(status).encode())
+    assert r == 200, f"setup: status report gave {r}"
+    request = {"scope_id": env.keyer.scope_id.hex(), "compat_id": env.descriptor.compat_id.hex(),
+               "block_keys": [key.hex(), hashlib.sha256(b"absent").hexdigest()], "targets": [env.instance_uri]}
+    for _ in range(100):  # the holder publishes asynchronously
+        reply = expect(await call("POST", f"{env.index}lookup", json.dumps(request).encode(), JSON), 200, "lookup")
+        answer = json.loads(reply.body)
+        if answer["matched"] == 1:
+            break
+        await asyncio.sleep(0.05)
+    assert answer["matched"] == 1 and answer["blocks"][0]["replicas"][0]["holder"] == env.holder, answer
+    target = answer["targets"][0]
+    assert target["instance"] == env.instance_uri and target["fetch_us"] > 0 and target["recompute_us"] > 0, target
+
+
+async def instance_status(env: Env, driver: Driver) -> None:
+    call = send(driver, env, "instance")
+    url = f"{env.index}instances/{instance_id(env.instance_uri)}/status"
+    epoch = 10**9 + env.fresh() * 10
+    record = {"instance": env.instance_uri, "epoch": epoch, "state": "active", "ttl_ms": 30_000}
+    reply = expect(await call("PUT", url, json.dumps(record).encode(), JSON), 200, "status")
+    assert json.loads(reply.body) == {"state": "active"}
+    stale = dict(record, epoch=epoch - 1)
+    expect_problem(await call("PUT", url, json.dumps(stale).encode(), JSON), 409, "kvsp-stale-epoch", "stale epoch")
+
+
+async def block_put_and_412(env: Env, driver: Driver) -> None:
+    call = send(driver, env)
+    key, body, _ = block_of(env, 20_000 + env.fresh())
+    created = expect(await call("PUT", block_url(env, key), body, BLOCK), 201, "store")
+    assert json.loads(created.body)["block_key"] == key.hex()
+    expect(await call("PUT", block_url(env, key), body, BLOCK), 412, "store again")
+
+
+def _check_repr_digest(reply: Reply) -> None:
+    field_ = reply.headers.get("repr-digest", "")
+    assert field_.startswith("sha-256=:") and field_.endswith(":"), f"Repr-Digest {field_!r}"
+    assert base64.b64decode(field_[9:-1]) == hashlib.sha256(reply.body).digest(), "Repr-Digest does not match"
+
+
+async def block_get_whole(env: Env, driver: Driver) -> None:
+    key, body, _ = await stored(env, 30_000 + env.fresh())
+    reply = expect(await send(driver, env)("GET", block_url(env, key)), 200, "GET")
+    assert reply.body == body, "the container differs from the one stored"
+    _check_repr_digest(reply)
+    assert reply.headers.get("cache-control", "").startswith("private, immutable"), reply.headers
+
+
+async def block_get_layers(env: Env, driver: Driver) -> None:
+    key, _, enc = await stored(env, 40_000 + env.fresh())
+    reply = expect(await send(driver, env)("GET", block_url(env, key, "layers=3-5")), 200, "GET layers")
+    _check_repr_digest(reply)
+    header, layers = container.decode(reply.body, env.descriptor,
+                                      expected_layer_digests=enc.layer_digests)  # verified layer by layer
+    assert [layer.index for layer in layers] == [3, 4, 5] and header.first_layer == 3
+
+
+async def block_not_found(env: Env, driver: Driver) -> None:
+    key = hashlib.sha256(b"never stored %d" % env.fresh()).digest()
+    expect_problem(await send(driver, env)("GET", block_url(env, key)), 404, "kvsp-not-found", "GET unknown")
+
+
+async def lease_lifecycle(env: Env, driver: Driver) -> None:
+    call = send(driver, env)
+    key, _, _ = await stored(env, 50_000 + env.fresh())
+    request = {"compat_id": env.descriptor.compat_id.hex(), "scope_id": env.keyer.scope_id.hex(),
+               "block_keys": [key.hex()], "ttl_ms": 5000}
+    created = expect(await call("POST", f"{env.holder}leases", json.dumps(request).encode(), JSON), 201, "lease")
+    lease = json.loads(created.body)
+    assert created.headers.get("location") == f"leases/{lease['lease']}" and lease["block_keys"] == [key.hex()]
+    url = f"{env.holder}leases/{lease['lease']}"
+    renewed = expect(await call("PUT", url, json.dumps({"ttl_ms": 4000}).encode(), JSON), 200, "renew")
+    assert json.loads(renewed.body)["ttl_ms"] == 4000
+    expect(await call("DELETE", url), 204, "release")
+    expect_problem(await call("DELETE", url), 404, "kvsp-not-found", "release again")
+
+
+async def lease_quota(env: Env, driver: Driver) -> None:
+    key, _, _ = await stored(env, 60_000 + env.fresh())
+    request = {"compat_id": env.descriptor.compat_id.hex(), "scope_id": env.keyer.scope_id.hex(),
+               "block_keys": [key.hex()], "ttl_ms": 10**9}  # far above the holder's maximum lease TTL
+    reply = await send(driver, env)("POST", f"{env.holder}leases", json.dumps(request).encode(), JSON)
+    expect_problem(reply, 429, "kvsp-lease-quota", "lease over quota")
+
+
+_PC = "no server of kvsp-quic serves this resource yet (inference instance: issue #6; Placement Controller: #7)"
+
+CASES: list[CaseInfo] = [
+    CaseInfo("mtls-refused", "mutual TLS (every resource)", mtls_refused),
+    CaseInfo("replica-publish-refresh-withdraw", "IS PUT, DELETE replicas/{holder-id}/{block_key}",
+             replica_publish_refresh_withdraw),
+    CaseInfo("lookup-with-estimates", "IS POST lookup (with targets)", lookup_with_estimates),
+    CaseInfo("instance-status", "PC PUT instances/{instance-id}/status (served by the index process)",
+             instance_status),
+    CaseInfo("block-put-412", "Holder PUT blocks/{compat}/{scope}/{block_key}", block_put_and_412),
+    CaseInfo("block-get-whole", "Holder GET blocks/... (Repr-Digest)", block_get_whole),
+    CaseInfo("block-get-layers", "Holder GET blocks/...?layers=a-b", block_get_layers),
+    CaseInfo("block-not-found", "Holder GET blocks/... unknown (problem+json)", block_not_found),
+    CaseInfo("lease-lifecycle", "Holder POST leases; PUT, DELETE leases/{id}", lease_lifecycle),
+    CaseInfo("lease-quota", "Holder POST leases over quota (kvsp-lease-quota)", lease_quota),
+    CaseInfo("prefetch", "II POST prefetch; GET prefetch/{id}", None, _PC),
+    CaseInfo("instance-state", "II PUT state (lifecycle)", None, _PC),
+    CaseInfo("checkpoint-resume", "PC PUT sessions/{id}/checkpoint; II POST sessions/{id}/resume", None, _PC),
+    CaseInfo("reshard-commit-abort", "II POST reshard (plan, commit, abort)", None, _PC),
+]
