@@ -11,6 +11,12 @@ every transport failure, is reported as failed and the holder retries it with ba
 own tasks, at most *concurrency* at a time, so request handling never waits for the Index Service. The loop
 also drives the holder's timers (:meth:`Holder.tick`).
 
+With *moqt_uri* (the holder's ``moqt://host:port/``, whose UDP port serves MOQT next to HTTP/3) every record is
+also published as its MOQT twin (:func:`moqt.kvsp.moqt_record`: ``holder`` = *moqt_uri*, ``moqt_namespace``) at
+``replicas/{holder-id of moqt_uri}/{block_key}``, and withdrawn with it. The Index Service accepts the twin only
+from a holder whose policy entry lists *moqt_uri* in ``publish_for``; a 403 for it is logged once and not retried
+(the ``https`` record is what counts).
+
     publisher = ReplicaPublisher(holder, client, "https://is.example/kvsp/")
     publisher.start()
     ...
@@ -26,7 +32,9 @@ import logging
 
 from kvsp_quic import fields as f
 from kvsp_quic.keys import uri_id
+from kvsp_quic.records import ReplicaRecord
 from kvsp_quic.roles.holder import Holder, Intent, IntentKind
+from moqt.kvsp import moqt_record
 
 from .client import KvspClient
 
@@ -37,11 +45,13 @@ JSON_MEDIA_TYPE = "application/kvsp+json"
 
 class ReplicaPublisher:
     def __init__(self, holder: Holder, client: KvspClient, index_base: str, *, concurrency: int = 8,
-                 max_sleep: float = 1.0, timeout: float = 10.0) -> None:
+                 max_sleep: float = 1.0, timeout: float = 10.0, moqt_uri: str | None = None) -> None:
         self.holder = holder
         self.client = client
         self.index_base = f.base_uri(index_base, "index base URI")
         self.holder_id = uri_id(holder.base_uri)
+        self.moqt_uri = f.base_uri(moqt_uri, "moqt URI", schemes=("moqt",)) if moqt_uri is not None else None
+        self._moqt_refused = False  # the Index Service answered 403 for a MOQT twin (logged once)
         self.concurrency = concurrency
         self.max_sleep = max_sleep
         self.timeout = timeout
@@ -50,8 +60,9 @@ class ReplicaPublisher:
         self._inflight: set[asyncio.Task[None]] = set()
         self._stopping = False
 
-    def url(self, block_key_hex: str) -> str:
-        return f"{self.index_base}replicas/{self.holder_id}/{block_key_hex}"
+    def url(self, block_key_hex: str, holder: str | None = None) -> str:
+        holder_id = self.holder_id if holder is None else uri_id(holder)
+        return f"{self.index_base}replicas/{holder_id}/{block_key_hex}"
 
     @property
     def running(self) -> bool:
@@ -113,17 +124,10 @@ class ReplicaPublisher:
         url = self.url(intent.block_key)
         ok = False
         try:
-            if intent.kind is IntentKind.PUBLISH:
-                assert intent.record is not None
-                body = json.dumps(intent.record.to_json(), separators=(",", ":")).encode()
-                response = await self.client.request("PUT", url, headers={"content-type": JSON_MEDIA_TYPE},
-                                                     content=body, timeout=self.timeout)
-                ok = 200 <= response.status < 300
-            else:
-                response = await self.client.request("DELETE", url, timeout=self.timeout)
-                ok = 200 <= response.status < 300 or response.status == 404
-            if not ok:
-                log.warning("%s %s: %s", intent.kind.value, url, response.problem() or response.status)
+            ok = await self._one(intent, url, intent.record)
+            if ok and self.moqt_uri is not None:
+                twin = moqt_record(intent.record, self.moqt_uri) if intent.record is not None else None
+                ok = await self._one(intent, self.url(intent.block_key, self.moqt_uri), twin, twin=True)
         except asyncio.CancelledError:
             self.holder.intent_done(intent, False)
             raise
@@ -133,3 +137,23 @@ class ReplicaPublisher:
             log.exception("%s %s failed", intent.kind.value, url)
         self.holder.intent_done(intent, ok)
         self._wake.set()
+
+    async def _one(self, intent: Intent, url: str, record: ReplicaRecord | None, *, twin: bool = False) -> bool:
+        if intent.kind is IntentKind.PUBLISH:
+            assert record is not None
+            body = json.dumps(record.to_json(), separators=(",", ":")).encode()
+            response = await self.client.request("PUT", url, headers={"content-type": JSON_MEDIA_TYPE},
+                                                 content=body, timeout=self.timeout)
+            ok = 200 <= response.status < 300
+        else:
+            response = await self.client.request("DELETE", url, timeout=self.timeout)
+            ok = 200 <= response.status < 300 or response.status == 404
+        if not ok and twin and response.status == 403:  # the policy lacks publish_for: not worth retrying
+            if not self._moqt_refused:
+                self._moqt_refused = True
+                log.warning("the Index Service refuses MOQT records for %s (add it to this holder's publish_for): "
+                            "%s", self.moqt_uri, response.problem() or response.status)
+            return True
+        if not ok:
+            log.warning("%s %s: %s", intent.kind.value, url, response.problem() or response.status)
+        return ok

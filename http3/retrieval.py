@@ -28,9 +28,10 @@ withdraws the replica on the holder's behalf (``DELETE {is}replicas/{holder-id}/
 A block no replica delivers is reported missing -- a miss is never an exception; only misuse raises.
 
 Source kinds: an attempt talks to a :class:`BlockSource` chosen by the replica's holder URI.
-:class:`HttpSource` serves ``https`` holders; a MOQT source for ``moqt://`` holders plugs in the same way: its
-``open`` returns the container octets (a header built from the descriptor, then each object's K || V payload,
-which is the layer digest's input) with ``repr_digest=None``, and the same decoder verifies the layer digests.
+:class:`HttpSource` serves ``https`` holders; :class:`http3.moqt_source.MoqtSource` serves ``moqt://`` holders the
+same way: its ``open`` returns the container octets (a header built from the descriptor, then each object's
+K || V payload, which is the layer digest's input) with ``repr_digest=None``, and the same decoder verifies the
+layer digests.
 
 Concurrency: streams are independent; bound them with a semaphore::
 
@@ -97,7 +98,7 @@ _ERROR_BODY_LIMIT = 64 << 10
 class SourceBody:
     """The container octets one source sends for one request."""
 
-    chunks: AsyncIterator[bytes]  # immutable chunks (kept as views in the zero-copy decoder mode)
+    chunks: AsyncIterator[bytes | memoryview]  # immutable chunks (kept as views in the zero-copy decoder mode)
     repr_digest: bytes | None  # SHA-256 of the whole body as the source states it; None: this kind states none
     transport: str  # "HTTP/3", "HTTP/2", "HTTP/1.1", "moqt", ...: the key of RetrievalMetrics.bytes_by_transport
     close: Callable[[], Awaitable[None]]
@@ -389,13 +390,14 @@ class LayerStream:
             fetcher.metrics.layers += 1
             return layer
 
-        whole = hashlib.sha256()
+        whole = hashlib.sha256() if body.repr_digest is not None else None  # sources without one: no extra pass
         held: list[DecodedLayer] = []
         checked = False
         try:
             async for chunk in body.chunks:
                 fetcher.metrics.add_bytes(body.transport, len(chunk))
-                whole.update(chunk)
+                if whole is not None:
+                    whole.update(chunk)
                 layers = decoder.feed(chunk)
                 if not checked and decoder.header is not None:
                     self._check_header(decoder.header, record, first, last)
@@ -406,7 +408,7 @@ class LayerStream:
                 else:  # the layers that end the container wait for the end of the body and Repr-Digest
                     held.extend(layers)
             decoder.finish()
-            if body.repr_digest is not None and whole.digest() != body.repr_digest:
+            if whole is not None and whole.digest() != body.repr_digest:
                 raise AttemptError(Failure.CORRUPT, f"{record.holder}: Repr-Digest does not match the body")
         except DigestMismatch as exc:
             raise AttemptError(Failure.CORRUPT, f"{record.holder}: {exc.detail}") from None

@@ -201,6 +201,8 @@ async def run_holder(cfg: HolderFile, *, dev_dir: Path | None, policy_path: Path
     from http3.client import KvspClient
     from http3.holder_app import holder_app
     from http3.publisher import ReplicaPublisher
+    from moqt.aio_kvsp import holder_moqt_handlers
+    from moqt.kvsp import moqt_uri_for
 
     from .roles.holder import Holder, HolderSettings
     from .roles.leases import LeaseLimits
@@ -229,7 +231,9 @@ async def run_holder(cfg: HolderFile, *, dev_dir: Path | None, policy_path: Path
         recovered = holder.recover()
         if recovered:
             log.info("recovered %d block(s) from local storage", recovered)
-        server = await serve_app(prepared, holder_app(holder, prepared.policy))
+        moqt_uri = moqt_uri_for(prepared.base_uri)  # the same UDP port serves MOQT (moq-00, moqt-18) next to h3
+        server = await serve_app(prepared, holder_app(holder, prepared.policy),
+                                 quic_handlers=holder_moqt_handlers(holder, prepared.policy))
     except ValueError as exc:
         for sock in prepared.sockets:
             if sock is not None:
@@ -238,13 +242,13 @@ async def run_holder(cfg: HolderFile, *, dev_dir: Path | None, policy_path: Path
     publisher = None
     if section.index is not None:
         client = KvspClient(prepared.files, settings=prepared.settings)
-        publisher = ReplicaPublisher(holder, client, section.index)
+        publisher = ReplicaPublisher(holder, client, section.index, moqt_uri=moqt_uri)
         publisher.start()
     else:
         log.warning("no Index Service configured (holder.index / --index): replicas are not published")
     log.info("Holder at %s (%d descriptor(s), host tier %d octets%s)", prepared.base_uri, len(descriptors),
              section.host_capacity, f", local-storage {local.path}" if local else "")
-    announce(prepared, index=section.index)
+    announce(prepared, index=section.index, moqt=moqt_uri)
     try:
         await _wait(stop)
     finally:

@@ -458,6 +458,23 @@ class Holder:
     def fetch(self, principal: Principal, compat_id: bytes, scope_id: bytes, block_key: bytes,
               layers: tuple[int, int] | None = None, codec: int | None = None) -> Fetched:
         """GET blocks/{compat}/{scope}/{block_key}[?layers=a-b][&codec=n]."""
+        rep, tier, container = self._read(principal, compat_id, scope_id, block_key, layers, codec)
+        if container.header.first_layer == 0 and container.header.layer_count == len(rep.meta.layer_digests):
+            if rep.repr_digest is None:
+                rep.repr_digest = container.repr_digest()
+            digest = rep.repr_digest
+        else:
+            digest = container.repr_digest()
+        return Fetched(container, digest, self._max_age(rep, self._clock()), tier)
+
+    def read(self, principal: Principal, compat_id: bytes, scope_id: bytes, block_key: bytes,
+             layers: tuple[int, int] | None = None) -> EncodedContainer:
+        """What :meth:`fetch` checks and returns, without the representation digest: for transports that carry
+        the sections with their layer digests only (MOQT). The sections are views of the stored container."""
+        return self._read(principal, compat_id, scope_id, block_key, layers, None)[2]
+
+    def _read(self, principal: Principal, compat_id: bytes, scope_id: bytes, block_key: bytes,
+              layers: tuple[int, int] | None, codec: int | None) -> tuple[Replica, str, EncodedContainer]:
         require_scope(principal, scope_id)
         self.descriptor(compat_id)
         block = BlockId(bytes(compat_id), bytes(scope_id), bytes(block_key))
@@ -478,14 +495,8 @@ class Holder:
             self.fault(block, fault.reason)
             raise NotFound(f"the replica of {block.block_key.hex()} failed verification and was dropped") from None
         container = cut(data, first, last, layer_digests=rep.meta.layer_digests)
-        if first == 0 and last == count - 1:
-            if rep.repr_digest is None:
-                rep.repr_digest = container.repr_digest()
-            digest = rep.repr_digest
-        else:
-            digest = container.repr_digest()
         self.metrics["fetched"] += 1
-        return Fetched(container, digest, self._max_age(rep, self._clock()), tier.name)
+        return rep, tier.name, container
 
     def _max_age(self, rep: Replica, now: float) -> int:
         until = rep.advertised_until if rep.expires_at is None else min(rep.advertised_until, rep.expires_at)
