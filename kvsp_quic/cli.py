@@ -140,9 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="an extra SAN IP address or DNS name for every role certificate (repeatable)")
     cinit.set_defaults(handler=cmd_certs_init)
 
-    from .cli_serve import add_commands
+    from . import cli_model, cli_serve
 
-    add_commands(sub)
+    cli_model.add_commands(sub)
+    cli_serve.add_commands(sub)
     return parser
 
 
