@@ -1,0 +1,72 @@
+"""The front end's protocol logic, free of I/O: exactly-once token delivery across instance failures.
+
+Spec, Session Checkpoints and Migration: "Every output token carries its index and the session epoch, and front
+ends MUST discard tokens that carry a lower epoch than one they have already seen for the session", and a
+resumed instance may regenerate tokens the client already has (deterministic samplers), "and the front end
+discards the duplicates by index". :class:`TokenRelay` is that rule; docs/inference.md is the whole exchange.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .problems import BadRequest
+
+
+class TokenGap(BadRequest):
+    """An instance skipped an index: what the client received would not be one consistent sample."""
+
+
+@dataclass
+class TokenRelay:
+    """Decides which labelled tokens reach the client: each index once, in order, never from a lower epoch."""
+
+    next_index: int = 0  # the next index the client lacks
+    epoch: int = 0  # the highest epoch seen
+    duplicates: int = 0  # tokens dropped because their index was already delivered
+    stale: int = 0  # tokens dropped because of a lower epoch
+
+    def offer(self, index: int, epoch: int, token: int) -> bool:
+        """True when *token* at *index* is to be delivered now; False when it must be discarded."""
+        if epoch < self.epoch:
+            self.stale += 1
+            return False
+        self.epoch = epoch
+        if index < self.next_index:
+            self.duplicates += 1
+            return False
+        if index > self.next_index:
+            raise TokenGap(f"token index {index} arrived while {self.next_index} is still missing (epoch {epoch})")
+        self.next_index += 1
+        return True
+
+    def new_epoch(self, epoch: int) -> None:
+        """The PC moved the session: tokens of older epochs are from now on refused."""
+        self.epoch = max(self.epoch, epoch)
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    """An OpenAI-style request's sampling fields as the Session Checkpoint's sampler."""
+
+    method: str
+    params: dict[str, float]
+    seed: int
+    deterministic: bool
+
+    @classmethod
+    def from_openai(cls, temperature: float | None, top_p: float | None, seed: int | None,
+                    default_seed: int) -> SamplingRequest:
+        if temperature is not None and (temperature < 0 or temperature > 2):
+            raise BadRequest("temperature must be in [0, 2]")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise BadRequest("top_p must be in (0, 1]")
+        if temperature == 0 or (temperature is None and top_p is None):
+            return cls("greedy", {}, seed if seed is not None else default_seed, True)
+        params = {"p": top_p if top_p is not None else 1.0, "temperature": temperature if temperature is not None
+                  else 1.0}
+        return cls("top-p", params, seed if seed is not None else default_seed, False)
+
+    def to_json(self) -> dict[str, object]:
+        return {"method": self.method, "params": self.params, "seed": self.seed, "step": 0,
+                "deterministic": self.deterministic}
