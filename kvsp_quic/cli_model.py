@@ -13,7 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .cli import _nonneg_int, _positive_int, _usage
+
 SUPPORTED_DTYPES = ("fp32", "bf16", "fp16")
+
 
 
 def add_commands(sub: Any) -> None:
@@ -72,32 +75,10 @@ def add_commands(sub: Any) -> None:
     gen.set_defaults(handler=cmd_model_generate)
 
 
-def _usage(parser: argparse.ArgumentParser) -> int:
-    parser.print_help(sys.stderr)
-    return 2
-
-
-def _positive_int(text: str) -> int:
-    value = _nonneg_int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
-
-
 def _even_int(text: str) -> int:
     value = _positive_int(text)
     if value % 2:
         raise argparse.ArgumentTypeError(f"{text!r} is not even (rotary embeddings pair dimensions)")
-    return value
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is negative")
     return value
 
 
