@@ -124,10 +124,13 @@ class Completion:
                         continue
                     item = json.loads(line)
                     if item.get("done"):
-                        if int(item["epoch"]) >= self.relay.epoch:
-                            yield int(item["index"]), -1, str(item.get("reason", "length"))
-                            return
-                        continue
+                        if int(item["epoch"]) < self.relay.epoch:
+                            continue
+                        if item.get("reason") == "error":
+                            raise Unavailable(f"the instance could not complete the session: "
+                                              f"{item.get('detail', 'no detail')}")
+                        yield int(item["index"]), -1, str(item.get("reason", "length"))
+                        return
                     if self.relay.offer(int(item["index"]), int(item["epoch"]), int(item["token"])):
                         fe.stats.tokens += 1
                         yield int(item["index"]), int(item["token"]), None

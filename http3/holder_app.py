@@ -32,9 +32,11 @@ from http3.app_kit import (
 )
 from http3.asgi_types import ASGIApp, Receive, Scope, Send
 from http3.authz import Rule, principal_of
+from http3.metrics_app import TransferMetrics, mount_metrics
 from http3.problem_response import install
 from kvsp_quic import fields as f
 from kvsp_quic.auth import Policy, Role
+from kvsp_quic.metrics import Registry, holder_collectors
 from kvsp_quic.problems import NotFound
 from kvsp_quic.records import LeaseRenewal, LeaseRequest
 from kvsp_quic.roles.holder import Fetched, Holder, parse_codec, parse_layers
@@ -161,9 +163,14 @@ def holder_routes(holder: Holder, *, max_json_bytes: int = MAX_JSON_BYTES) -> St
 
 
 def holder_app(holder: Holder, policy: Policy, *, base_path: str | None = None,
-               max_json_bytes: int = MAX_JSON_BYTES) -> ASGIApp:
+               max_json_bytes: int = MAX_JSON_BYTES, metrics: Registry | None = None) -> ASGIApp:
     """The holder's ASGI app: authorization by certificate identity and :data:`RULES`, served below *base_path*
-    (default: the path of the holder's base URI, e.g. ``"/kvsp/"``)."""
+    (default: the path of the holder's base URI, e.g. ``"/kvsp/"``). With *metrics*, ``GET metrics`` (any
+    principal) serves it, with the holder's counters and the body octets it moved by transport."""
     routes = holder_routes(holder, max_json_bytes=max_json_bytes)
     path = urlsplit(holder.base_uri).path if base_path is None else base_path
-    return role_app(routes, policy, RULES, path)
+    if metrics is None:
+        return role_app(routes, policy, RULES, path)
+    holder_collectors(metrics, holder.metrics)
+    rules = mount_metrics(routes, metrics, RULES)
+    return TransferMetrics(role_app(routes, policy, rules, path), metrics, component="holder")

@@ -9,7 +9,11 @@ Resources, relative to the base URI's path (docs/wire.md, "Index Service"), with
 * ``PUT replicas/{holder_id}/{block_key}`` (holder): 201 + the stored record when created, 200 + it when refreshed;
 * ``DELETE replicas/{holder_id}/{block_key}`` (holder): 204;
 * ``POST lookup`` (controller, instance, client, holder): 200 + the lookup response;
-* ``PUT instances/{instance_id}/status`` (instance): 200 + ``{"state": s}``.
+* ``PUT instances/{instance_id}/status`` (instance): 200 + ``{"state": s}``;
+* with ``metrics``: ``GET metrics`` (any principal), the Prometheus text format (:mod:`http3.metrics_app`).
+
+The Placement Controller's resources are added to the same app by :func:`http3.controller_app.controller_app`
+(the Index Service and the PC run as one process); :func:`index_routes` is what both share.
 
 Request bodies must be ``application/kvsp+json`` (else 415) and at most ``max_body_bytes`` (else 413); they are
 parsed with the records' strict readers (400). Every response carries ``Cache-Control: no-store``; bodies are
@@ -22,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 from starlette.applications import Starlette
@@ -31,14 +35,16 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kvsp_quic import fields as f
-from kvsp_quic.auth import Policy
+from kvsp_quic.auth import Policy, Principal
+from kvsp_quic.metrics import KvspMetrics, Registry
 from kvsp_quic.problems import BadRequest
-from kvsp_quic.records import InstanceStatusRecord, LookupRequest, LookupResponse, ReplicaRecord
+from kvsp_quic.records import InstanceStatusRecord, LookupRequest, LookupResponse, ReplicaRecord, StateMessage
 from kvsp_quic.roles.index import IndexService
 
 from .app_kit import NO_STORE, kvsp_json, read_json_body, role_app
 from .asgi_types import ASGIApp
 from .authz import Rule, principal_of
+from .metrics_app import TransferMetrics, mount_metrics
 from .problem_response import install
 
 log = logging.getLogger("kvsp.index")
@@ -76,11 +82,16 @@ def _uri_id(request: Request, name: str) -> str:
     return value
 
 
-def index_app(service: IndexService, policy: Policy, *, base_path: str = "/",
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, rules: Sequence[Rule] = INDEX_RULES,
-              sweep_interval: float | None = 1.0, sweep_limit: int = 65536) -> ASGIApp:
-    """The Index Service as an ASGI app (see the module docstring). *sweep_interval* seconds between removals
-    of expired entries while the app's lifespan runs (None: never; lookups skip expired entries anyway)."""
+StatusHandler = Callable[[Principal, str, InstanceStatusRecord], StateMessage]
+
+
+def index_routes(service: IndexService, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 report_status: StatusHandler | None = None, metrics: Registry | None = None) -> list[Route]:
+    """The Index Service's routes (relative to the base path). *report_status* replaces
+    ``service.report_status`` (the Placement Controller wraps it); *metrics* counts lookups
+    (``kvsp_lookup*{component="index"}``)."""
+    kvsp = KvspMetrics(metrics) if metrics is not None else None
+    on_status = report_status or service.report_status
 
     async def put_replica(request: Request) -> Response:
         principal = principal_of(request)
@@ -99,36 +110,63 @@ def index_app(service: IndexService, policy: Policy, *, base_path: str = "/",
     async def lookup(request: Request) -> Response:
         principal = principal_of(request)
         body = LookupRequest.loads(await read_json_body(request, max_body_bytes))
-        return kvsp_json(lookup_json(await service.lookup(principal, body)))
+        found = await service.lookup(principal, body)
+        if kvsp is not None:
+            kvsp.lookup("index", len(body.block_keys), found.matched)
+        return kvsp_json(lookup_json(found))
 
     async def put_status(request: Request) -> Response:
         principal = principal_of(request)
         instance_id = _uri_id(request, "instance_id")
         record = InstanceStatusRecord.loads(await read_json_body(request, max_body_bytes))
-        return kvsp_json(service.report_status(principal, instance_id, record).to_json())
+        return kvsp_json(on_status(principal, instance_id, record).to_json())
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        task = asyncio.create_task(_sweeper(service, sweep_interval, sweep_limit)) if sweep_interval else None
-        try:
-            yield
-        finally:
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-
-    app = Starlette(routes=[
+    return [
         Route("/replicas/{holder_id}/{block_key}", put_replica, methods=["PUT"]),
         Route("/replicas/{holder_id}/{block_key}", delete_replica, methods=["DELETE"]),
         Route("/lookup", lookup, methods=["POST"]),
         Route("/instances/{instance_id}/status", put_status, methods=["PUT"]),
-    ], lifespan=lifespan)
+    ]
+
+
+def index_app(service: IndexService, policy: Policy, *, base_path: str = "/",
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, rules: Sequence[Rule] = INDEX_RULES,
+              sweep_interval: float | None = 1.0, sweep_limit: int = 65536,
+              metrics: Registry | None = None) -> ASGIApp:
+    """The Index Service as an ASGI app (see the module docstring). *sweep_interval* seconds between removals
+    of expired entries while the app's lifespan runs (None: never; lookups skip expired entries anyway). With
+    *metrics*, ``GET metrics`` serves it (any principal) and lookups and transfer octets are counted."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with running(sweeper(service, sweep_interval, sweep_limit) if sweep_interval else None):
+            yield
+
+    app = Starlette(routes=index_routes(service, max_body_bytes=max_body_bytes, metrics=metrics),
+                    lifespan=lifespan)
     install(app)
-    return role_app(app, policy, rules, base_path)
+    if metrics is None:
+        return role_app(app, policy, rules, base_path)
+    rules = mount_metrics(app, metrics, rules)
+    return TransferMetrics(role_app(app, policy, rules, base_path), metrics, component="index")
 
 
-async def _sweeper(service: IndexService, interval: float, limit: int) -> None:
+@contextlib.asynccontextmanager
+async def running(*coros: Coroutine[Any, Any, None] | None) -> AsyncIterator[None]:
+    """Run *coros* (None entries are skipped) as tasks for the duration of the block; cancel them after."""
+    tasks = [asyncio.create_task(c) for c in coros if c is not None]
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def sweeper(service: IndexService, interval: float, limit: int) -> None:
+    """Remove expired entries every *interval* seconds (until cancelled)."""
     while True:
         await asyncio.sleep(interval)
         try:
@@ -137,4 +175,4 @@ async def _sweeper(service: IndexService, interval: float, limit: int) -> None:
             log.exception("sweeping expired index entries failed")
 
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "INDEX_RULES", "index_app", "lookup_json"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "INDEX_RULES", "index_app", "index_routes", "lookup_json", "running", "sweeper"]

@@ -1,4 +1,5 @@
-"""The test cases of the interop matrix: each drives one client implementation against our servers.
+"""The test cases of the interop matrix: each drives one client implementation against our servers (HTTP cases an
+HTTP driver, MOQT cases a MOQT driver of interop/moqt_drivers.py; each kind is "unsupported" for the other).
 
 A case gets the :class:`Env` (the running servers, the principals' certificates, a setup client) and a
 :class:`~interop.drivers.Driver`; it passes by returning, fails by raising AssertionError, and is unsupported by
@@ -17,13 +18,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from http3.client import KvspClient
+from http3.moqt_source import MoqtSource, PreferMoqt
+from http3.retrieval import BlockFetcher, HttpSource
 from http3.tls import TlsFiles
 from kvsp_quic import container
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.keys import BlockKeyer, holder_id, instance_id
+from kvsp_quic.records import LookupMatch, ReplicaRecord
 from kvsp_quic.samples import random_sections
+from moqt.aio import MoqtPool
+from moqt.kvsp import moqt_record, track_name, track_namespace
 
-from .drivers import Driver, Refused, Reply, Request
+from .drivers import Driver, Refused, Reply, Request, Unsupported
+from .moqt_drivers import ALPN, MoqtDriver, OursMoqt
+from .servers import DEV_IDENTITY
 
 JSON = {"content-type": "application/kvsp+json"}
 BLOCK = {"content-type": "application/kvsp-block", "if-none-match": "*"}
@@ -41,6 +49,9 @@ class Env:
     descriptor: CompatDescriptor
     keyer: BlockKeyer
     counter: int = 0
+    holder_moqt: str = ""  # moqt://host:port/ of the holder (same UDP port as its HTTP/3)
+    relay: str = ""  # base URI of the relay (GET status)
+    relay_moqt: str = ""  # moqt://host:port/ of the relay
 
     async def setup_as_instance(self, method: str, url: str, body: bytes) -> int:
         r = await self.instance_client.request(method, url, content=body, headers=JSON)
@@ -229,6 +240,108 @@ async def lease_quota(env: Env, driver: Driver) -> None:
     expect_problem(reply, 429, "kvsp-lease-quota", "lease over quota")
 
 
+# -- MOQT (issue #5) ----------------------------------------------------------------------------------------------
+
+
+def moqt_driver(driver: Driver) -> MoqtDriver:
+    if not isinstance(driver, MoqtDriver):
+        raise Unsupported("an HTTP client: the case is a MOQT exchange")
+    return driver
+
+
+def block_track(env: Env, key: bytes, holder: str) -> tuple[tuple[bytes, ...], bytes]:
+    return track_namespace(env.descriptor.compat_id, env.keyer.scope_id, holder, 1), track_name(key)
+
+
+async def lookup(env: Env, key: bytes) -> list[dict[str, Any]]:
+    body = {"scope_id": env.keyer.scope_id.hex(), "compat_id": env.descriptor.compat_id.hex(),
+            "block_keys": [key.hex()]}
+    r = await env.setup.request("POST", f"{env.index}lookup", content=json.dumps(body).encode(), headers=JSON)
+    answer = json.loads(r.content or b"{}")
+    return [rec for block in answer.get("blocks", []) for rec in block["replicas"]]
+
+
+async def until_published(env: Env, key: bytes, holder: str) -> dict[str, Any]:
+    """The record of *key* with *holder* at the Index Service (holders and relays publish asynchronously)."""
+    for _ in range(200):
+        for record in await lookup(env, key):
+            if record["holder"] == holder:
+                return record
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no record of {key.hex()[:16]}... with holder {holder} at the Index Service")
+
+
+async def moqt_setup(env: Env, driver: Driver) -> None:
+    d = moqt_driver(driver)
+    for uri in (env.holder_moqt, env.relay_moqt):
+        draft = await d.setup(uri, env.tls("dev"))
+        assert draft == d.draft, f"SETUP with {uri} negotiated draft {draft}, not {d.draft}"
+
+
+async def moqt_publish_namespace(env: Env, driver: Driver) -> None:
+    d = moqt_driver(driver)
+    scope = env.keyer.scope_id.hex().encode()
+    own = (b"kvsp-1", env.descriptor.compat_id.hex().encode(), scope, holder_id(DEV_IDENTITY).encode())
+    code = await d.publish_namespace(env.relay_moqt, env.tls("dev"), own)
+    assert code is None, f"PUBLISH_NAMESPACE of the identity's own holder-id refused with 0x{code or 0:x}"
+    other = (*own[:3], holder_id("https://h-other.example/kvsp/").encode())
+    code = await d.publish_namespace(env.relay_moqt, env.tls("dev"), other)
+    assert code == 0x1, f"PUBLISH_NAMESPACE of another holder's namespace: {code!r}, expected UNAUTHORIZED (0x1)"
+
+
+async def moqt_fetch_block(env: Env, driver: Driver) -> None:
+    d = moqt_driver(driver)
+    key, _, enc = await stored(env, 70_000 + env.fresh())
+    namespace, name = block_track(env, key, env.holder)
+    got = await d.fetch(env.holder_moqt, env.tls("dev"), namespace, name)
+    assert got == [list(enc.layer_digests)], "the objects are not the block's layers (SHA-256 per object)"
+
+
+async def moqt_relay_fan_out(env: Env, driver: Driver) -> None:
+    d = moqt_driver(driver)
+    key, _, enc = await stored(env, 80_000 + env.fresh())
+    await until_published(env, key, env.holder_moqt)  # the relay finds the holder through the Index Service
+    before = await relay_metrics(env)
+    namespace, name = block_track(env, key, env.holder)
+    got = await d.fetch(env.relay_moqt, env.tls("dev"), namespace, name, clients=4)
+    assert got == [list(enc.layer_digests)] * 4, "a subscriber did not get the block's layers through the relay"
+    after = await relay_metrics(env)
+    upstream = after.get("upstream_fetches", 0) - before.get("upstream_fetches", 0)
+    assert upstream == 1, f"4 concurrent FETCHes made {upstream} upstream FETCHes (expected 1: coalesced)"
+    record = await until_published(env, key, env.relay_moqt)  # and the relay advertises its copy
+    assert record["layer_digests"] == [x.hex() for x in enc.layer_digests], "the relay's record differs"
+
+
+async def relay_metrics(env: Env) -> dict[str, int]:
+    r = await env.setup.request("GET", f"{env.relay}status")
+    assert r.status == 200, f"relay status: {r.status}"
+    metrics: dict[str, int] = json.loads(r.content or b"{}")["metrics"]
+    return metrics
+
+
+async def moqt_http_fallback(env: Env, driver: Driver) -> None:
+    d = moqt_driver(driver)
+    if not isinstance(d, OursMoqt):
+        raise Unsupported("aiomoqt is a MOQT library: it has no HTTP fallback")
+    key, body, _ = await stored(env, 90_000 + env.fresh())
+    https = ReplicaRecord.from_json(await until_published(env, key, env.holder))
+    async with MoqtPool(env.tls("dev"), alpn=ALPN[d.draft], connect_timeout=3) as pool:
+
+        async def fetch(twin: ReplicaRecord) -> tuple[Any, BlockFetcher]:
+            fetcher = BlockFetcher(env.setup, env.index, descriptors=[env.descriptor], ranking=PreferMoqt(),
+                                   sources=[MoqtSource(pool, [env.descriptor], accept_timeout=3, stall_timeout=3),
+                                            HttpSource(env.setup)], withdraw_corrupt=False)
+            return await fetcher.fetch_block(LookupMatch(https.block_key, (https, twin))), fetcher
+
+        result, _ = await fetch(moqt_record(https, env.holder_moqt))  # MOQT works: it is used
+        assert result is not None and result.transports == (f"MOQT/{d.draft}",), result and result.transports
+        no_moqt = "moqt://" + env.index.split("://", 1)[1].split("/", 1)[0] + "/"  # the index offers h3 only
+        result, fetcher = await fetch(moqt_record(https, no_moqt))
+        assert result is not None and result.tobytes() == body, "no verified block after the fallback"
+        assert not any(t.startswith("MOQT") for t in result.transports), result.transports
+        assert fetcher.metrics.transport_errors == 1, "the MOQT attempt should have failed in the handshake"
+
+
 _PC = "no server of kvsp-quic serves this resource yet (inference instance: issue #6; Placement Controller: #7)"
 
 CASES: list[CaseInfo] = [
@@ -248,4 +361,12 @@ CASES: list[CaseInfo] = [
     CaseInfo("instance-state", "II PUT state (lifecycle)", None, _PC),
     CaseInfo("checkpoint-resume", "PC PUT sessions/{id}/checkpoint; II POST sessions/{id}/resume", None, _PC),
     CaseInfo("reshard-commit-abort", "II POST reshard (plan, commit, abort)", None, _PC),
+    CaseInfo("moqt-setup", "MOQT SETUP with the holder and the relay (mutual TLS; the driver's draft)", moqt_setup),
+    CaseInfo("moqt-publish-namespace", "MOQT PUBLISH_NAMESPACE to the relay (own holder-id; another's refused)",
+             moqt_publish_namespace),
+    CaseInfo("moqt-fetch-block", "MOQT FETCH of a block from the holder (an object per layer, SHA-256 checked)",
+             moqt_fetch_block),
+    CaseInfo("moqt-relay-fan-out", "MOQT FETCH x4 through the relay: one upstream FETCH; the relay's record",
+             moqt_relay_fan_out),
+    CaseInfo("moqt-http-fallback", "Retrieval client: MOQT first, HTTP when MOQT is refused", moqt_http_fallback),
 ]

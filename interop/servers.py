@@ -1,5 +1,6 @@
-"""The servers of the matrix: our roles, started for real (``kvsp-quic index --dev``, ``kvsp-quic holder --dev``)
-with a dev PKI that also holds the principals the cases need."""
+"""The servers of the matrix: our roles, started for real (``kvsp-quic index --dev``, ``kvsp-quic holder --dev``,
+``kvsp-quic relay --dev --index ... --policy ...``) with a dev PKI that also holds the principals the cases
+need."""
 
 from __future__ import annotations
 
@@ -15,6 +16,20 @@ from typing import Any
 from http3 import pki
 
 INSTANCE_URI = "https://127.0.0.1:1/interop-instance/"
+DEV_IDENTITY = pki.CLIENT_URI_PREFIX + "dev"
+# The relay runs with the dev certificates and this policy (not the dev one, under which every certificate may
+# publish for any holder): "dev" may publish only KVSP namespaces naming its own holder-id, and read everything.
+RELAY_POLICY = f"""
+[[principal]]
+identity = "{DEV_IDENTITY}"
+roles = ["holder", "client"]
+scopes = "*"
+
+[[principal]]
+identity = "{INSTANCE_URI}"
+roles = ["instance"]
+scopes = "*"
+"""
 
 
 @dataclass
@@ -22,6 +37,7 @@ class Servers:
     dev: Path
     index: dict[str, Any] = field(default_factory=dict)
     holder: dict[str, Any] = field(default_factory=dict)
+    relay: dict[str, Any] = field(default_factory=dict)
     procs: list[subprocess.Popen[str]] = field(default_factory=list)
 
     def stop(self) -> None:
@@ -59,6 +75,11 @@ def start(work: Path, logs: Path) -> Servers:
         servers.procs.append(proc)
         proc, servers.holder = _start(["holder", "--dev", str(dev), "--index", servers.index["base_uri"]], logs,
                                       "server-holder")
+        servers.procs.append(proc)
+        policy = work / "relay-policy.toml"
+        policy.write_text(RELAY_POLICY)
+        proc, servers.relay = _start(["relay", "--dev", str(dev), "--index", servers.index["base_uri"], "--policy",
+                                      str(policy), "--open-prefix", "moq-test"], logs, "server-relay")
         servers.procs.append(proc)
     except BaseException:
         servers.stop()

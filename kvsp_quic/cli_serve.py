@@ -1,4 +1,4 @@
-"""The server subcommands of ``kvsp-quic``: ``index`` and ``holder`` (later: ``controller``, ``relay``, ...).
+"""The server subcommands of ``kvsp-quic``: ``index``, ``holder`` and ``relay`` (later: ``controller``, ...).
 
 Each takes ``--config FILE`` (TOML, :mod:`kvsp_quic.config`) and flags for the usual overrides, or ``--dev DIR``
 for a quick start (:mod:`kvsp_quic.serve`). Flags win over the file; the file wins over the defaults.
@@ -11,11 +11,22 @@ import asyncio
 import dataclasses
 import logging
 import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .config import ConfigError, HolderFile, IndexFile, LocalStorageSection, ServerSection, TlsSection, load
+from .config import (
+    ConfigError,
+    HolderFile,
+    IndexFile,
+    InstanceFile,
+    LocalStorageSection,
+    RelayFile,
+    ServerSection,
+    TlsSection,
+    load,
+)
 
 T = TypeVar("T")
 
@@ -34,9 +45,11 @@ def size(text: str) -> int:
 
 
 def add_commands(sub: Any) -> None:
-    index = sub.add_parser("index", help="run the Index Service (replicas, lookup, instance status)",
-                           description="Serve the Index Service over HTTP/3, HTTP/2 and HTTP/1.1 on one port. "
-                                       "Needs --config FILE with [tls] and a policy, or --dev DIR.")
+    index = sub.add_parser("index", help="run the Index Service with the Placement Controller (replicas, lookup, "
+                                         "instance status, sessions, migration, resharding)",
+                           description="Serve the Index Service and the Placement Controller (one process, one base "
+                                       "URI) over HTTP/3, HTTP/2 and HTTP/1.1 on one port, with /metrics. Needs "
+                                       "--config FILE with [tls] and a policy, or --dev DIR.")
     _common(index)
     index.add_argument("--store", choices=["memory", "redis"], help="where replicas are kept (default memory)")
     index.add_argument("--redis", metavar="URL",
@@ -45,6 +58,11 @@ def add_commands(sub: Any) -> None:
     index.add_argument("--descriptor", action="append", metavar="FILE",
                        help="a Compatibility Descriptor whose geometry lets lookups estimate costs (repeatable)")
     index.add_argument("--max-ttl-ms", type=int, metavar="MS", help="cap on replica TTLs (default 600000)")
+    index.add_argument("--start-hook", metavar="CMD",
+                       help="a command (split like a shell would, run without one) that starts an inference instance "
+                            "when none has capacity; it gets KVSP_PC_URI and KVSP_START_REASON in its environment")
+    index.add_argument("--sleep-policy", choices=["load", "always", "never"],
+                       help="answer to instances asking to sleep (default load: when the others have spare slots)")
     index.set_defaults(handler=cmd_index)
 
     holder = sub.add_parser("holder", help="run a Holder (block storage in tiers, leases)",
@@ -65,6 +83,56 @@ def add_commands(sub: Any) -> None:
     holder.add_argument("--eviction", metavar="NAME", help="eviction policy: lru (default), fifo, lfu")
     holder.set_defaults(handler=cmd_holder)
 
+    relay = sub.add_parser("relay", help="run a MOQT relay (KVSP tracks: cache, coalescing, Replica Records)",
+                           description="Serve a MOQT relay (drafts 14 and 18, mutual TLS) on one UDP port, with "
+                                       "GET status over HTTP/3, HTTP/2 and HTTP/1.1 on the same port. Holders "
+                                       "PUBLISH_NAMESPACE their tracks to it; subscribers FETCH and SUBSCRIBE. "
+                                       "Needs --config FILE with [tls] and a policy, or --dev DIR.")
+    _common(relay)
+    relay.add_argument("--index", metavar="URI",
+                       help="the Index Service: upstreams for KVSP tracks nobody published here, and Replica "
+                            "Records for the blocks the relay caches")
+    relay.add_argument("--cache-size", type=size, metavar="SIZE", dest="cache_bytes",
+                       help="memory for cached objects (default 1GiB; 0: no cache)")
+    relay.add_argument("--open-prefix", action="append", metavar="A/B", dest="open_prefixes",
+                       help="also relay non-KVSP namespaces under this prefix (repeatable; e.g. moq-test for the "
+                            "MOQT interop runner's cases)")
+    relay.add_argument("--no-records", action="store_false", default=None, dest="publish_records",
+                       help="with --index: do not advertise cached blocks")
+    relay.add_argument("--record-ttl-ms", type=int, metavar="MS", help="TTL of the relay's records (default 60000)")
+    relay.set_defaults(handler=cmd_relay)
+
+    inst = sub.add_parser("instance", help="run an inference instance (reference model, paged KV cache, prefetch, "
+                                           "sessions, checkpoints, status)",
+                          description="Serve an Inference Instance (docs/inference.md) over HTTP/3, HTTP/2 and "
+                                      "HTTP/1.1 on one port, with its own replicas over MOQT on the same UDP port: "
+                                      "prefetch directives, sessions (start, resume, token stream), reshard, state. "
+                                      "Needs --model DIR and --config FILE with [tls] and a policy, or --dev DIR.")
+    _common(inst)
+    where = inst.add_mutually_exclusive_group()
+    where.add_argument("--gpu", type=int, metavar="N", help="run on CUDA device N")
+    where.add_argument("--device", metavar="DEVICE", help="cpu (default) or cuda:N")
+    inst.add_argument("--model", type=Path, metavar="DIR", help="the model directory (kvsp-quic model init DIR ...)")
+    inst.add_argument("--model-name", metavar="NAME", help="the descriptor's model name (default: config.json's)")
+    inst.add_argument("--block-tokens", type=int, metavar="B", help="tokens per block (default 16)")
+    inst.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="compute dtype (default: the model's)")
+    inst.add_argument("--kv-dtype", metavar="TYPE", help="KV element type, e.g. fp8-e4m3 (default: the compute dtype)")
+    inst.add_argument("--index", metavar="URI", help="the Index Service: lookups, and where replicas are published")
+    inst.add_argument("--controller", metavar="URI", help="the Placement Controller: status reports, checkpoints")
+    inst.add_argument("--scope-key", action="append", type=Path, metavar="FILE", dest="scope_keys",
+                      help="a scope key this instance serves (hex or raw octets; repeatable; --dev: DIR/scope.key)")
+    inst.add_argument("--device-pages", type=int, metavar="N", help="blocks in the device tier (default 1024)")
+    inst.add_argument("--host-pages", type=int, metavar="N", help="blocks in the host tier (default 0)")
+    inst.add_argument("--status-ttl-ms", type=int, metavar="MS", help="TTL of status records (default 3000)")
+    inst.add_argument("--max-running", type=int, metavar="N", help="sessions computed at once (default 4)")
+    inst.add_argument("--max-tokens", type=int, metavar="N", help="output tokens per session at most (default 4096)")
+    inst.add_argument("--checkpoint-tokens", type=int, metavar="N", help="checkpoint every N tokens (default 16)")
+    inst.add_argument("--sleep-after-idle-ms", type=int, metavar="MS", help="ask the PC to sleep after this idle time")
+    inst.add_argument("--replica-ttl-ms", type=int, metavar="MS", help="TTL of published replicas (default 60000)")
+    inst.add_argument("--warmup-tokens", type=int, metavar="N", help="tokens of the start-up prefill (default 64)")
+    inst.add_argument("--no-moqt", action="store_false", default=None, dest="moqt",
+                      help="fetch blocks over HTTP only (default: moqt:// replicas first)")
+    inst.set_defaults(handler=cmd_instance)
 
     # Parsed by interop.runner itself (kvsp_quic.cli.main hands it the arguments); listed here for --help.
     sub.add_parser("interop", help="run the interop matrix (python -m interop; see kvsp-quic interop --help)")
@@ -126,7 +194,13 @@ def cmd_index(args: argparse.Namespace) -> int:
         overrides["descriptors"] = [Path(d) for d in args.descriptor]
     if args.max_ttl_ms is not None:
         overrides["max_ttl_ms"] = args.max_ttl_ms
-    cfg = dataclasses.replace(cfg, index=dataclasses.replace(section, **overrides), **_server_overrides(cfg, args))
+    pc: dict[str, Any] = {}
+    if args.start_hook is not None:
+        pc["start_hook"] = shlex.split(args.start_hook)
+    if args.sleep_policy is not None:
+        pc["sleep"] = args.sleep_policy
+    cfg = dataclasses.replace(cfg, index=dataclasses.replace(section, **overrides),
+                              controller=dataclasses.replace(cfg.controller, **pc), **_server_overrides(cfg, args))
     _logging(args.log_level)
     asyncio.run(run_index(cfg, dev_dir=args.dev, policy_path=args.policy))
     return 0
@@ -154,4 +228,41 @@ def cmd_holder(args: argparse.Namespace) -> int:
     cfg = dataclasses.replace(cfg, holder=dataclasses.replace(section, **overrides), **_server_overrides(cfg, args))
     _logging(args.log_level)
     asyncio.run(run_holder(cfg, dev_dir=args.dev, policy_path=args.policy))
+    return 0
+
+
+def cmd_relay(args: argparse.Namespace) -> int:
+    from .serve import run_relay
+
+    cfg = _file(RelayFile, args)
+    section = cfg.relay
+    overrides: dict[str, Any] = {}
+    for name in ("index", "cache_bytes", "open_prefixes", "publish_records", "record_ttl_ms"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    cfg = dataclasses.replace(cfg, relay=dataclasses.replace(section, **overrides), **_server_overrides(cfg, args))
+    _logging(args.log_level)
+    asyncio.run(run_relay(cfg, dev_dir=args.dev, policy_path=args.policy))
+    return 0
+
+
+def cmd_instance(args: argparse.Namespace) -> int:
+    from .serve import check_device, run_instance
+
+    cfg = _file(InstanceFile, args)
+    overrides: dict[str, Any] = {}
+    for name in ("model", "model_name", "block_tokens", "dtype", "kv_dtype", "index", "controller", "scope_keys",
+                 "device_pages", "host_pages", "status_ttl_ms", "max_running", "max_tokens", "checkpoint_tokens",
+                 "sleep_after_idle_ms", "replica_ttl_ms", "warmup_tokens", "moqt", "device"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    if args.gpu is not None:
+        overrides["device"] = f"cuda:{args.gpu}"
+    section = dataclasses.replace(cfg.instance, **overrides)
+    check_device(section.device)  # before anything else: --gpu 0 without CUDA is one line
+    if section.model is None:
+        raise ConfigError("--model DIR (or instance.model in --config) is required")
+    cfg = dataclasses.replace(cfg, instance=section, **_server_overrides(cfg, args))
+    _logging(args.log_level)
+    asyncio.run(run_instance(cfg, dev_dir=args.dev, policy_path=args.policy))
     return 0

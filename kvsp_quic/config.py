@@ -100,11 +100,47 @@ class IndexSection:
 
 
 @dataclass(frozen=True)
+class ControllerSection:
+    """The Placement Controller, which runs in the Index Service's process (``kvsp-quic index``)."""
+
+    start_hook: list[str] = field(default_factory=list)  # argv of a command that starts an instance; [] = none
+    start_timeout_ms: int = 60_000  # how long a request waits for an instance the hook starts
+    start_interval_ms: int = 10_000  # at most one hook run per interval
+    max_cost_us: float | None = None  # a placement costlier than this looks for capacity (wake, start hook)
+    prefetch_deadline_ms: int = 1000
+    prefetch_lease_ms: int = 5000
+    request_timeout_ms: int = 10_000  # of each request to an instance (reshard plans: their deadline_ms)
+    tick_ms: int = 100  # failure checks
+    session_ttl_ms: int = 3_600_000
+    done_ttl_ms: int = 600_000
+    max_sessions: int = 100_000
+    reshard_deadline_ms: int = 5000
+    sleep: typing.Literal["load", "always", "never"] = "load"  # the policy for requested_state: sleeping
+    sleep_min_active: int = 1  # other active instances that must remain
+    sleep_min_spare: int = 1  # spare batch slots the others must have beyond the requester's load
+    sleep_max_kv_utilization: float = 0.9  # others fuller than this have no spare capacity
+
+    def __post_init__(self) -> None:
+        for name in ("start_timeout_ms", "start_interval_ms", "prefetch_deadline_ms", "prefetch_lease_ms",
+                     "request_timeout_ms", "tick_ms", "session_ttl_ms", "done_ttl_ms", "max_sessions",
+                     "reshard_deadline_ms"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"controller.{name}: must be positive")
+        if self.max_cost_us is not None and self.max_cost_us <= 0:
+            raise ConfigError("controller.max_cost_us: must be positive")
+        if self.sleep_min_active < 0 or self.sleep_min_spare < 0:
+            raise ConfigError("controller.sleep_min_active and sleep_min_spare: must not be negative")
+        if not 0.0 <= self.sleep_max_kv_utilization <= 1.0:
+            raise ConfigError("controller.sleep_max_kv_utilization: must be in [0, 1]")
+
+
+@dataclass(frozen=True)
 class IndexFile:
     server: ServerSection = field(default_factory=ServerSection)
     tls: TlsSection | None = None  # required unless --dev
     transport: dict[str, float] = field(default_factory=dict)  # fields of http3.tls.TransportSettings
     index: IndexSection = field(default_factory=IndexSection)
+    controller: ControllerSection = field(default_factory=ControllerSection)
 
 
 @dataclass(frozen=True)
@@ -152,6 +188,106 @@ class HolderFile:
     transport: dict[str, float] = field(default_factory=dict)
     holder: HolderSection = field(default_factory=HolderSection)
 
+
+@dataclass(frozen=True)
+class RelaySection:
+    index: str | None = None  # the Index Service: upstreams for unpublished KVSP tracks, records of cached blocks
+    cache_bytes: int = 1 << 30  # payload octets of completed fetches kept (LRU)
+    open_prefixes: list[str] = field(default_factory=list)  # non-KVSP namespaces relayed ("a/b"); none by default
+    publish_records: bool = True  # with an index: advertise complete cached blocks with the relay's moqt:// URI
+    record_ttl_ms: int = 60_000
+    upstream_timeout_ms: int = 10_000  # for the upstream's FETCH_OK, next piece, SUBSCRIBE_OK
+    data_streams: int = 16  # upstream data streams a publisher's session may have open at once
+
+    def __post_init__(self) -> None:
+        if self.index is not None:
+            try:
+                base_uri(self.index, "relay.index")
+            except RecordError as exc:
+                raise ConfigError(exc.detail) from None
+        for name in ("cache_bytes",):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"relay.{name}: must not be negative")
+        for name in ("record_ttl_ms", "upstream_timeout_ms", "data_streams"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"relay.{name}: must be positive")
+        for i, prefix in enumerate(self.open_prefixes):
+            fields_ = prefix.split("/")
+            if not prefix or any(not part for part in fields_) or fields_[0] == "kvsp-1":
+                raise ConfigError(f"relay.open_prefixes[{i}]: {prefix!r} is not a namespace prefix ('a/b', not "
+                                  f"kvsp-1)")
+
+
+@dataclass(frozen=True)
+class RelayFile:
+    server: ServerSection = field(default_factory=ServerSection)
+    tls: TlsSection | None = None
+    transport: dict[str, float] = field(default_factory=dict)
+    relay: RelaySection = field(default_factory=RelaySection)
+
+
+
+@dataclass(frozen=True)
+class LinkSection:
+    holder: str  # a holder's base URI (https or moqt)
+    mbit_per_s: float
+    rtt_us: float = 0.0
+
+
+@dataclass(frozen=True)
+class InstanceSection:
+    """``kvsp-quic instance``: the model, its cache, the roles it talks to (docs/inference.md)."""
+
+    model: Path | None = None  # a model directory (Hugging Face Llama layout); required
+    device: str = "cpu"  # "cpu" or "cuda:N" (--gpu N)
+    dtype: str | None = None  # compute dtype fp32 | bf16 | fp16 (default: the model's)
+    kv_dtype: str | None = None  # KV element type (default: the compute dtype)
+    block_tokens: int = 16
+    model_name: str | None = None  # the descriptor's "model" (default: config.json's name, or the directory's)
+    index: str | None = None  # the Index Service: lookups, and where the instance publishes its replicas
+    controller: str | None = None  # the Placement Controller: status reports and checkpoints
+    scope_keys: list[Path] = field(default_factory=list)  # files of the scopes it serves (hex or raw octets)
+    device_pages: int = 1024  # pages (blocks) of the device tier
+    host_pages: int = 0  # pages of the host tier (pinned memory under CUDA)
+    status_ttl_ms: int = 3000
+    max_running: int = 4
+    max_queued: int = 64
+    max_directives: int = 64
+    max_tokens: int = 4096
+    checkpoint_tokens: int = 16
+    sleep_after_idle_ms: int | None = None
+    deterministic_greedy: bool = True
+    replica_ttl_ms: int = 60_000
+    session_lease_ms: int | None = None
+    moqt: bool = True  # fetch moqt:// replicas first
+    warmup_tokens: int = 64
+    links: list[LinkSection] = field(default_factory=list)  # configured links (others are measured)
+    leases: LeaseSection = field(default_factory=LeaseSection)
+
+    def __post_init__(self) -> None:
+        for name in ("index", "controller"):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    base_uri(value, f"instance.{name}")
+                except RecordError as exc:
+                    raise ConfigError(exc.detail) from None
+        for name in ("block_tokens", "device_pages", "status_ttl_ms", "max_running", "max_directives", "max_tokens",
+                     "checkpoint_tokens", "replica_ttl_ms"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"instance.{name}: must be positive")
+        if self.checkpoint_tokens > 64:
+            raise ConfigError("instance.checkpoint_tokens: at most 64 (spec: a checkpoint at least every 64 tokens)")
+        if self.host_pages < 0 or self.warmup_tokens < 0 or self.max_queued < 0:
+            raise ConfigError("instance.host_pages, warmup_tokens and max_queued must not be negative")
+
+
+@dataclass(frozen=True)
+class InstanceFile:
+    server: ServerSection = field(default_factory=ServerSection)
+    tls: TlsSection | None = None
+    transport: dict[str, float] = field(default_factory=dict)
+    instance: InstanceSection = field(default_factory=InstanceSection)
 
 # -- loading -----------------------------------------------------------------------------------------------------
 
@@ -251,5 +387,6 @@ def _value(hint: Any, value: Any, where: str, root: Path) -> Any:
     raise ConfigError(f"{where}: unsupported type {hint}")  # pragma: no cover - a programming error
 
 
-__all__ = ["ConfigError", "HolderFile", "HolderSection", "IndexFile", "IndexSection", "LeaseSection",
-           "LocalStorageSection", "ServerSection", "TlsSection", "build", "host_port", "load"]
+__all__ = ["ConfigError", "ControllerSection", "HolderFile", "HolderSection", "IndexFile", "IndexSection",
+           "InstanceFile", "InstanceSection", "LeaseSection", "LinkSection", "LocalStorageSection", "RelayFile",
+           "RelaySection", "ServerSection", "TlsSection", "build", "host_port", "load"]

@@ -1,13 +1,14 @@
 """Starting a server role: configuration -> role objects -> an HTTP endpoint, until SIGINT / SIGTERM.
 
-Every server subcommand (``kvsp-quic index``, ``kvsp-quic holder``, ...) goes through :func:`prepare`:
+Every server subcommand (``kvsp-quic index``, ``kvsp-quic holder``, ``kvsp-quic relay``) goes through :func:`prepare`:
 
 * normally the TLS files and the policy come from the configuration and are required;
 * with ``--dev DIR`` (in the spirit of ``vault server -dev``) the sockets are bound first (127.0.0.1, a free
   port unless ``--listen`` says otherwise), then DIR gets a dev CA (reused when present), the role's certificate
   for its base URI and a ``dev`` client certificate (``kvsp-quic certs``), and the policy is
   :meth:`~kvsp_quic.auth.Policy.dev_ca`: every certificate of that CA has every right, so roles started with the
-  same DIR trust each other and the ``dev`` client can do anything.
+  same DIR trust each other and the ``dev`` client can do anything (``--policy FILE`` with ``--dev``: that policy
+  instead, with the dev certificates).
 
 Once the role serves, exactly one JSON line goes to standard output: ``{"ready": ROLE, "base_uri": ..., "ca": ...,
 "client_cert": ..., "client_key": ...}``; logs go to standard error. This module is part of the composition root
@@ -33,11 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from .compat import CompatDescriptor
-from .config import ConfigError, HolderFile, IndexFile, ServerSection, TlsSection
+from .config import ConfigError, HolderFile, IndexFile, InstanceFile, RelayFile, ServerSection, TlsSection
 
 log = logging.getLogger("kvsp.serve")
 
 DEV_CLIENT = "dev"
+# A relay's per-stream receive window (unless [transport] stream_window says otherwise): it credits an upstream
+# FETCH back only as its fastest downstream forwards it, so this bounds how far ingest runs ahead of forwarding.
+RELAY_STREAM_WINDOW = 2 << 20
 
 
 def example_descriptor() -> CompatDescriptor:
@@ -92,7 +96,8 @@ def prepare(role: str, server: ServerSection, tls: TlsSection | None, transport:
             ca, _ = pki.init(dev_dir, [pki.role(name, base), pki.client(DEV_CLIENT)],
                              extra_hosts=["127.0.0.1", "localhost"] if host in ("127.0.0.1", "localhost") else [])
             files = TlsFiles.in_dir(dev_dir, name)
-            policy = Policy.dev_ca()
+            # --policy with --dev: the dev certificates, a real policy (the interop matrix tests refusals so)
+            policy = Policy.load(policy_path) if policy_path is not None else Policy.dev_ca()
             ready: dict[str, str | None] = {"ca": os.fspath(ca),
                                             "client_cert": os.fspath(dev_dir / f"{DEV_CLIENT}.pem"),
                                             "client_key": os.fspath(dev_dir / f"{DEV_CLIENT}.key")}
@@ -154,32 +159,59 @@ def load_descriptors(paths: list[Path]) -> list[CompatDescriptor]:
 
 async def run_index(cfg: IndexFile, *, dev_dir: Path | None, policy_path: Path | None = None,
                     stop: asyncio.Event | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-    from http3.index_app import index_app
+    """The Index Service with the Placement Controller: one process, one base URI (docs/wire.md)."""
+    from http3.client import KvspClient
+    from http3.controller_app import HttpInstanceLink, controller_app
 
+    from .metrics import Registry
+    from .roles.controller import CommandStarter, ControllerConfig, PlacementController
     from .roles.index import IndexConfig, IndexService
+    from .roles.status import LifecyclePolicy, SleepMode, SleepPolicy, StatusTable
 
-    section = cfg.index
+    section, pc = cfg.index, cfg.controller
     descriptors = load_descriptors(section.descriptors)
     if dev_dir is not None and not descriptors:
         descriptors = [example_descriptor()]
     store = _index_store(section)
     prepared = prepare("index", cfg.server, cfg.tls, cfg.transport, dev_dir=dev_dir, policy_path=policy_path)
+    client = starter = None
     try:
         config = IndexConfig.with_descriptors(
             descriptors, max_ttl_ms=section.max_ttl_ms, max_lookup_keys=section.max_lookup_keys,
             max_lookup_targets=section.max_lookup_targets, max_status_ttl_ms=section.max_status_ttl_ms)
-        service = IndexService(store, clock=clock, config=config)
+        sleep = SleepPolicy(SleepMode(pc.sleep), pc.sleep_min_active, pc.sleep_min_spare,
+                            pc.sleep_max_kv_utilization)
+        status = StatusTable(clock, policy=LifecyclePolicy(sleep), max_ttl_ms=section.max_status_ttl_ms)
+        service = IndexService(store, clock=clock, config=config, status=status)
+        # The PC's requests to instances carry the index's certificate: the instances' policy gives it the
+        # controller role.
+        client = KvspClient(prepared.files, settings=prepared.settings, timeout=pc.request_timeout_ms / 1000)
+        starter = CommandStarter(pc.start_hook, pc_uri=prepared.base_uri) if pc.start_hook else None
+        controller = PlacementController(
+            service, HttpInstanceLink(client), clock=clock, starter=starter, metrics=Registry(),
+            identity=prepared.base_uri, config=ControllerConfig(
+                prefetch_deadline_ms=pc.prefetch_deadline_ms, prefetch_lease_ms=pc.prefetch_lease_ms,
+                start_timeout_ms=pc.start_timeout_ms, start_interval_ms=pc.start_interval_ms,
+                max_cost_us=pc.max_cost_us, session_ttl_ms=pc.session_ttl_ms, done_ttl_ms=pc.done_ttl_ms,
+                max_sessions=pc.max_sessions, reshard_deadline_ms=pc.reshard_deadline_ms))
         base_path = _path_of(prepared.base_uri)
-        server = await serve_app(prepared, index_app(service, prepared.policy, base_path=base_path))
+        app = controller_app(service, controller, prepared.policy, base_path=base_path, tick_interval=pc.tick_ms / 1000)
+        server = await serve_app(prepared, app)
     except BaseException:
+        if client is not None:
+            await client.aclose()
         await store.aclose()
         raise
-    log.info("Index Service at %s (store: %s)", prepared.base_uri, section.store)
-    announce(prepared, store=section.store)
+    log.info("Index Service and Placement Controller at %s (store: %s, start hook: %s)", prepared.base_uri,
+             section.store, " ".join(pc.start_hook) or "none")
+    announce(prepared, store=section.store, controller=True, metrics=prepared.base_uri + "metrics")
     try:
         await _wait(stop)
     finally:
         await server.close()
+        await client.aclose()
+        if starter is not None:
+            await starter.aclose()
         await store.aclose()
 
 
@@ -204,6 +236,7 @@ async def run_holder(cfg: HolderFile, *, dev_dir: Path | None, policy_path: Path
     from moqt.aio_kvsp import holder_moqt_handlers
     from moqt.kvsp import moqt_uri_for
 
+    from .metrics import Registry
     from .roles.holder import Holder, HolderSettings
     from .roles.leases import LeaseLimits
     from .storage.tiers import LocalStorageConfig
@@ -232,7 +265,7 @@ async def run_holder(cfg: HolderFile, *, dev_dir: Path | None, policy_path: Path
         if recovered:
             log.info("recovered %d block(s) from local storage", recovered)
         moqt_uri = moqt_uri_for(prepared.base_uri)  # the same UDP port serves MOQT (moq-00, moqt-18) next to h3
-        server = await serve_app(prepared, holder_app(holder, prepared.policy),
+        server = await serve_app(prepared, holder_app(holder, prepared.policy, metrics=Registry()),
                                  quic_handlers=holder_moqt_handlers(holder, prepared.policy))
     except ValueError as exc:
         for sock in prepared.sockets:
@@ -258,6 +291,194 @@ async def run_holder(cfg: HolderFile, *, dev_dir: Path | None, policy_path: Path
         if client is not None:
             await client.aclose()
 
+
+# -- the MOQT relay ---------------------------------------------------------------------------------------------
+
+
+async def run_relay(cfg: RelayFile, *, dev_dir: Path | None, policy_path: Path | None = None,
+                    stop: asyncio.Event | None = None) -> None:
+    from http3.client import KvspClient
+    from moqt.aio import MoqtPool, moqt_handlers
+    from moqt.relay import Relay, RelayConfig, relay_status_app
+    from moqt.relay_index import IndexLink
+
+    from .roles.relay import RelayRules
+
+    section = cfg.relay
+    transport = {"stream_window": RELAY_STREAM_WINDOW, **cfg.transport}
+    prepared = prepare("relay", cfg.server, cfg.tls, transport, dev_dir=dev_dir, policy_path=policy_path)
+    client = pool = link = None
+    try:
+        moqt_uri = _relay_moqt_uri(prepared)  # the relay's UDP port serves MOQT (moq-00, moqt-18) and h3
+        rules = RelayRules.of(prepared.policy, section.open_prefixes)
+        if section.index is not None:
+            client = KvspClient(prepared.files, settings=prepared.settings)
+            pool = MoqtPool(prepared.files, settings=prepared.settings)
+            link = IndexLink(client, section.index, pool, moqt_uri=moqt_uri, publish=section.publish_records,
+                             ttl_ms=section.record_ttl_ms, timeout=section.upstream_timeout_ms / 1000)
+        relay = Relay(rules, RelayConfig(moqt_uri=moqt_uri, cache_bytes=section.cache_bytes,
+                                         upstream_timeout=section.upstream_timeout_ms / 1000), resolver=link)
+        if link is not None:
+            def drop(fetch: Any) -> None:
+                relay.cache.remove(fetch.key)
+
+            link.on_corrupt = drop
+        policy = prepared.policy
+        server = await serve_app(prepared, relay_status_app(relay, lambda ident: policy.principal(ident) is not None),
+                                 quic_handlers=moqt_handlers(relay, data_streams=section.data_streams))
+    except BaseException:
+        for sock in prepared.sockets:
+            if sock is not None:
+                sock.close()
+        if client is not None:
+            await client.aclose()
+        raise
+    log.info("MOQT relay at %s (cache %d octets, open prefixes: %s, index: %s)", moqt_uri, section.cache_bytes,
+             ", ".join(section.open_prefixes) or "none", section.index or "none")
+    announce(prepared, moqt=moqt_uri, index=section.index, cache_bytes=section.cache_bytes,
+             open_prefixes=section.open_prefixes)
+    try:
+        await _wait(stop)
+    finally:
+        await relay.aclose()
+        if link is not None:
+            await link.aclose(withdraw=True)
+        await server.close()
+        if pool is not None:
+            await pool.aclose()
+        if client is not None:
+            await client.aclose()
+
+
+def _relay_moqt_uri(prepared: Prepared) -> str:
+    """``moqt://host:port/`` of the relay: the base URI's host, and its port -- or, when the base URI names none
+    (its scheme's default), the port the relay listens on: MOQT has no default port."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(prepared.base_uri)
+    port = parts.port or prepared.sockets[0].getsockname()[1]
+    host = parts.hostname or "127.0.0.1"
+    return f"moqt://{'[' + host + ']' if ':' in host else host}:{port}/"
+
+
+
+# -- the Inference Instance ---------------------------------------------------------------------------------------
+
+
+DEV_SCOPE_KEY = "scope.key"  # --dev without --scope-key: the dev scope's key, made once in DIR (hex)
+
+
+def read_scope_key(path: Path) -> bytes:
+    """A scope key file: hex text (64 or more hex digits, whitespace ignored), or 32 or more raw octets."""
+    from .keys import check_scope_key
+
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the scope key {os.fspath(path)!r}: {exc.strerror}") from None
+    text = b"".join(raw.split())
+    if len(text) >= 64 and len(text) % 2 == 0:
+        with contextlib.suppress(ValueError):
+            return check_scope_key(bytes.fromhex(text.decode("ascii")))
+    if len(raw) >= 32:
+        return raw
+    raise ConfigError(f"scope key {os.fspath(path)!r}: expected at least 32 octets (raw) or 64 hex characters")
+
+
+def dev_scope_key(dev_dir: Path) -> Path:
+    path = dev_dir / DEV_SCOPE_KEY
+    if not path.exists():
+        dev_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(os.urandom(32).hex() + "\n")
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    return path
+
+
+def check_device(device: str) -> None:
+    """Fail early, in one line, when torch is missing or the device does not exist (``--gpu 0`` without CUDA)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise ConfigError("the instance needs torch: pip install 'kvsp-quic[gpu]'") from None
+    from gpu.kvcache import resolve_device
+
+    try:
+        resolve_device(device)
+    except RuntimeError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+async def run_instance(cfg: InstanceFile, *, dev_dir: Path | None, policy_path: Path | None = None,
+                       stop: asyncio.Event | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    from gpu.engine import Engine
+    from gpu.modelfiles import ModelError
+    from http3.instance_app import build_instance
+    from kvsp_quic.records import Link
+
+    from .roles.leases import LeaseLimits
+
+    section = cfg.instance
+    if section.model is None:
+        raise ConfigError("instance.model: the model directory is required (--model DIR)")
+    check_device(section.device)
+    key_files = list(section.scope_keys)
+    if not key_files and dev_dir is not None:
+        key_files = [dev_scope_key(dev_dir)]
+    scope_keys = [read_scope_key(p) for p in key_files]
+    if not scope_keys:
+        log.warning("no scope key (--scope-key FILE): this instance cannot start or resume sessions")
+    started = time.time()
+    try:
+        engine = Engine.load(os.fspath(section.model), device=section.device, dtype=section.dtype,
+                             kv_dtype=section.kv_dtype, block_tokens=section.block_tokens,
+                             device_pages=section.device_pages, host_pages=section.host_pages,
+                             name=section.model_name)
+    except (ModelError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+    try:
+        await engine.warmup(section.warmup_tokens)
+        prepared = prepare("instance", cfg.server, cfg.tls, cfg.transport, dev_dir=dev_dir, policy_path=policy_path)
+    except BaseException:
+        engine.close()
+        raise
+    settings = {"status_ttl_ms": section.status_ttl_ms, "max_running": section.max_running,
+                "max_queued": section.max_queued, "max_directives": section.max_directives,
+                "max_tokens": section.max_tokens, "checkpoint_tokens": section.checkpoint_tokens,
+                "sleep_after_idle_s": (None if section.sleep_after_idle_ms is None
+                                       else section.sleep_after_idle_ms / 1000),
+                "deterministic_greedy": section.deterministic_greedy}
+    try:
+        node = build_instance(
+            engine, base_uri=prepared.base_uri, files=prepared.files, policy=prepared.policy, scope_keys=scope_keys,
+            index=section.index, controller=section.controller, epoch=int(started * 1000), clock=clock,
+            settings=settings, links=[Link(holder=x.holder, mbit_per_s=x.mbit_per_s, rtt_us=x.rtt_us)
+                                      for x in section.links],
+            replica_ttl_ms=section.replica_ttl_ms, lease_limits=LeaseLimits(**vars(section.leases)),
+            session_lease_ms=section.session_lease_ms, moqt=section.moqt, transport=prepared.settings)
+        server = await serve_app(prepared, node.app, quic_handlers=node.quic_handlers)
+    except BaseException:
+        for sock in prepared.sockets:
+            if sock is not None:
+                sock.close()
+        engine.close()
+        raise
+    await node.start()
+    d = engine.descriptor
+    log.info("Inference Instance at %s (model %s on %s, %d device pages of %d tokens, epoch %d)", prepared.base_uri,
+             d.model, engine.model.device, section.device_pages, d.block_tokens, node.role.epoch)
+    announce(prepared, instance_id=node.service.instance_id, epoch=node.role.epoch, compat_id=d.compat_id.hex(),
+             descriptor=d.to_json(), device=str(engine.model.device), index=section.index,
+             controller=section.controller, moqt=node.moqt_uri,
+             scope_ids=[k.hex() for k in node.service.keyers],
+             scope_key=os.fspath(key_files[0]) if dev_dir is not None and key_files else None)
+    try:
+        await _wait(stop)
+    finally:
+        await node.aclose()
+        await server.close()
+        engine.close()
 
 def _read_key(path: Path | None) -> bytes | None:
     if path is None:

@@ -49,8 +49,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol, cast
 from urllib.parse import urlsplit
 
+from aioquic import tls
 from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.buffer import Buffer  # type: ignore[attr-defined]  # re-exported from aioquic._buffer
 from aioquic.quic import events as qe
+from aioquic.quic.packet import pull_quic_transport_parameters
 
 from http3.quic_conn import KvspQuicConnection
 from http3.quic_server import HandlerFactory, QuicConnectionContext, bind_udp
@@ -112,6 +115,22 @@ class FetchCancelled(Exception):
     """The peer cancelled (or stopped the data stream of) a fetch we serve: stop writing."""
 
 
+class FetchSink(Protocol):
+    """Takes a fetch's replies and pieces synchronously, as they are dispatched (``MoqtConnection.fetch(...,
+    sink=)``): nothing is queued or held for flow control, so the sink owns the pieces' memory (a relay's cache)."""
+
+    def fetch_accepted(self, event: ev.FetchAccepted) -> None: ...
+
+    def fetch_piece(self, piece: ev.ObjectReceived) -> bool:
+        """Take a piece; True to hold its octets against flow control until :meth:`FetchStream.release`."""
+        ...
+
+    def fetch_ended(self) -> None:
+        """The data stream ended with FIN after a whole number of objects."""
+
+    def fetch_failed(self, error: BaseException) -> None: ...
+
+
 # -- what the adapter needs from the QUIC side -----------------------------------------------------------------
 
 
@@ -137,6 +156,16 @@ class MoqtQuicConnection(KvspQuicConnection):
             self._moqt_uni_budget = uni_streams
             self._local_max_streams_uni.value = self._local_max_streams_uni.sent = uni_streams
 
+    @classmethod
+    def budget(cls, quic: KvspQuicConnection, uni_streams: int) -> MoqtQuicConnection:
+        """Give an accepted (server) connection the same data-stream budget. Its handshake has already granted
+        the listener's initial MAX_STREAMS (aioquic: 128), so the budget bounds what is granted beyond that."""
+        quic.__class__ = cls
+        conn = cast(MoqtQuicConnection, quic)
+        conn._moqt_uni_budget = uni_streams
+        conn._moqt_uni_done = 0
+        return conn
+
     def moqt_stream_done(self) -> None:
         """A peer unidirectional stream has ended and every octet of it was read: let the peer open another."""
         self._moqt_uni_done += 1
@@ -147,6 +176,33 @@ class MoqtQuicConnection(KvspQuicConnection):
             limit = self._local_max_streams_uni
             limit.value = max(limit.sent, self._moqt_uni_done + budget)
         super()._write_connection_limits(builder, space)
+
+
+def respect_peer_udp_payload(quic: KvspQuicConnection) -> int | None:
+    """Send no datagram larger than the peer's ``max_udp_payload_size`` transport parameter (RFC 9000, 18.2).
+
+    aioquic 1.7.2 (pinned) parses the parameter but then ignores it, sending datagrams of the configured size (16
+    KiB on loopback, FACTS.md): peers that take the parameter at its word (picoquic, so aiomoqt, advertises 1500 or
+    so) drop them all and the connection stalls once packets grow past it. Call once the handshake is complete;
+    returns the peer's limit (None when it stated none)."""
+    extensions = getattr(quic.tls, "received_extensions", None) or []
+    for ext_type, data in extensions:
+        if ext_type != tls.ExtensionType.QUIC_TRANSPORT_PARAMETERS:
+            continue
+        try:
+            params = pull_quic_transport_parameters(Buffer(data=data))
+        except Exception:  # aioquic already accepted these; be lenient here
+            return None
+        limit = params.max_udp_payload_size
+        if limit is not None and limit < quic._max_datagram_size:
+            quic._max_datagram_size = limit
+            loss = quic._loss
+            loss._pacer._max_datagram_size = limit
+            if hasattr(loss._cc, "_max_datagram_size"):
+                loss._cc._max_datagram_size = limit
+            log.debug("peer limits UDP payloads to %d octets", limit)
+        return limit
+    return None
 
 
 # -- objects, our fetches and the fetches we serve ---------------------------------------------------------------
@@ -173,10 +229,12 @@ class FetchStream:
     """One FETCH of ours: its reply, then its objects as they arrive. Use it as an async context manager (or call
     :meth:`aclose`), so that an unfinished fetch is cancelled and its unread octets are credited back."""
 
-    def __init__(self, conn: MoqtConnection, request_id: int, stall_timeout: float | None) -> None:
+    def __init__(self, conn: MoqtConnection, request_id: int, stall_timeout: float | None,
+                 sink: FetchSink | None = None) -> None:
         self.conn = conn
         self.request_id = request_id
         self.stall_timeout = stall_timeout
+        self.sink = sink
         self.accepted: ev.FetchAccepted | None = None
         self.stream_id: int | None = None
         self.range_ends: list[ev.FetchRangeEnded] = []
@@ -186,6 +244,7 @@ class FetchStream:
         self._error: BaseException | None = None
         self._changed = asyncio.Event()
         self._closed = False
+        self._sink_held = 0  # payload octets the sink holds (not yet credited back to the peer)
 
     # from the connection
 
@@ -193,19 +252,37 @@ class FetchStream:
         self._changed.set()
 
     def _on_piece(self, piece: ev.ObjectReceived) -> bool:
+        """Take a piece; True when it is held for the consumer (its octets count against flow control)."""
         if self._closed or self._error is not None:
+            return False
+        if self.sink is not None:
+            n = len(piece.data)
+            self.received += n
+            if self.sink.fetch_piece(piece) and n:
+                self._sink_held += n
+                return True
             return False
         self._pieces.append(piece)
         self._wake()
         return True
 
+    def _on_accepted(self, event: ev.FetchAccepted) -> None:
+        self.accepted = event
+        if self.sink is not None and not self._closed:
+            self.sink.fetch_accepted(event)
+        self._wake()
+
     def _on_end(self) -> None:
         self._ended = True
+        if self.sink is not None and not self._closed and self._error is None:
+            self.sink.fetch_ended()
         self._wake()
 
     def _fail(self, error: BaseException) -> None:
         if self._error is None and not (self._ended and self.accepted is not None):
             self._error = error
+            if self.sink is not None and not self._closed:
+                self.sink.fetch_failed(error)
         self._wake()
 
     # API
@@ -270,11 +347,19 @@ class FetchStream:
                                  piece.length, tuple(parts))
                 parts = []
 
+    def release(self, n: int) -> None:
+        """Sink mode: the sink is done with *n* of the octets it held; credit them back to the peer."""
+        n = min(n, self._sink_held)
+        if n and self.stream_id is not None:
+            self._sink_held -= n
+            self.conn._release(self.stream_id, n)
+
     async def aclose(self) -> None:
         """Stop: an unfinished fetch is cancelled (FETCH_CANCEL / stream cancellation); unread octets are
         credited back."""
         if self._closed:
             return
+        self.release(self._sink_held)
         self._closed = True
         conn = self.conn
         if not (self._ended or self._error is not None) and not conn.session.closed:
@@ -332,6 +417,38 @@ class ServedFetch:
                 self.conn.flush()
         self.conn.flush()
 
+    def begin_object(self, object_id: int, length: int, *, group: int = 0, subgroup: int | None = 0,
+                     priority: int = 128, status: ObjectStatus = ObjectStatus.NORMAL,
+                     extensions: KeyValuePairs = ()) -> None:
+        """Announce an object of *length* payload octets whose payload follows with :meth:`write` (a relay that
+        forwards each piece as it arrives)."""
+        self._check()
+        self.writer.begin_object(group, object_id, length, subgroup=subgroup, priority=priority, status=status,
+                                 extensions=extensions)
+
+    async def write(self, chunk: bytes | bytearray | memoryview) -> None:
+        """Payload octets of the current object (a view is kept, not copied), in slices of half the send buffer,
+        each once QUIC has room for it."""
+        view = chunk if isinstance(chunk, memoryview) else memoryview(chunk)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        step = self._step
+        for offset in range(0, len(view), step):
+            await self.conn.transport.wait_writable(self.stream_id)
+            self._check()
+            self.writer.write(view[offset:offset + step] if len(view) > step else view)
+        self.conn.flush()
+
+    def send_ok(self, end_location: Location, *, end_of_track: bool = False) -> None:
+        """The FETCH_OK deferred by ``accept_fetch(request_id, None)`` (objects may already be on their way)."""
+        if self.conn.closed is not None:
+            raise MoqtSessionClosed(self.conn.closed.error_code, self.conn.closed.reason)
+        try:
+            self.conn.session.send_fetch_ok(self.request_id, end_location, end_of_track=end_of_track)
+        except MoqtUsageError as exc:
+            raise FetchCancelled(str(exc)) from None
+        self.conn.flush()
+
     def finish(self) -> None:
         self._check()
         self.writer.finish()
@@ -353,6 +470,7 @@ class ServedFetch:
 # -- the application -------------------------------------------------------------------------------------------
 
 
+_REPLIES = (ev.PublishNamespaceAccepted, ev.SubscribeNamespaceAccepted, ev.RequestRejected, ev.RequestCancelled)
 _PEER_REQUESTS = (ev.PublishNamespaceRequested, ev.SubscribeNamespaceRequested, ev.SubscribeRequested,
                   ev.TrackStatusRequested)
 
@@ -425,6 +543,7 @@ class MoqtConnection:
         self._tasks: set[asyncio.Task[None]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._replies: dict[int, asyncio.Future[ev.Event]] = {}  # awaited replies to our other requests
         self._ended_uni: set[int] = set()  # peer unidirectional streams that ended but still hold unread octets
 
     def __repr__(self) -> str:
@@ -466,22 +585,38 @@ class MoqtConnection:
 
     def fetch(self, namespace: Namespace, track_name: bytes, start: Location, end: Location, *,
               subscriber_priority: int = 128, group_order: GroupOrder = GroupOrder.ASCENDING,
-              stall_timeout: float | None = None) -> FetchStream:
+              stall_timeout: float | None = None, sink: FetchSink | None = None) -> FetchStream:
         """Send a standalone FETCH (End Location: the last object plus one; object 0 = the whole group). The
-        returned stream yields its objects; *stall_timeout* bounds each wait for the next piece."""
+        returned stream yields its objects; *stall_timeout* bounds each wait for the next piece. With *sink*, the
+        reply and the pieces go to it as they are dispatched instead (nothing to read from the stream)."""
         if self.closed is not None:
             raise MoqtSessionClosed(self.closed.error_code, self.closed.reason)
         rid = self.session.fetch(namespace, track_name, start, end, subscriber_priority=subscriber_priority,
                                  group_order=group_order)
-        stream = FetchStream(self, rid, stall_timeout)
+        stream = FetchStream(self, rid, stall_timeout, sink)
+        self._fetches[rid] = stream
+        self.flush()
+        return stream
+
+    def joining_fetch(self, subscription_request_id: int, start: int, *, absolute: bool = False,
+                      group_order: GroupOrder = GroupOrder.ASCENDING, stall_timeout: float | None = None,
+                      sink: FetchSink | None = None) -> FetchStream:
+        """A joining FETCH for one of our subscriptions (*start* groups before its largest, or from group *start*
+        when *absolute*); like :meth:`fetch` otherwise."""
+        if self.closed is not None:
+            raise MoqtSessionClosed(self.closed.error_code, self.closed.reason)
+        rid = self.session.joining_fetch(subscription_request_id, start, absolute=absolute, group_order=group_order)
+        stream = FetchStream(self, rid, stall_timeout, sink)
         self._fetches[rid] = stream
         self.flush()
         return stream
 
     # -- answering the peer ----------------------------------------------------------------------------------------
 
-    def accept_fetch(self, request_id: int, end_location: Location, *, end_of_track: bool = False) -> ServedFetch:
-        """FETCH_OK and the fetch's data stream. FetchCancelled if the peer cancelled the fetch meanwhile."""
+    def accept_fetch(self, request_id: int, end_location: Location | None, *,
+                     end_of_track: bool = False) -> ServedFetch:
+        """FETCH_OK and the fetch's data stream. FetchCancelled if the peer cancelled the fetch meanwhile.
+        *end_location* None defers FETCH_OK (objects first; :meth:`ServedFetch.send_ok` or :meth:`reject` later)."""
         try:
             writer = self.session.accept_fetch(request_id, end_location, end_of_track=end_of_track)
         except MoqtUsageError as exc:
@@ -501,8 +636,54 @@ class MoqtConnection:
             self.session.reject(request_id, error_code, reason)
         except MoqtUsageError:
             return False
+        served = self._served.get(request_id)  # accepted without FETCH_OK: its data stream was reset
+        if served is not None:
+            self._forget_served(served)
         self.flush()
         return True
+
+    # -- other requests we make ------------------------------------------------------------------------------------
+
+    async def publish_namespace(self, namespace: Namespace, *, timeout: float | None = 10.0) -> int:
+        """PUBLISH_NAMESPACE; returns its request id once the peer accepted it (withdraw it with
+        :meth:`publish_namespace_done`). MoqtRequestError when refused, MoqtStalled without an answer."""
+        if self.closed is not None:
+            raise MoqtSessionClosed(self.closed.error_code, self.closed.reason)
+        rid = self.session.publish_namespace(namespace)
+        await self._await_reply(rid, timeout)
+        return rid
+
+    def publish_namespace_done(self, request_id: int) -> None:
+        if self.closed is None:
+            with contextlib.suppress(MoqtUsageError):
+                self.session.publish_namespace_done(request_id)
+            self.flush()
+
+    async def subscribe_namespace(self, prefix: Namespace, *, timeout: float | None = 10.0) -> int:
+        """SUBSCRIBE_NAMESPACE; returns its request id once accepted (matches then reach ``MoqtApp.event`` /
+        ``request``: draft 14 PUBLISH_NAMESPACE, draft 18 NamespaceReceived)."""
+        if self.closed is not None:
+            raise MoqtSessionClosed(self.closed.error_code, self.closed.reason)
+        rid = self.session.subscribe_namespace(prefix)
+        await self._await_reply(rid, timeout)
+        return rid
+
+    async def _await_reply(self, rid: int, timeout: float | None) -> ev.Event:
+        future: asyncio.Future[ev.Event] = asyncio.get_running_loop().create_future()
+        self._replies[rid] = future
+        self.flush()
+        try:
+            async with asyncio.timeout(timeout):
+                reply = await future
+        except TimeoutError:
+            raise MoqtStalled(f"request {rid}: no answer within {timeout} s") from None
+        finally:
+            self._replies.pop(rid, None)
+        if isinstance(reply, ev.RequestRejected):
+            raise MoqtRequestError(rid, reply.error_code, reply.reason)
+        if isinstance(reply, ev.RequestCancelled):
+            raise MoqtRequestError(rid, reply.error_code, cancelled=True)
+        return reply
 
     # -- the transport side -----------------------------------------------------------------------------------------
 
@@ -629,8 +810,9 @@ class MoqtConnection:
         elif isinstance(event, ev.FetchAccepted):
             fetch = self._fetches.get(event.request_id)
             if fetch is not None:
-                fetch.accepted = event
-                fetch._wake()
+                fetch._on_accepted(event)
+        elif isinstance(event, _REPLIES) and event.request_id in self._replies:
+            self._reply(event.request_id, event)
         elif isinstance(event, ev.RequestRejected | ev.RequestCancelled):
             fetch = self._fetches.get(event.request_id)
             if fetch is not None:
@@ -668,12 +850,21 @@ class MoqtConnection:
         else:
             self.app.event(self, event)
 
+    def _reply(self, request_id: int, event: ev.Event) -> None:
+        future = self._replies.pop(request_id)
+        if not future.done():
+            future.set_result(event)
+
     def _on_closed(self, event: ev.SessionClosed) -> None:
         if self.closed is not None:
             return
         self.closed = event
         self._changed.set()
         error = MoqtSessionClosed(event.error_code, event.reason)
+        for future in self._replies.values():
+            if not future.done():
+                future.set_exception(error)
+        self._replies.clear()
         for fetch in list(self._fetches.values()):
             fetch._fail(error)
         for served in list(self._served.values()):
@@ -738,7 +929,11 @@ class _ContextTransport:
 class MoqtServerHandler:
     """A :class:`http3.quic_server.ConnectionHandler` for one MOQT connection."""
 
-    def __init__(self, ctx: QuicConnectionContext, app: MoqtApp, config: SessionConfig | None = None) -> None:
+    def __init__(self, ctx: QuicConnectionContext, app: MoqtApp, config: SessionConfig | None = None, *,
+                 data_streams: int | None = None) -> None:
+        respect_peer_udp_payload(ctx.quic)
+        if data_streams is not None:  # a relay: the peer's data streams (our upstream fetches) are budgeted
+            MoqtQuicConnection.budget(ctx.quic, data_streams + 1)
         self.conn = MoqtConnection(_ContextTransport(ctx), ctx.alpn, Role.SERVER, config=config, tls=ctx.tls, app=app,
                                    peer=ctx.client, send_buffer=ctx.settings.send_buffer)
         self.conn.start()
@@ -753,15 +948,19 @@ class MoqtServerHandler:
         await self.conn.drain()
 
 
-def moqt_handlers(app: MoqtApp, *, config: SessionConfig | None = None,
-                  alpns: Sequence[str] = ALPNS) -> dict[str, HandlerFactory]:
+def moqt_handlers(app: MoqtApp, *, config: SessionConfig | None = None, alpns: Sequence[str] = ALPNS,
+                  data_streams: int | None = None) -> dict[str, HandlerFactory]:
     """Handler factories for :class:`~http3.quic_server.QuicListener` / ``RoleServer(quic_handlers=...)``: every
-    MOQT connection gets a session of its ALPN's draft, served by *app*."""
+    MOQT connection gets a session of its ALPN's draft, served by *app*. *data_streams*: for a server that also
+    fetches on accepted connections (a relay), the peer data streams admitted at once beyond the handshake's
+    grant (see :meth:`MoqtQuicConnection.budget`)."""
     for alpn in alpns:
         Draft.from_alpn(alpn)
+    if data_streams is not None and data_streams < 1:
+        raise ValueError("data_streams must be at least 1")
 
     def factory(ctx: QuicConnectionContext) -> MoqtServerHandler:
-        return MoqtServerHandler(ctx, app, config)
+        return MoqtServerHandler(ctx, app, config, data_streams=data_streams)
 
     return {alpn: factory for alpn in alpns}
 
@@ -797,6 +996,7 @@ class _ClientProtocol(QuicConnectionProtocol):
 
     def quic_event_received(self, event: qe.QuicEvent) -> None:
         if isinstance(event, qe.HandshakeCompleted):
+            respect_peer_udp_payload(self.quic)
             try:
                 self.conn = self._make(self, event.alpn_protocol or "")
             except ValueError as exc:  # not a MOQT ALPN: cannot happen with the ALPNs we offer
@@ -960,8 +1160,8 @@ class MoqtPool:
 
 
 __all__ = [
-    "CONTROL_RESERVE", "FetchCancelled", "FetchStream", "MoqtApp", "MoqtConnectError", "MoqtConnection",
+    "CONTROL_RESERVE", "FetchCancelled", "FetchSink", "FetchStream", "MoqtApp", "MoqtConnectError", "MoqtConnection",
     "MoqtObject", "MoqtPool", "MoqtQuicConnection", "MoqtRequestError", "MoqtServerHandler", "MoqtSessionClosed",
     "MoqtStalled", "MoqtStreamError", "ServedFetch", "connect_moqt", "internal_error_code", "moqt_handlers",
-    "not_supported_code",
+    "not_supported_code", "respect_peer_udp_payload",
 ]

@@ -116,7 +116,8 @@ class IndexService:
         self.store = store
         self.clock = clock
         self.config = config or IndexConfig()
-        self.status = status or StatusTable(clock, max_ttl_ms=self.config.max_status_ttl_ms)
+        # not `status or ...`: an empty StatusTable is falsy (it has __len__)
+        self.status = status if status is not None else StatusTable(clock, max_ttl_ms=self.config.max_status_ttl_ms)
 
     # -- replicas -----------------------------------------------------------------------------------------------
 

@@ -1,0 +1,262 @@
+"""Time to first token through the inference instance: an 8192-token prompt whose prefix is loaded over MOQT and
+over HTTP/3, vs recomputed -- every server a ``kvsp-quic`` process of its own.
+
+    python -m benchmarks.bench_ttft [--reps 3] [--tokens 8192] [--block-tokens 256] [--json]
+
+Processes (all ``--dev`` with one directory: mutual TLS with the dev CA, 127.0.0.1): ``kvsp-quic index``, and four
+``kvsp-quic instance --device cpu`` of the reference model of benchmarks/bench_prefill.py (8 layers, hidden 512,
+2 KV heads of 64, vocabulary 32000, bf16; blocks of 256 tokens are 1 MiB of K and V):
+
+* ``A`` computes each prompt from scratch (the recompute baseline) and so holds, and publishes, its blocks
+  (``https`` records and their ``moqt://`` twins);
+* ``HTTP`` (``--no-moqt``) and ``MOQT`` start the same prompt with the lookup's blocks listed at ``A``
+  (``POST sessions/{id}/start`` with ``"blocks"``, as the Placement Controller sends it): 31 blocks stream from
+  ``A`` into the prefill (layer l computed once layer l of every block is in) and the last 256 tokens are computed;
+* ``PRE`` gets a prefetch directive for the 31 blocks first (``POST prefetch``, leases at ``A``, polled until
+  ``complete``), then the session, whose prefix is then resident;
+* a second session of the same prompt at ``HTTP`` finds the prefix resident.
+
+TTFT is measured by this client from sending ``POST sessions/{id}/start`` to reading the first token line of
+``GET sessions/{id}/tokens`` (the instance's own figure, from admission to the first sampled token, is in
+``GET sessions/{id}``); medians of --reps prompts after a warm-up round with a short prompt. Every loaded run's
+first token is checked to equal the recompute's (greedy), and the block sources reported by the instance are
+checked (MOQT for the MOQT instance, HTTP/3 for the other).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from benchmarks.bench_h3 import SETTINGS
+from benchmarks.bench_prefill import model_config
+from gpu.modelfiles import derive_descriptor, write_random_model
+from http3.client import KvspClient
+from http3.tls import TlsFiles
+from kvsp_quic.keys import BlockKeyer, scope_id
+from kvsp_quic.serve import read_scope_key
+
+JSON = {"content-type": "application/kvsp+json"}
+
+
+class Proc:
+    """A ``kvsp-quic`` server subcommand; ``ready`` is its ready line."""
+
+    def __init__(self, name: str, *args: str) -> None:
+        self.name = name
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvsp_quic", *args, "--log-level", "WARNING"],
+                                     stdout=subprocess.PIPE, text=True)
+        self.ready: dict[str, Any] = {}
+
+    def wait_ready(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.name} did not start")
+        self.ready = json.loads(line)
+        return self.ready
+
+    @property
+    def base(self) -> str:
+        return str(self.ready["base_uri"])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+async def first_token(client: KvspClient, inst: Proc, prompt: list[int], d: dict[str, Any], scope: bytes,
+                      blocks: list[dict[str, Any]] | None) -> tuple[float, int, dict[str, Any]]:
+    """TTFT of a session with *prompt* at *inst* (seconds from POST start to the first token line)."""
+    sid = uuid.uuid4()
+    body: dict[str, Any] = {"session": str(sid), "epoch": 1, "scope_id": scope.hex(), "compat_id": d["compat_id"],
+                            "prompt": prompt, "max_tokens": 1,
+                            "sampler": {"method": "greedy", "seed": 0, "step": 0, "deterministic": True}}
+    if blocks is not None:
+        body["blocks"] = blocks
+    data = json.dumps(body).encode()
+    t0 = time.perf_counter()
+    r = await client.request("POST", f"{inst.base}sessions/{sid}/start", content=data, headers=JSON)
+    assert r.status == 201, r.content
+    token = -1
+    async with client.stream("GET", f"{inst.base}sessions/{sid}/tokens?from=0") as response:
+        assert response.status == 200
+        buffer = b""
+        async for chunk in response.aiter_bytes():
+            buffer += chunk
+            if b"\n" in buffer:
+                token = int(json.loads(buffer.split(b"\n", 1)[0])["token"])
+                break
+    elapsed = time.perf_counter() - t0
+    info = await client.request("GET", f"{inst.base}sessions/{sid}")
+    return elapsed, token, info.json()
+
+
+async def published(client: KvspClient, index: str, d: dict[str, Any], scope: bytes, keys: list[bytes],
+                    holder: str) -> None:
+    body = json.dumps({"scope_id": scope.hex(), "compat_id": d["compat_id"], "block_keys": [k.hex() for k in keys]})
+    for _ in range(1000):
+        r = await client.request("POST", f"{index}lookup", content=body.encode(), headers=JSON)
+        found = r.json()
+        moqt_twin = holder.replace("https://", "moqt://")
+        if found["matched"] == len(keys) and all({holder, moqt_twin} <= {x["holder"] for x in m["replicas"]}
+                                                 for m in found["blocks"]):
+            return
+        await asyncio.sleep(0.02)
+    raise RuntimeError("the producer's blocks were not published")
+
+
+async def prefetch(client: KvspClient, inst: Proc, d: dict[str, Any], scope: bytes, keys: list[bytes],
+                   source: str) -> float:
+    directive = uuid.uuid4()
+    body = {"directive": str(directive), "scope_id": scope.hex(), "compat_id": d["compat_id"],
+            "blocks": [{"block_key": k.hex(), "sources": [source]} for k in keys], "deadline_ms": 60_000,
+            "lease_ms": 30_000}
+    t0 = time.perf_counter()
+    r = await client.request("POST", f"{inst.base}prefetch", content=json.dumps(body).encode(), headers=JSON)
+    assert r.status == 202, r.content
+    while True:
+        state = (await client.request("GET", f"{inst.base}prefetch/{directive}")).json()
+        if state["state"] != "pending":
+            break
+        await asyncio.sleep(0.005)
+    assert state["state"] == "complete", state
+    return time.perf_counter() - t0
+
+
+async def bench(args: argparse.Namespace, tmp: Path) -> list[tuple[str, float | None, float | None, str]]:
+    b = args.block_tokens
+    model_dir = write_random_model(tmp / "model", model_config(args.layers, args.hidden), seed=0)
+    dev = tmp / "dev"
+    config = tmp / "instance.toml"
+    config.write_text(f"[transport]\nstream_window = {SETTINGS.stream_window}\n"
+                      f"connection_window = {SETTINGS.connection_window}\n")
+    blocks = args.tokens // b
+    pages = (args.reps + 2) * blocks + 8
+    index = Proc("index", "index", "--dev", str(dev))
+    index.wait_ready()
+    common = ["instance", "--dev", str(dev), "--device", "cpu", "--model", str(model_dir), "--block-tokens", str(b),
+              "--index", index.base, "--device-pages", str(pages), "--warmup-tokens", str(2 * b), "--config",
+              str(config), "--max-tokens", "16"]
+    procs = {"A": Proc("A", *common), "HTTP": Proc("HTTP", *common, "--no-moqt"), "MOQT": Proc("MOQT", *common),
+             "PRE": Proc("PRE", *common)}
+    rows: list[tuple[str, float | None, float | None, str]] = []
+    try:
+        for p in procs.values():
+            p.wait_ready()
+        a = procs["A"]
+        ready = a.ready
+        d = ready["descriptor"] | {"compat_id": ready["compat_id"]}
+        assert d["compat_id"] == derive_descriptor(model_dir, b).compat_id.hex()
+        key = read_scope_key(Path(ready["scope_key"]))
+        scope = scope_id(key)
+        keyer = BlockKeyer(key, bytes.fromhex(d["compat_id"]), b)
+        files = TlsFiles(Path(ready["ca"]), Path(ready["client_cert"]), Path(ready["client_key"]))
+        results: dict[str, list[float]] = {}
+        inner: dict[str, list[float]] = {}
+        notes: dict[str, str] = {}
+        async with KvspClient(files, settings=SETTINGS, timeout=300) as client:
+            rng = random.Random(1)
+            for rep in range(args.reps + 1):
+                warm = rep == 0  # a short prompt first: connections, first requests
+                n = 4 * b if warm else args.tokens
+                prompt = [rng.randrange(32000) for _ in range(n)]
+                keys = [bytes(k) for k in keyer.keys(prompt)]
+                usable = keys[:(n - 1) // b]
+                listed = [{"block_key": k.hex(), "sources": [a.base]} for k in usable]
+                runs: dict[str, tuple[float, int, dict[str, Any]]] = {}
+                runs["recompute"] = await first_token(client, a, prompt, d, scope, [])
+                await published(client, index.base, d, scope, keys, a.base)
+                runs["http"] = await first_token(client, procs["HTTP"], prompt, d, scope, listed)
+                runs["moqt"] = await first_token(client, procs["MOQT"], prompt, d, scope, listed)
+                load = await prefetch(client, procs["PRE"], d, scope, usable, a.base)
+                runs["prefetched"] = await first_token(client, procs["PRE"], prompt, d, scope, listed)
+                runs["resident"] = await first_token(client, procs["HTTP"], prompt, d, scope, listed)
+                reference = runs["recompute"][1]
+                for label, (_t, token, info) in runs.items():
+                    assert token == reference, (label, token, reference)
+                    if label != "recompute":
+                        assert info["loaded_blocks"] == len(usable) and info["computed_tokens"] == n - len(usable) * b
+                sources = {label: info["block_sources"] for label, (_t, _tok, info) in runs.items()}
+                assert set(sources["http"]) == {"HTTP/3"}, sources
+                assert all(s.startswith("MOQT") for s in sources["moqt"]), sources
+                assert set(sources["prefetched"]) == set(sources["resident"]) == {"resident"}, sources
+                if warm:
+                    continue
+                for label, (t, _tok, info) in runs.items():
+                    results.setdefault(label, []).append(t)
+                    inner.setdefault(label, []).append(info["ttft_ms"] / 1000)
+                    notes[label] = ", ".join(f"{v} {k}" for k, v in sorted(info["block_sources"].items()))
+                results.setdefault("load", []).append(load)
+                print(f"rep {rep}: " + ", ".join(f"{k} {v[0]:.3f} s" for k, v in runs.items()) +
+                      f", directive {load:.3f} s", file=sys.stderr)
+        med = {k: statistics.median(v) for k, v in results.items()}
+        imed = {k: statistics.median(v) for k, v in inner.items()}
+        base_t = med["recompute"]
+        loaded = (args.tokens - 1) // b * b
+        rows.append((f"recompute all {args.tokens} tokens (instance A, nothing cached)", med["recompute"],
+                     imed["recompute"], "1.0x (baseline)"))
+        for label, title in (("http", f"prefix loaded over HTTP/3 from instance A ({loaded} tokens), "
+                                      f"{args.tokens - loaded} computed"),
+                             ("moqt", "prefix loaded over MOQT from instance A, the rest computed")):
+            rows.append((title, med[label], imed[label], f"**{base_t / med[label]:.1f}x faster**; "
+                                                          f"blocks: {notes[label]}"))
+        rows.append((f"prefetch directive first ({loaded // b} blocks, MOQT first, leased at A): complete after",
+                     med["load"], None, "polled GET prefetch/{id}"))
+        rows.append(("  then the session (prefix resident)", med["prefetched"], imed["prefetched"],
+                     f"{base_t / med['prefetched']:.1f}x faster"))
+        rows.append(("prefix resident (a second session of the prompt)", med["resident"], imed["resident"],
+                     f"{base_t / med['resident']:.1f}x faster"))
+    finally:
+        for p in procs.values():
+            p.stop()
+        index.stop()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--block-tokens", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of Markdown")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-ttft-") as tmp:
+        rows = asyncio.run(bench(args, Path(tmp)))
+    if args.json:
+        print(json.dumps([{"case": c, "ttft_s": t, "instance_ttft_s": i, "note": n} for c, t, i, n in rows]))
+        return
+    print(f"Time to first token, {args.tokens}-token prompt, reference model ({args.layers} layers, hidden "
+          f"{args.hidden}, bf16), blocks of {args.block_tokens} tokens, {os.cpu_count()} cores, every server its own "
+          f"process; medians of {args.reps}\n")
+    print("| case | TTFT (client) | TTFT (instance) | |")
+    print("|---|---|---|---|")
+    for case, t, inner_t, note in rows:
+        print(f"| {case} | {_seconds(t)} | {_seconds(inner_t)} | {note} |")
+
+
+def _seconds(x: float | None) -> str:
+    return "" if x is None else f"{x:.3f} s"
+
+
+if __name__ == "__main__":
+    main()

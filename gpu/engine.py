@@ -1,0 +1,607 @@
+"""The instance's engine: the model, its paged KV cache, and the one thread that runs torch.
+
+    engine = Engine.load("models/tiny", device="cpu", block_tokens=16, device_pages=1024)
+    result = await engine.prefill(tokens, blocks, keys=keys)          # layer steps on the engine thread
+    logits = await engine.decode(result.sequence, token)
+
+Every torch computation of every session (layer steps of prefills, decode steps, sampling, digests of pages read
+from a CUDA tier) runs on one executor thread, in the order submitted, so requests interleave step by step and the
+event loop stays free for the network: blocks arriving for a prefill or a prefetch directive are copied into their
+pages on the event loop (a memcpy, ``PagedKVCache.write_layer``) while the engine thread computes.
+
+* :class:`Engine` -- model, cache, executor, measured prefill and decode rates.
+* :func:`run_session` -- one session: the prefill (blocks loaded or streamed, the rest computed), the decode
+  steps that replay a resumed session's generated tokens exactly as they were first computed, then generation,
+  naming every completed page by its Block Key as it completes.
+* :class:`BlockLoads` -- blocks being loaded into the cache (prefetch directives), shared: a prefill that needs a
+  block still arriving follows its layers as they come instead of fetching it again.
+* :class:`CacheHolder` -- the instance as a holder of its own tiers: :class:`kvsp_quic.roles.holder.Holder`
+  (leases, the publisher's outbox, the HTTP and MOQT block resources) over the cache's pages, with their
+  device/host residency, pinned while leased, withdrawn when evicted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Collection, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from kvsp_quic.auth import Principal, require_scope
+from kvsp_quic.compat import CompatDescriptor
+from kvsp_quic.container import ContainerHeader, DecodedLayer, EncodedContainer
+from kvsp_quic.fields import BlockKey, CompatId, ScopeId
+from kvsp_quic.keys import BlockKeyChain
+from kvsp_quic.problems import BadRequest, LayersUnavailable, NotAcceptable, NotFound
+from kvsp_quic.records import LeaseRenewal, LeaseRequest, LeaseResponse, ReplicaRecord, ResidencyEntry
+from kvsp_quic.roles.holder import Holder, HolderSettings, Replica
+from kvsp_quic.roles.instance import RateMeter
+from kvsp_quic.storage.tiers import BlockId, BlockMeta, LruPolicy, Tier, TieredStore
+
+from .generate import decode_step
+from .kvcache import DEVICE, Page, PagedKVCache
+from .model import LlamaModel
+from .prefill import BlockInput, PrefillResult, PrefillTrace, prefill
+from .sampling import TokenSampler
+
+log = logging.getLogger("kvsp.gpu.engine")
+
+T = TypeVar("T")
+
+
+class PrefixUnavailable(RuntimeError):
+    """A block whose tokens this instance does not know (a resumed prompt) could not be loaded."""
+
+
+class Engine:
+    """A model and its cache on one device, computed on one thread."""
+
+    def __init__(self, model: LlamaModel, cache: PagedKVCache, descriptor: CompatDescriptor, *,
+                 executor: ThreadPoolExecutor | None = None) -> None:
+        self.model = model
+        self.cache = cache
+        self.descriptor = descriptor
+        self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvsp-engine")
+        self.prefill_rate = RateMeter()  # computed prompt tokens per second of layer steps (EMA)
+        self.decode_rate = RateMeter()  # decode steps per second (EMA; one engine thread: no batching)
+        self.prefill_tokens = 0  # computed by prefills
+        self.loaded_tokens = 0  # loaded into prefills instead
+        self.decode_tokens = 0
+
+    @classmethod
+    def load(cls, directory: str, *, device: str = "cpu", dtype: str | None = None, kv_dtype: str | None = None,
+             block_tokens: int = 16, device_pages: int = 1024, host_pages: int = 0,
+             name: str | None = None) -> Engine:
+        model = LlamaModel.load(directory, device=device, dtype=dtype, kv_dtype=kv_dtype)
+        descriptor = model.descriptor(block_tokens, name=name)
+        cache = PagedKVCache.for_descriptor(descriptor, device=model.device, device_pages=device_pages,
+                                            host_pages=host_pages)
+        return cls(model, cache, descriptor)
+
+    @property
+    def block_tokens(self) -> int:
+        return self.cache.block_tokens
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """*fn(*args)* on the engine thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def prefill(self, tokens: Sequence[int], blocks: Sequence[BlockInput] = (), *,
+                      keys: Sequence[bytes] | None = None, load_timeout: float | None = None) -> PrefillResult:
+        trace = PrefillTrace()
+        result = await prefill(self.model, self.cache, tokens, blocks, executor=self.executor, trace=trace,
+                               keys=keys, load_timeout=load_timeout)
+        computed = len(tokens) - len(result.loaded_blocks) * self.block_tokens
+        busy = 0.0
+        started: float | None = None
+        for event in trace.events:
+            if event.kind == "start":
+                started = event.t
+            elif event.kind == "end" and started is not None:
+                busy += event.t - started
+                started = None
+        self.prefill_tokens += computed
+        self.loaded_tokens += len(result.loaded_blocks) * self.block_tokens
+        self.prefill_rate.add(computed, busy)
+        return result
+
+    async def decode(self, seq: Any, token: int) -> torch.Tensor:
+        def step() -> tuple[torch.Tensor, float]:
+            t0 = time.perf_counter()
+            logits = decode_step(self.model, seq, token)
+            return logits, time.perf_counter() - t0
+
+        logits, seconds = await self.call(step)
+        self.decode_tokens += 1
+        self.decode_rate.add(1, seconds)
+        return logits
+
+    async def sample(self, sampler: TokenSampler, logits: torch.Tensor) -> int:
+        return await self.call(sampler.sample, logits)
+
+    async def warmup(self, tokens: int) -> None:
+        """A throwaway prefill of *tokens* tokens and a few decode steps: the first torch calls are slow, and the
+        rates it measures are in the first status record."""
+        if tokens < 1:
+            return
+        vocab = self.model.config.vocab_size
+        prompt = [(7 * i + 3) % vocab for i in range(tokens)]
+        result = await self.prefill(prompt)
+        try:
+            for token in prompt[:3]:
+                await self.decode(result.sequence, token)
+        finally:
+            result.sequence.release()
+
+    def page_sections(self, page: Page, first: int = 0, last: int | None = None) -> list[tuple[bytes, bytes]]:
+        """Copies of layers *first*..*last* of *page* (kvsp-layout-1 sections), safe to keep after the page goes.
+        Call with a reference held on the page."""
+        last = self.cache.layers - 1 if last is None else last
+        out = []
+        for layer in range(first, last + 1):
+            k, v = self.cache.read_layer(page, layer)
+            out.append((bytes(k), bytes(v)))
+        return out
+
+    async def digests(self, page: Page) -> tuple[bytes, ...]:
+        """The layer digests of a complete page (SHA-256 of K || V per layer), on the engine thread."""
+        def run() -> tuple[bytes, ...]:
+            out = []
+            for layer in range(self.cache.layers):
+                k, v = self.cache.read_layer(page, layer)
+                h = hashlib.sha256(k)
+                h.update(v)
+                out.append(h.digest())
+            return tuple(out)
+
+        return await self.call(run)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+# -- one session ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunPlan:
+    """What :func:`run_session` computes.
+
+    The prefill covers ``tokens`` (a resumed session's prompt blocks are placeholders: their K and V must be
+    loaded, ``must_load`` blocks), with ``blocks`` for its first blocks; ``keys`` name its complete pages. Then
+    ``replay`` tokens are decoded one by one (a resumed session's generated tokens not covered by loaded blocks:
+    decoded as they were first decoded, so their K and V, and the logits after them, are bit-identical), then up to
+    ``max_new`` tokens are sampled. ``chain`` holds the Block Keys of the sequence up to the end of the prefill and
+    names the pages that complete later.
+    """
+
+    tokens: list[int]
+    blocks: list[BlockInput]
+    keys: list[bytes]
+    chain: BlockKeyChain | None
+    sampler: TokenSampler
+    max_new: int
+    replay: list[int] = field(default_factory=list)
+    must_load: int = 0
+    stop: Collection[int] = ()
+    load_timeout: float | None = None
+    chain_first_block: int = 0  # the block index of ``chain.keys[0]`` (a resumed session's: after the prompt)
+
+
+class SessionHooks(Protocol):
+    def prefilled(self, result: PrefillResult) -> None:
+        """The prefill is done (before any token is sampled)."""
+
+    def token(self, token: int) -> bool:
+        """A token was sampled; False stops the run (the session was fenced)."""
+
+    def page_complete(self, page: Page, key: bytes) -> None:
+        """A page of the sequence is complete and named *key* (publish it)."""
+
+
+async def run_session(engine: Engine, plan: RunPlan, hooks: SessionHooks) -> str:
+    """Run one session; returns the reason it ended: ``"length"``, ``"stop"`` (or ``"fenced"``)."""
+    cache = engine.cache
+    b = cache.block_tokens
+    result = await engine.prefill(plan.tokens, plan.blocks, keys=plan.keys, load_timeout=plan.load_timeout)
+    seq = result.sequence
+    try:
+        lost = [i for i in result.recomputed_blocks if i < plan.must_load]
+        if lost:
+            raise PrefixUnavailable(f"prompt block(s) {lost} could not be loaded and their tokens are unknown")
+        _name_pages(cache, seq.pages[:seq.tokens // b], plan.keys, hooks)
+        hooks.prefilled(result)
+        logits = result.logits
+        for token in plan.replay:
+            logits = await engine.decode(seq, token)
+            _after_decode(cache, seq, plan, token, hooks)
+        for n in range(1, plan.max_new + 1):
+            token = await engine.sample(plan.sampler, logits)
+            if not hooks.token(token):
+                return "fenced"
+            if token in plan.stop:
+                return "stop"
+            if n == plan.max_new:
+                break
+            logits = await engine.decode(seq, token)
+            _after_decode(cache, seq, plan, token, hooks)
+        return "length"
+    finally:
+        seq.release()
+
+
+def _name_pages(cache: PagedKVCache, pages: Sequence[Page], keys: Sequence[bytes], hooks: SessionHooks) -> None:
+    for page, key in zip(pages, keys, strict=False):
+        _name(cache, page, key, hooks)
+
+
+def _name(cache: PagedKVCache, page: Page, key: bytes, hooks: SessionHooks) -> None:
+    if page.key is None:
+        if cache.lookup(key) is not None:
+            return  # another page holds this block already (loaded by a directive meanwhile)
+        cache.set_key(page, key)
+    if page.key == key:
+        hooks.page_complete(page, key)
+
+
+def _after_decode(cache: PagedKVCache, seq: Any, plan: RunPlan, token: int, hooks: SessionHooks) -> None:
+    """*token*'s K and V are in: name the page it completed, if any."""
+    if plan.chain is None:
+        return
+    new = plan.chain.append([token])
+    start = plan.chain_first_block + len(plan.chain.keys) - len(new)
+    for j, key in enumerate(new):
+        _name(cache, seq.pages[start + j], key, hooks)
+
+
+# -- blocks being loaded --------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class BlockLoad:
+    """One block arriving into a page: its verified layers as they come, for followers."""
+
+    key: bytes
+    layers: list[DecodedLayer] = field(default_factory=list)
+    done: bool = False
+    ok: bool = False
+    interest: int = 0  # directives and prefills that still want it
+    task: asyncio.Task[None] | None = None
+    started: float = 0.0
+    first_layer_at: float | None = None
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait(self) -> bool:
+        """Until the load ends; whether it succeeded."""
+        while not self.done:
+            await self._changed.wait()
+        return self.ok
+
+    async def follow(self) -> AsyncIterator[DecodedLayer]:
+        """The layers received so far, then the rest as they arrive; ends early if the load fails (the prefill
+        then recomputes the block)."""
+        self.interest += 1
+        try:
+            i = 0
+            while True:
+                while i < len(self.layers):
+                    yield self.layers[i]
+                    i += 1
+                if self.done:
+                    return
+                changed = self._changed
+                await changed.wait()
+        finally:
+            self.interest -= 1
+
+
+LoadedCallback = Callable[[bytes, Page, tuple[bytes, ...] | None], None]
+FinishedCallback = Callable[[BlockLoad, Any], None]
+
+
+class BlockLoads:
+    """Blocks being loaded into the cache for prefetch directives (each block at most once at a time)."""
+
+    def __init__(self, cache: PagedKVCache, *, on_loaded: LoadedCallback,
+                 on_finished: FinishedCallback | None = None) -> None:
+        self.cache = cache
+        self.on_loaded = on_loaded
+        self.on_finished = on_finished
+        self._loads: dict[bytes, BlockLoad] = {}
+
+    def __len__(self) -> int:
+        return len(self._loads)
+
+    def get(self, key: bytes) -> BlockLoad | None:
+        return self._loads.get(bytes(key))
+
+    def reserve(self, key: bytes) -> BlockLoad:
+        """Announce that *key* is about to be loaded (its source is being looked up): prefills that need it
+        follow this load instead of fetching the block themselves. Then :meth:`begin` or :meth:`abandon`."""
+        key = bytes(key)
+        if key in self._loads:
+            raise ValueError(f"block {key.hex()} is being loaded already")
+        load = BlockLoad(key, started=time.perf_counter())
+        self._loads[key] = load
+        return load
+
+    def begin(self, load: BlockLoad, stream: AsyncIterable[DecodedLayer]) -> BlockLoad:
+        """Load the reserved block from *stream* (verified layers in ascending order) into a new page; the page
+        is named by the key and ``on_loaded`` is told once every layer is in."""
+        load.started = time.perf_counter()
+        load.task = asyncio.get_running_loop().create_task(self._run(load, stream), name=f"load-{load.key.hex()[:8]}")
+        return load
+
+    def start(self, key: bytes, stream: AsyncIterable[DecodedLayer]) -> BlockLoad:
+        return self.begin(self.reserve(key), stream)
+
+    def abandon(self, load: BlockLoad) -> None:
+        """A reserved block will not be loaded (no source): its followers recompute it."""
+        if load.task is None and not load.done:
+            load.done = True
+            self._loads.pop(load.key, None)
+            load._notify()
+
+    async def _run(self, load: BlockLoad, stream: AsyncIterable[DecodedLayer]) -> None:
+        cache = self.cache
+        page: Page | None = None
+        try:
+            page = cache.new_page()
+            async for layer in stream:
+                expected = len(load.layers)
+                if layer.index != expected:
+                    raise ValueError(f"layer {layer.index} arrived, expected {expected}")
+                cache.write_layer(page, layer.index, layer.k_parts, layer.v_parts)
+                if load.first_layer_at is None:
+                    load.first_layer_at = time.perf_counter()
+                load.layers.append(layer)
+                load._notify()
+            if len(load.layers) == cache.layers:
+                digests = tuple(x.digest for x in load.layers if x.digest is not None)
+                if cache.lookup(load.key) is None:
+                    cache.set_key(page, load.key)
+                    self.on_loaded(load.key, page, digests if len(digests) == cache.layers else None)
+                load.ok = True
+        except asyncio.CancelledError:
+            log.info("loading block %s was cancelled", load.key.hex())
+        except Exception as exc:
+            log.info("loading block %s failed: %r", load.key.hex(), exc)
+        finally:
+            closer = getattr(stream, "aclose", None)
+            if closer is not None:
+                with contextlib.suppress(Exception):
+                    await closer()
+            if page is not None:
+                cache.release(page)  # a named page stays cached; an incomplete one is freed
+            load.done = True
+            self._loads.pop(load.key, None)
+            load._notify()
+            if self.on_finished is not None:
+                self.on_finished(load, stream)
+
+    def cancel(self, key: bytes) -> None:
+        load = self._loads.get(bytes(key))
+        if load is None:
+            return
+        if load.task is not None:
+            load.task.cancel()
+        else:
+            self.abandon(load)
+
+    async def aclose(self) -> None:
+        for load in [x for x in self._loads.values() if x.task is None]:
+            self.abandon(load)
+        tasks = [load.task for load in self._loads.values() if load.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# -- the instance as a holder of its own tiers -----------------------------------------------------------------
+
+
+class CacheTier(Tier):
+    """Bookkeeping only: the blocks live in the cache's pages, and the cache evicts (footprint 0, never full)."""
+
+    def __init__(self) -> None:
+        super().__init__(DEVICE, 1, LruPolicy())
+
+    def footprint(self, meta: BlockMeta) -> int:
+        return 0
+
+    def _keep(self, meta: BlockMeta, data: memoryview) -> None:
+        pass
+
+    def _read(self, meta: BlockMeta) -> memoryview:  # pragma: no cover - CacheHolder reads pages itself
+        raise KeyError(meta.id)
+
+    def _forget(self, meta: BlockMeta) -> None:
+        pass
+
+
+class CacheHolder(Holder):
+    """A :class:`~kvsp_quic.roles.holder.Holder` whose replicas are the named pages of an instance's cache.
+
+    Records carry the page's residency (which layers in the device tier, which in the host tier); blocks are
+    served from copies of the page's sections taken while holding a reference on it; a leased page holds a
+    reference (the cache never evicts a referenced page); an evicted page is withdrawn, a demoted one republished.
+    The cache may call back from the engine thread: ``attach`` routes those calls through the event loop.
+    """
+
+    def __init__(self, settings: HolderSettings, cache: PagedKVCache, *, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
+        super().__init__(settings, clock=clock, store=TieredStore([CacheTier()]))
+        self.cache = cache
+        self._pages: dict[BlockId, Page] = {}
+        self._by_key: dict[bytes, BlockId] = {}
+        self._pinned: set[BlockId] = set()
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Take the cache's eviction and residency callbacks (they may come from the engine thread)."""
+        def evicted(page: Page) -> None:
+            if page.key is not None:
+                loop.call_soon_threadsafe(self.forget, page.key)
+
+        def moved(page: Page) -> None:
+            if page.key is not None:
+                loop.call_soon_threadsafe(self.residency_changed, page.key)
+
+        self.cache.on_evict = evicted
+        self.cache.on_residency = moved
+
+    # -- replicas ---------------------------------------------------------------------------------------------
+
+    def holds(self, key: bytes) -> bool:
+        """Whether the cache has a complete page for *key* (published or about to be)."""
+        return self.cache.lookup(key) is not None
+
+    def page_of(self, key: bytes) -> Page | None:
+        return self.cache.lookup(key)
+
+    def adopted(self, key: bytes) -> bool:
+        return bytes(key) in self._by_key
+
+    def adopt(self, scope_id: bytes, key: bytes, page: Page, layer_digests: Sequence[bytes]) -> ReplicaRecord | None:
+        """Serve and publish the named complete *page* as a replica of *key* in *scope_id*."""
+        key = bytes(key)
+        if page.dropped or page.key != key or not page.complete or key in self._by_key:
+            return None
+        descriptor = self.settings.descriptors[0]
+        section = descriptor.section_length(self.cache.block_tokens)
+        header = ContainerHeader(codec=1, first_layer=0, token_count=self.cache.block_tokens,
+                                 lengths=((section, section),) * self.cache.layers)
+        block = BlockId(bytes(descriptor.compat_id), bytes(scope_id), key)
+        meta = BlockMeta(block, header, tuple(layer_digests), header.size + header.data_length)
+        now = self.clock()
+        self.storage.put(meta, memoryview(b""), self.leases.protects)
+        rep = Replica(meta, meta.digest, now, now + self.settings.replica_ttl_ms / 1000, None)
+        self._replicas[block] = rep
+        self._pages[block] = page
+        self._by_key[key] = block
+        self.metrics["stored"] += 1
+        self.outbox.publish(block, now)
+        return self._record(block, rep, now)
+
+    def forget(self, key: bytes) -> None:
+        """The cache evicted *key*'s page: drop the replica and withdraw its record."""
+        block = self._by_key.pop(bytes(key), None)
+        if block is None:
+            return
+        self._pages.pop(block, None)
+        self._replicas.pop(block, None)
+        self._pinned.discard(block)
+        self.storage.remove(block)
+        self.metrics["evicted"] += 1
+        self.outbox.withdraw(block, self.clock())
+
+    def residency_changed(self, key: bytes) -> None:
+        block = self._by_key.get(bytes(key))
+        if block is not None and block in self._replicas:
+            self.outbox.publish(block, self.clock())
+
+    def replica(self, block: BlockId) -> Replica | None:
+        page = self._pages.get(block)
+        if page is None or page.dropped:
+            return None
+        return super().replica(block)
+
+    def _record(self, block: BlockId, rep: Replica, now: float) -> ReplicaRecord:
+        page = self._pages[block]
+        residency = self.cache.residency(page) or (ResidencyEntry(DEVICE, (0, self.cache.layers - 1)),)
+        return ReplicaRecord(
+            block_key=BlockKey(block.block_key), compat_id=CompatId(block.compat_id),
+            scope_id=ScopeId(block.scope_id), holder=self.base_uri, codec=rep.codec, size=rep.meta.size,
+            digest=rep.digest, residency=residency, ttl_ms=self._record_ttl_ms(rep, now),
+            layer_digests=rep.meta.layer_digests)
+
+    def _read(self, principal: Principal, compat_id: bytes, scope_id: bytes, block_key: bytes,
+              layers: tuple[int, int] | None, codec: int | None) -> tuple[Replica, str, EncodedContainer]:
+        require_scope(principal, scope_id)
+        self.descriptor(compat_id)
+        block = BlockId(bytes(compat_id), bytes(scope_id), bytes(block_key))
+        rep = self.replica(block)
+        if rep is None:
+            raise NotFound(f"no replica of {block.block_key.hex()}")
+        if codec is not None and codec != rep.codec:
+            raise NotAcceptable(f"the replica is stored with codec {rep.codec}; this holder does not transcode")
+        count = len(rep.meta.layer_digests)
+        first, last = layers if layers is not None else (0, count - 1)
+        if first > last:
+            raise BadRequest(f"layers {first}-{last}: the first layer is after the last")
+        if last >= count:
+            raise LayersUnavailable(f"layers {first}-{last} requested; the replica holds layers 0-{count - 1}")
+        page = self._pages[block]
+        try:
+            self.cache.acquire(page)
+        except KeyError:
+            raise NotFound(f"the replica of {block.block_key.hex()} was just evicted") from None
+        try:
+            tier = DEVICE if page.ready[DEVICE][first] else "host"
+            sections = []
+            for layer in range(first, last + 1):
+                k, v = self.cache.read_layer(page, layer)
+                sections += [bytes(k), bytes(v)]  # a copy: the slot may be reused once the page is released
+        finally:
+            self.cache.release(page)
+        header = ContainerHeader(codec=rep.codec, first_layer=first, token_count=self.cache.block_tokens,
+                                 lengths=tuple((len(sections[2 * i]), len(sections[2 * i + 1]))
+                                               for i in range(last - first + 1)))
+        container = EncodedContainer(header, header.pack(), tuple(memoryview(s) for s in sections),
+                                     tuple(rep.meta.layer_digests[first:last + 1]))
+        self.metrics["fetched"] += 1
+        return rep, tier, container
+
+    # -- leases pin pages ------------------------------------------------------------------------------------
+
+    def sync_pins(self) -> None:
+        """A leased replica's page holds a reference (the cache evicts only unreferenced pages)."""
+        for block, page in list(self._pages.items()):
+            want = self.leases.protects(block)
+            if want and block not in self._pinned:
+                try:
+                    self.cache.acquire(page)
+                except KeyError:
+                    continue
+                self._pinned.add(block)
+            elif not want and block in self._pinned:
+                self._pinned.discard(block)
+                self.cache.release(page)
+
+    def create_lease(self, principal: Principal, request: LeaseRequest) -> LeaseResponse:
+        granted = super().create_lease(principal, request)
+        self.sync_pins()
+        return granted
+
+    def renew_lease(self, principal: Principal, lease_id: Any, renewal: LeaseRenewal) -> LeaseResponse:
+        granted = super().renew_lease(principal, lease_id, renewal)
+        self.sync_pins()
+        return granted
+
+    def release_lease(self, principal: Principal, lease_id: Any) -> None:
+        super().release_lease(principal, lease_id)
+        self.sync_pins()
+
+    def tick(self) -> None:
+        super().tick()
+        self.sync_pins()
+
+    def begin_store(self, principal: Principal, compat_id: bytes, scope_id: bytes, block_key: bytes,
+                    if_none_match: str | None) -> Any:
+        raise NotFound("an instance stores blocks it computes or loads itself; PUT is not offered")
+
+
+__all__ = [
+    "BlockLoad", "BlockLoads", "CacheHolder", "CacheTier", "Engine", "PrefixUnavailable", "RunPlan", "SessionHooks",
+    "run_session",
+]

@@ -1,0 +1,219 @@
+"""The Placement Controller's HTTP edge: its resources on the Index Service's app, and its requests to instances.
+
+The Index Service and the PC run as one process under one base URI (docs/wire.md, "Placement Controller"):
+
+    status = StatusTable(clock, policy=LifecyclePolicy(SleepPolicy()), max_ttl_ms=60_000)
+    service = IndexService(store, clock=clock, config=config, status=status)
+    controller = PlacementController(service, HttpInstanceLink(client), clock=clock, metrics=registry)
+    app = controller_app(service, controller, policy, base_path="/kvsp/")
+
+Resources, relative to the base URI (the Index Service's, :mod:`http3.index_app`, plus these; roles in
+:data:`CONTROLLER_RULES`):
+
+* ``PUT instances/{instance_id}/status`` (instance): the status report, through the PC (sleep requests, failures);
+* ``POST sessions`` (client) -> 201 :class:`~kvsp_quic.roles.controller_records.SessionInfo` with ``Location``
+  (200 for a retry of the same request);
+* ``GET sessions/{session}`` (client, the session's creator) -> 200 ``SessionInfo``;
+* ``PUT sessions/{session}/checkpoint`` (instance, the session's current one) -> 200 ``{"session", "epoch",
+  "output_offset"}``; an optional ``"done": true`` member (extension) says the session produced its last token;
+* ``GET instances`` (controller, client) -> ``{"instances": [...]}``: held state, epoch and load of each;
+* ``PUT instances/{instance_id}/state`` (controller: operators) -> forwards ``PUT state`` to the instance;
+* ``GET maps/{map}`` (controller) -> the authoritative Shard Map; ``PUT maps/{map}`` (controller) with a Shard Map
+  (and optionally ``deadline_ms``): 201 registers a new map, otherwise the reshard to that version runs and the
+  answer is 200 ``{"map", "version", "outcome": "committed" | "aborted", "acknowledged", "failed",
+  "undelivered"}``;
+* ``GET metrics`` (any principal).
+
+:class:`HttpInstanceLink` sends the PC's directives with :class:`~http3.client.KvspClient`: ``POST prefetch``,
+``POST sessions/{id}/start``, ``POST sessions/{id}/resume``, ``PUT state`` and ``POST reshard``, all
+``application/kvsp+json``; an answer other than 2xx raises its problem, no answer raises ``OSError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from kvsp_quic import fields as f
+from kvsp_quic import keys as k
+from kvsp_quic.auth import Policy
+from kvsp_quic.compat import InstanceState
+from kvsp_quic.metrics import Registry
+from kvsp_quic.problems import BadRequest, NotFound, problem_from_json
+from kvsp_quic.records import PrefetchDirective, SessionCheckpoint, ShardMap, StateMessage
+from kvsp_quic.roles.controller import PlacementController, ReshardMessage
+from kvsp_quic.roles.controller_records import SessionRequest, SessionResume, SessionStart
+from kvsp_quic.roles.index import IndexService
+
+from .app_kit import JSON_MEDIA_TYPE, kvsp_json, read_json_body, role_app
+from .asgi_types import ASGIApp
+from .authz import Rule, principal_of
+from .client import KvspClient
+from .client import Response as ClientResponse
+from .index_app import DEFAULT_MAX_BODY_BYTES, INDEX_RULES, index_routes, running, sweeper
+from .metrics_app import TransferMetrics, mount_metrics
+from .problem_response import install
+
+DEFAULT_MAX_SESSION_BYTES = 4 << 20  # a 131072-token prompt and its 8192 Block Keys are ~1.5 MB of JSON
+_MAP_RE = re.compile(r"[A-Za-z0-9._~-]{1,128}")
+
+CONTROLLER_RULES: tuple[Rule, ...] = (
+    Rule("POST", "sessions", ["client"]),
+    Rule("GET", "sessions/{session}", ["client"]),
+    Rule("PUT", "sessions/{session}/checkpoint", ["instance"]),
+    Rule("GET", "instances", ["controller", "client"]),
+    Rule("PUT", "instances/{instance_id}/state", ["controller"]),
+    Rule("GET", "maps/{map}", ["controller"]),
+    Rule("PUT", "maps/{map}", ["controller"]),
+)
+
+
+# -- requests to instances --------------------------------------------------------------------------------------
+
+
+class HttpInstanceLink:
+    """:class:`~kvsp_quic.roles.controller.InstanceLink` over HTTP (the PC's client certificate must give it the
+    ``controller`` role in the instances' policies)."""
+
+    def __init__(self, client: KvspClient, *, timeout: float | None = None) -> None:
+        self.client = client
+        self.timeout = timeout
+
+    async def _call(self, method: str, instance: str, path: str, body: dict[str, Any],
+                    timeout: float | None = None) -> ClientResponse:
+        content = json.dumps(body, separators=(",", ":")).encode()
+        response = await self.client.request(method, instance + path, headers={"content-type": JSON_MEDIA_TYPE},
+                                             content=content, timeout=timeout or self.timeout)
+        if not 200 <= response.status < 300:
+            raise problem_from_json(response.status, response.content or b"")
+        return response
+
+    async def prefetch(self, instance: str, directive: PrefetchDirective) -> None:
+        await self._call("POST", instance, "prefetch", directive.to_json())
+
+    async def start(self, instance: str, start: SessionStart) -> None:
+        await self._call("POST", instance, f"sessions/{start.session}/start", start.to_json())
+
+    async def resume(self, instance: str, session: uuid.UUID, resume: SessionResume) -> None:
+        await self._call("POST", instance, f"sessions/{session}/resume", resume.to_json())
+
+    async def set_state(self, instance: str, state: InstanceState) -> InstanceState:
+        response = await self._call("PUT", instance, "state", StateMessage(state).to_json())
+        return StateMessage.loads(response.content or b"").state
+
+    async def reshard(self, instance: str, message: ReshardMessage, timeout: float | None = None) -> None:
+        await self._call("POST", instance, "reshard", message.to_json(), timeout)
+
+
+# -- the PC's resources -----------------------------------------------------------------------------------------
+
+
+def _session_id(request: Request) -> uuid.UUID:
+    try:
+        return f.uuid_string(request.path_params["session"], "session")
+    except f.RecordError:
+        raise NotFound(f"no session {request.path_params['session']!r}") from None
+
+
+def _map_id(request: Request) -> str:
+    value = str(request.path_params["map"])
+    if not _MAP_RE.fullmatch(value):
+        raise NotFound(f"no shard map {value!r}")
+    return value
+
+
+def controller_routes(controller: PlacementController, *,
+                      max_body_bytes: int = DEFAULT_MAX_SESSION_BYTES) -> list[Route]:
+    async def post_session(request: Request) -> Response:
+        body = SessionRequest.loads(await read_json_body(request, max_body_bytes))
+        info, created = await controller.create_session(principal_of(request), body)
+        return kvsp_json(info.to_json(), 201 if created else 200, {"location": f"sessions/{info.session}"})
+
+    async def get_session(request: Request) -> Response:
+        return kvsp_json(controller.session_info(principal_of(request), _session_id(request)).to_json())
+
+    async def put_checkpoint(request: Request) -> Response:
+        session_id = _session_id(request)
+        obj = f.loads_object(await read_json_body(request, max_body_bytes))
+        checkpoint = SessionCheckpoint.from_json(obj)
+        done = f.boolean(obj["done"], "done") if obj.get("done") is not None else False
+        ack = controller.checkpoint(principal_of(request), session_id, checkpoint, done=done)
+        return kvsp_json(ack.to_json())
+
+    async def get_instances(request: Request) -> Response:
+        return kvsp_json({"instances": controller.instances()})
+
+    async def put_state(request: Request) -> Response:
+        wanted = str(request.path_params["instance_id"])
+        message = StateMessage.loads(await read_json_body(request, 64 << 10))
+        instance = next((i for i in controller.known_instances() if k.uri_id(i) == wanted), None)
+        if instance is None:
+            raise NotFound(f"no instance with instance-id {wanted!r}")
+        return kvsp_json(StateMessage(await controller.set_instance_state(instance, message.state)).to_json())
+
+    async def get_map(request: Request) -> Response:
+        return kvsp_json(controller.shard_map(_map_id(request)).to_json())
+
+    async def put_map(request: Request) -> Response:
+        map_id = _map_id(request)
+        obj = f.loads_object(await read_json_body(request, max_body_bytes))
+        new = ShardMap.from_json(obj)
+        if new.map != map_id:
+            raise BadRequest(f"map: the body names {new.map!r}, the path {map_id!r}")
+        deadline = f.positive(obj["deadline_ms"], "deadline_ms") if obj.get("deadline_ms") is not None else None
+        if map_id not in controller.maps:
+            controller.register_map(new)
+            return kvsp_json({"map": map_id, "version": new.version, "outcome": "registered"}, 201)
+        outcome = await controller.reshard(new, deadline)
+        return kvsp_json(outcome.to_json())
+
+    return [
+        Route("/sessions", post_session, methods=["POST"]),
+        Route("/sessions/{session}", get_session, methods=["GET"]),
+        Route("/sessions/{session}/checkpoint", put_checkpoint, methods=["PUT"]),
+        Route("/instances", get_instances, methods=["GET"]),
+        Route("/instances/{instance_id}/state", put_state, methods=["PUT"]),
+        Route("/maps/{map}", get_map, methods=["GET"]),
+        Route("/maps/{map}", put_map, methods=["PUT"]),
+    ]
+
+
+def controller_app(service: IndexService, controller: PlacementController, policy: Policy, *,
+                   base_path: str = "/", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                   max_session_bytes: int = DEFAULT_MAX_SESSION_BYTES, sweep_interval: float | None = 1.0,
+                   sweep_limit: int = 65536, tick_interval: float = 0.1, metrics: Registry | None = None,
+                   rules: Sequence[Rule] = INDEX_RULES + CONTROLLER_RULES) -> ASGIApp:
+    """The Index Service and the Placement Controller as one ASGI app (see the module docstring). While the
+    lifespan runs, expired index entries are swept every *sweep_interval* seconds and the controller ticks every
+    *tick_interval* seconds (failovers). *metrics* defaults to the controller's registry."""
+    registry = metrics or controller.registry
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with running(sweeper(service, sweep_interval, sweep_limit) if sweep_interval else None,
+                           controller.run(tick_interval)):
+            try:
+                yield
+            finally:
+                await controller.aclose()
+
+    routes = index_routes(service, max_body_bytes=max_body_bytes, report_status=controller.report_status,
+                          metrics=registry)
+    app = Starlette(routes=routes + controller_routes(controller, max_body_bytes=max_session_bytes),
+                    lifespan=lifespan)
+    install(app)
+    all_rules = mount_metrics(app, registry, rules)
+    return TransferMetrics(role_app(app, policy, all_rules, base_path), registry, component="index")
+
+
+__all__ = ["CONTROLLER_RULES", "DEFAULT_MAX_SESSION_BYTES", "HttpInstanceLink", "controller_app",
+           "controller_routes"]

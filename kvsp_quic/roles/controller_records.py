@@ -1,0 +1,130 @@
+"""The JSON bodies of the Placement Controller's extension resources (docs/inference.md), as records.
+
+KVSP leaves inference requests out of scope; kvsp-quic fixes these shapes so that its front end, Placement
+Controller and instances agree. Unknown members are ignored, as in every KVSP record.
+
+* :class:`SessionRequest` -- ``POST {pc}sessions`` from the front end;
+* :class:`SessionStart` -- ``POST {ii}sessions/{id}/start`` from the PC: the request plus ``epoch`` and the
+  lookup's matched blocks;
+* :class:`SessionResume` -- ``POST {ii}sessions/{id}/resume``: the spec's ``{"epoch", "checkpoint"}`` plus two
+  extension members, ``max_tokens`` and ``prompt``, so the new instance knows when to stop and can recompute prompt
+  blocks no replica serves (an instance that knows only the spec's members reads it as a
+  :class:`~kvsp_quic.records.ResumeRequest`);
+* :class:`SessionInfo` -- the PC's answer to ``POST sessions`` and ``GET sessions/{id}``.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from .. import fields as f
+from ..fields import BlockKey, CompatId, RecordError, ScopeId
+from ..records import PrefetchBlock, Record, Sampler, SessionCheckpoint, wire
+
+
+def _tokens(value: Any, path: str) -> tuple[int, ...]:
+    return f.array(value, path, f.uint32, nonempty=True)
+
+
+def _keys(value: Any, path: str) -> tuple[BlockKey, ...]:
+    return f.array(value, path, f.block_key)
+
+
+def _blocks(value: Any, path: str) -> tuple[PrefetchBlock, ...]:
+    return f.array(value, path, PrefetchBlock.read)
+
+
+class SessionState(enum.Enum):
+    PLACING = "placing"  # being assigned to its first instance
+    RUNNING = "running"  # an instance serves it in the current epoch
+    MIGRATING = "migrating"  # its instance failed; the PC looks for another (the epoch has been incremented)
+    DONE = "done"  # the instance reported the last token
+
+
+def _state(value: Any, path: str) -> SessionState:
+    text = f.string(value, path)
+    try:
+        return SessionState(text)
+    except ValueError:
+        raise f.fail(path, f"{text!r} is not a session state") from None
+
+
+@dataclass(frozen=True)
+class SessionRequest(Record):
+    """``POST {pc}sessions``: the front end asks for a session. ``block_keys`` are the prompt's Block Keys (the
+    front end holds the scope key; the PC never does)."""
+
+    session: uuid.UUID = wire(f.uuid_string)
+    scope_id: ScopeId = wire(f.scope_id)
+    compat_id: CompatId = wire(f.compat_id)
+    prompt: tuple[int, ...] = wire(_tokens)
+    max_tokens: int = wire(f.positive)
+    sampler: Sampler = wire(Sampler.read)
+    block_keys: tuple[BlockKey, ...] = wire(_keys, default=())
+
+    def check(self) -> None:
+        if len(self.block_keys) > len(self.prompt):
+            raise RecordError(f"block_keys: {len(self.block_keys)} keys for a prompt of {len(self.prompt)} tokens")
+
+
+@dataclass(frozen=True)
+class SessionStart(Record):
+    """``POST {ii}sessions/{id}/start``: :class:`SessionRequest` plus the session ``epoch`` and the lookup's
+    matched blocks (``[{"block_key", "sources"}]``, in prefix order; ``sources`` are every holder the Index
+    Service listed, the instance itself included when it holds the block)."""
+
+    session: uuid.UUID = wire(f.uuid_string)
+    epoch: int = wire(f.positive)
+    scope_id: ScopeId = wire(f.scope_id)
+    compat_id: CompatId = wire(f.compat_id)
+    prompt: tuple[int, ...] = wire(_tokens)
+    max_tokens: int = wire(f.positive)
+    sampler: Sampler = wire(Sampler.read)
+    block_keys: tuple[BlockKey, ...] = wire(_keys, default=())
+    blocks: tuple[PrefetchBlock, ...] = wire(_blocks, default=())
+
+    @classmethod
+    def of(cls, request: SessionRequest, epoch: int, blocks: tuple[PrefetchBlock, ...]) -> SessionStart:
+        return cls(request.session, epoch, request.scope_id, request.compat_id, request.prompt, request.max_tokens,
+                   request.sampler, request.block_keys, blocks)
+
+
+@dataclass(frozen=True)
+class SessionResume(Record):
+    """``POST {ii}sessions/{id}/resume``: the spec's members plus ``max_tokens`` and ``prompt`` (extension)."""
+
+    epoch: int = wire(f.positive)
+    checkpoint: SessionCheckpoint = wire(SessionCheckpoint.read)
+    max_tokens: int | None = wire(f.positive, default=None)
+    prompt: tuple[int, ...] | None = wire(_tokens, default=None)
+
+    def check(self) -> None:
+        if self.epoch <= self.checkpoint.epoch:
+            raise RecordError(f"epoch: the resume epoch {self.epoch} must exceed the checkpoint's "
+                              f"{self.checkpoint.epoch}")
+
+
+@dataclass(frozen=True)
+class SessionInfo(Record):
+    """The PC's view of a session for its front end: ``{"session", "epoch", "instance", "output_offset", "state"}``
+    (and ``"done": true`` once done). ``epoch`` is the epoch ``instance`` serves; while the session is being placed
+    or migrated ``instance`` is absent and ``epoch`` is the one it was last served in, so a front end that waits
+    for the epoch to grow gets the new instance with it."""
+
+    session: uuid.UUID = wire(f.uuid_string)
+    epoch: int = wire(f.positive)
+    output_offset: int = wire(f.uint)
+    state: SessionState = wire(_state)
+    instance: str | None = wire(f.https_uri, default=None)
+
+    def to_json(self) -> dict[str, Any]:
+        out = super().to_json()
+        if self.state is SessionState.DONE:
+            out["done"] = True
+        return out
+
+
+__all__ = ["SessionInfo", "SessionRequest", "SessionResume", "SessionStart", "SessionState"]

@@ -1,0 +1,113 @@
+"""Resharding plans (spec, "Sequence-Sharded Caches and Resharding"): pure functions, no I/O.
+
+:func:`plan_reshard` turns a Shard Map change from version v to v+1 into one ``POST reshard`` plan per instance
+of either version:
+
+* ``retain``: the parts of the instance's new ranges that it already held in version v. A token range assigned
+  to the same instance in both versions is always retained, never fetched ("Retained ranges keep their memory in
+  place, so a change of parallelism costs no transfer for them");
+* ``fetch``: the parts of its new ranges that another instance held in version v, each ``from`` that instance;
+* ``release``: the ranges it held in version v and does not hold in v+1 (released after the commit).
+
+Parts of a new range that no instance held in version v (the context grew) are in neither list: the instance
+computes them. Adjacent ranges are merged (fetches only when they come from the same instance). An instance only
+in version v gets a plan with ``release`` only, so that every member hears of the change and of its outcome.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ..problems import PlanConflict
+from ..records import ReshardFetch, ReshardPlan, ShardMap, TokenRange
+
+
+def owners(shard_map: ShardMap, tokens: TokenRange) -> list[tuple[TokenRange, str | None]]:
+    """*tokens* split by the instance holding each part in *shard_map* (None: outside the map)."""
+    a, b = tokens
+    out: list[tuple[TokenRange, str | None]] = []
+    cursor = a
+    for shard in shard_map.shards:
+        s0, s1 = shard.tokens
+        lo, hi = max(cursor, s0), min(b, s1)
+        if lo >= hi:
+            continue
+        if lo > cursor:
+            out.append(((cursor, lo), None))
+        out.append(((lo, hi), shard.instance))
+        cursor = hi
+    if cursor < b:
+        out.append(((cursor, b), None))
+    return out
+
+
+def subtract(ranges: Iterable[TokenRange], minus: Iterable[TokenRange]) -> list[TokenRange]:
+    """The parts of *ranges* outside every range of *minus* (half-open ranges)."""
+    cut = sorted(minus)
+    out: list[TokenRange] = []
+    for a, b in sorted(ranges):
+        cursor = a
+        for c, d in cut:
+            if d <= cursor or c >= b:
+                continue
+            if c > cursor:
+                out.append((cursor, c))
+            cursor = max(cursor, d)
+        if cursor < b:
+            out.append((cursor, b))
+    return merge(out)
+
+
+def merge(ranges: Iterable[TokenRange]) -> list[TokenRange]:
+    out: list[TokenRange] = []
+    for a, b in sorted(ranges):
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _merge_fetches(fetches: list[ReshardFetch]) -> list[ReshardFetch]:
+    out: list[ReshardFetch] = []
+    for fetch in sorted(fetches, key=lambda x: x.tokens):
+        if out and out[-1].tokens[1] == fetch.tokens[0] and out[-1].source == fetch.source:
+            out[-1] = ReshardFetch((out[-1].tokens[0], fetch.tokens[1]), fetch.source)
+        else:
+            out.append(fetch)
+    return out
+
+
+def members(*maps: ShardMap) -> list[str]:
+    """The instances of the maps, in order of first appearance."""
+    return list(dict.fromkeys(s.instance for m in maps for s in m.shards))
+
+
+def plan_reshard(old: ShardMap, new: ShardMap, deadline_ms: int) -> dict[str, ReshardPlan]:
+    """The plan of every instance in *old* or *new* (by instance base URI, in order of first appearance).
+
+    Raises :class:`~kvsp_quic.problems.PlanConflict` unless *new* is the same map at version ``old.version + 1``.
+    """
+    if new.map != old.map:
+        raise PlanConflict(f"map {new.map!r} is not map {old.map!r}")
+    if new.version != old.version + 1:
+        raise PlanConflict(f"map {old.map!r} is at version {old.version}; a plan moves it to {old.version + 1}, "
+                           f"not {new.version}")
+    plans: dict[str, ReshardPlan] = {}
+    for instance in members(old, new):
+        retain: list[TokenRange] = []
+        fetch: list[ReshardFetch] = []
+        mine = new.instance_ranges(instance)
+        for tokens in mine:
+            for part, owner in owners(old, tokens):
+                if owner == instance:
+                    retain.append(part)
+                elif owner is not None:
+                    fetch.append(ReshardFetch(part, owner))
+        release = subtract(old.instance_ranges(instance), mine)
+        plans[instance] = ReshardPlan(old.map, old.version, new.version, deadline_ms, tuple(merge(retain)),
+                                      tuple(_merge_fetches(fetch)), tuple(release))
+    return plans
+
+
+__all__ = ["members", "merge", "owners", "plan_reshard", "subtract"]

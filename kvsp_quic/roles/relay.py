@@ -1,0 +1,162 @@
+"""The MOQT relay's authorization rules, sans I/O: who may publish which namespace to the relay, and who may read
+(FETCH, SUBSCRIBE) or discover (SUBSCRIBE_NAMESPACE) what. The asyncio relay is :mod:`moqt.relay`; docs/moqt.md
+("Relay") records the decisions.
+
+Two kinds of namespace pass through a relay:
+
+* **KVSP namespaces** (``"kvsp-1"``, compat_id hex, scope_id hex, holder-id, codec; DESIGN.md section 3). The
+  fourth field names the publishing holder, so a PUBLISH_NAMESPACE is accepted only from an identity with the
+  holder role that *is* that holder (``holder_id(identity) == field``) or may publish for it (a ``publish_for`` URI
+  whose holder-id is the field, or ``"*"``), and that is authorized for the scope in the third field. A KVSP
+  namespace published to a relay has its first four fields at least (a shorter prefix names no holder and is
+  refused). Readers need a reader role (client, instance, holder: the GET rule of the holder's block resource)
+  and the scope of the third field.
+* **Open namespaces**: those under a prefix listed in the relay's ``open_prefixes`` (for generic MOQT traffic,
+  e.g. the interop runner's ``moq-test``). Any identity in the policy may publish and read them. Empty by
+  default: a relay then carries KVSP tracks only.
+
+Anything else is refused: publishing with UNAUTHORIZED, reading with DOES_NOT_EXIST (the relay carries nothing
+there, and says no more). An identity that is not in the policy gets UNAUTHORIZED for everything. Mutual TLS has
+already happened: every identity here is a verified certificate's SAN URI.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..auth import ALL, Policy, Principal, Role
+from ..keys import holder_id
+from ..records import NAMESPACE_TAG
+
+Namespace = tuple[bytes, ...]
+
+READERS = (Role.CLIENT, Role.INSTANCE, Role.HOLDER)
+_HEX64 = re.compile(rb"[0-9a-f]{64}")
+_HEX32 = re.compile(rb"[0-9a-f]{32}")
+_HOLDER_ID = re.compile(rb"[A-Za-z0-9_-]{43}")
+_DECIMAL = re.compile(rb"0|[1-9][0-9]{0,4}")
+
+
+class Verdict(enum.Enum):
+    OK = "ok"
+    UNAUTHORIZED = "unauthorized"
+    DOES_NOT_EXIST = "does-not-exist"
+
+
+@dataclass(frozen=True)
+class Decision:
+    verdict: Verdict
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict is Verdict.OK
+
+
+_OK = Decision(Verdict.OK)
+
+
+def parse_prefix(text: str) -> Namespace:
+    """``"moq-test"`` or ``"a/b"`` -> namespace fields (``/`` separates them; empty fields are not allowed)."""
+    fields = tuple(part.encode("utf-8") for part in text.split("/"))
+    if not fields or any(not f for f in fields):
+        raise ValueError(f"namespace prefix {text!r}: fields separated by '/', none empty")
+    return fields
+
+
+def is_kvsp(namespace: Namespace) -> bool:
+    return bool(namespace) and namespace[0] == NAMESPACE_TAG
+
+
+def kvsp_fields_ok(namespace: Namespace) -> bool:
+    """The fields a KVSP namespace has are well formed (it may stop after any of them)."""
+    checks = (None, _HEX64, _HEX32, _HOLDER_ID, _DECIMAL)
+    if not is_kvsp(namespace) or len(namespace) > len(checks):
+        return False
+    return all(check is None or check.fullmatch(field) for check, field in zip(checks, namespace, strict=False))
+
+
+def under(namespace: Namespace, prefix: Namespace) -> bool:
+    return namespace[:len(prefix)] == prefix
+
+
+@dataclass(frozen=True)
+class RelayRules:
+    policy: Policy
+    open_prefixes: tuple[Namespace, ...] = ()
+    readers: tuple[Role, ...] = READERS
+
+    @classmethod
+    def of(cls, policy: Policy, open_prefixes: Sequence[str] = ()) -> RelayRules:
+        return cls(policy, tuple(parse_prefix(p) for p in open_prefixes))
+
+    def is_open(self, namespace: Namespace) -> bool:
+        return any(under(namespace, p) for p in self.open_prefixes)
+
+    def publish(self, identity: str | None, namespace: Namespace) -> Decision:
+        """May *identity* publish *namespace* (PUBLISH_NAMESPACE) to the relay?"""
+        principal = self.policy.principal(identity)
+        if principal is None:
+            return Decision(Verdict.UNAUTHORIZED, f"identity {identity!r} is not in the relay's policy")
+        if is_kvsp(namespace):
+            return self._publish_kvsp(principal, namespace)
+        if self.is_open(namespace):
+            return _OK
+        return Decision(Verdict.UNAUTHORIZED, "the relay carries KVSP namespaces and its open prefixes only")
+
+    def _publish_kvsp(self, principal: Principal, namespace: Namespace) -> Decision:
+        if len(namespace) < 4 or not kvsp_fields_ok(namespace):
+            return Decision(Verdict.UNAUTHORIZED, "a KVSP namespace published to a relay has its compat_id, scope_id "
+                                                  "and holder-id fields (and at most the codec after them)")
+        if Role.HOLDER not in principal.roles:
+            return Decision(Verdict.UNAUTHORIZED, f"identity {principal.identity!r} is not a holder")
+        publisher = namespace[3].decode("ascii")
+        if not (holder_id(principal.identity) == publisher or principal.publish_for is ALL
+                or any(holder_id(uri) == publisher for uri in principal.publish_for)):
+            return Decision(Verdict.UNAUTHORIZED, f"identity {principal.identity!r} may not publish for holder-id "
+                                                  f"{publisher}")
+        if not principal.has_scope(bytes.fromhex(namespace[2].decode("ascii"))):
+            return Decision(Verdict.UNAUTHORIZED, f"identity {principal.identity!r} is not authorized for scope "
+                                                  f"{namespace[2].decode('ascii')}")
+        return _OK
+
+    def read(self, identity: str | None, namespace: Namespace) -> Decision:
+        """May *identity* FETCH / SUBSCRIBE a track of *namespace*?"""
+        principal = self.policy.principal(identity)
+        if principal is None:
+            return Decision(Verdict.UNAUTHORIZED, f"identity {identity!r} is not in the relay's policy")
+        if is_kvsp(namespace):
+            if len(namespace) != 5 or not kvsp_fields_ok(namespace):
+                return Decision(Verdict.DOES_NOT_EXIST, "not a KVSP track namespace")
+            if not principal.has_role(*self.readers):
+                return Decision(Verdict.UNAUTHORIZED, f"identity {principal.identity!r} may not read blocks")
+            if not principal.has_scope(bytes.fromhex(namespace[2].decode("ascii"))):
+                return Decision(Verdict.UNAUTHORIZED, f"identity {principal.identity!r} is not authorized for "
+                                                      f"scope {namespace[2].decode('ascii')}")
+            return _OK
+        if self.is_open(namespace):
+            return _OK
+        return Decision(Verdict.DOES_NOT_EXIST, "no such track at this relay")
+
+    def discover(self, identity: str | None, prefix: Namespace) -> Decision:
+        """May *identity* SUBSCRIBE_NAMESPACE *prefix*? (What it then hears is filtered by :meth:`visible`.)"""
+        if self.policy.principal(identity) is None:
+            return Decision(Verdict.UNAUTHORIZED, f"identity {identity!r} is not in the relay's policy")
+        return _OK
+
+    def visible(self, identity: str | None, namespace: Namespace) -> bool:
+        """Is a published *namespace* announced to a namespace subscriber with *identity*? Only when it could
+        read tracks of it (a KVSP namespace without the codec field: when it could read its scope)."""
+        principal = self.policy.principal(identity)
+        if principal is None:
+            return False
+        if is_kvsp(namespace):
+            return (len(namespace) >= 3 and kvsp_fields_ok(namespace) and principal.has_role(*self.readers)
+                    and principal.has_scope(bytes.fromhex(namespace[2].decode("ascii"))))
+        return self.is_open(namespace)
+
+
+__all__ = ["READERS", "Decision", "RelayRules", "Verdict", "is_kvsp", "kvsp_fields_ok", "parse_prefix", "under"]

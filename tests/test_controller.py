@@ -1,0 +1,534 @@
+"""The Placement Controller role (kvsp_quic.roles.controller) as pure logic: an injected clock, the Index Service in
+the same process, and a fake InstanceLink that records what would be sent to instances.
+
+Covers: the cost ranking, assignment to the cheapest active instance only, prefetch directives, status epochs and
+expiry, the lifecycle policy (sleep accepted / refused, draining -> sleeping, woken only by the PC), checkpoints
+(highest offset, stale epoch, wrong instance, contradictions), failover with epoch + 1 and the latest checkpoint,
+failed starts, restarts, waking and the start hook, and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pytest
+
+from kvsp_quic import keys as k
+from kvsp_quic.auth import Policy, Principal
+from kvsp_quic.compat import InstanceState
+from kvsp_quic.metrics import Registry
+from kvsp_quic.problems import (
+    BadRequest,
+    Forbidden,
+    InvalidState,
+    NotFound,
+    Problem,
+    ScopeDenied,
+    StaleEpoch,
+    Unavailable,
+)
+from kvsp_quic.records import (
+    InstanceStatusRecord,
+    Link,
+    LookupMatch,
+    LookupResponse,
+    PrefetchDirective,
+    ReshardPlan,
+    Sampler,
+    SessionCheckpoint,
+    StateMessage,
+    TargetEstimate,
+)
+from kvsp_quic.roles.controller import ControllerConfig, PlacementController, ReshardMessage, rank
+from kvsp_quic.roles.controller_records import SessionRequest, SessionResume, SessionStart, SessionState
+from kvsp_quic.roles.index import Geometry, IndexConfig, IndexService
+from kvsp_quic.roles.status import InstanceStatus, LifecyclePolicy, SleepMode, SleepPolicy, StatusTable
+from kvsp_quic.storage.memory_index import MemoryIndexStore
+
+from .test_index import C1, S1, S2, FakeClock, bk, replica
+
+H1 = "https://h1.example/kvsp/"
+IA = "https://ia.example/kvsp/"
+IB = "https://ib.example/kvsp/"
+IC = "https://ic.example/kvsp/"
+FRONT = "urn:kvsp:client:front"
+OTHER = "urn:kvsp:client:other"
+BLOCK = 16  # tokens per block (Geometry of C1 below)
+
+POLICY = Policy.from_dict({"principal": [
+    {"identity": H1, "roles": ["holder"], "scopes": [S1.hex()]},
+    *({"identity": i, "roles": ["instance", "holder"], "scopes": [S1.hex()]} for i in (IA, IB, IC)),
+    {"identity": FRONT, "roles": ["client"], "scopes": [S1.hex()]},
+    {"identity": OTHER, "roles": ["client"], "scopes": [S1.hex()]},
+]})
+
+
+def who(identity: str) -> Principal:
+    principal = POLICY.principal(identity)
+    assert principal is not None
+    return principal
+
+
+@dataclass
+class FakeLink:
+    """Records every directive; ``fail[instance]`` is raised by start/resume/prefetch there."""
+
+    calls: list[tuple[str, str, Any]] = field(default_factory=list)
+    fail: dict[str, BaseException] = field(default_factory=dict)
+    prefetch_fail: dict[str, BaseException] = field(default_factory=dict)
+    state_answer: dict[str, InstanceState] = field(default_factory=dict)
+    reshard_delay: dict[str, float] = field(default_factory=dict)
+    on_start: Any = None
+
+    def of(self, kind: str) -> list[tuple[str, Any]]:
+        return [(i, body) for kind_, i, body in self.calls if kind_ == kind]
+
+    async def prefetch(self, instance: str, directive: PrefetchDirective) -> None:
+        self.calls.append(("prefetch", instance, directive))
+        if instance in self.prefetch_fail:
+            raise self.prefetch_fail[instance]
+
+    async def start(self, instance: str, start: SessionStart) -> None:
+        self.calls.append(("start", instance, start))
+        if self.on_start is not None:
+            self.on_start(instance, start)
+        if instance in self.fail:
+            raise self.fail[instance]
+
+    async def resume(self, instance: str, session: uuid.UUID, resume: SessionResume) -> None:
+        self.calls.append(("resume", instance, resume))
+        if instance in self.fail:
+            raise self.fail[instance]
+
+    async def set_state(self, instance: str, state: InstanceState) -> InstanceState:
+        self.calls.append(("state", instance, state))
+        return self.state_answer.get(instance, state)
+
+    async def reshard(self, instance: str, message: ReshardMessage, timeout: float | None = None) -> None:
+        self.calls.append(("reshard", instance, message))
+        if isinstance(message, ReshardPlan):
+            await asyncio.sleep(self.reshard_delay.get(instance, 0.0))
+
+
+class FakeStarter:
+    def __init__(self, env: Env | None = None, instance: str | None = None) -> None:
+        self.env, self.instance, self.reasons = env, instance, list[str]()
+
+    async def start(self, reason: str) -> None:
+        self.reasons.append(reason)
+        if self.env is not None and self.instance is not None:
+            env, instance = self.env, self.instance
+            asyncio.get_running_loop().call_later(0.01, lambda: env.report(instance))
+
+
+class Env:
+    def __init__(self, *, sleep: SleepPolicy | None = None, config: ControllerConfig | None = None,
+                 starter: Any = None) -> None:
+        self.clock = FakeClock()
+        status = StatusTable(self.clock, policy=LifecyclePolicy(sleep), max_ttl_ms=60_000)
+        self.index = IndexService(MemoryIndexStore(), clock=self.clock,
+                                  config=IndexConfig(geometry={C1: Geometry(BLOCK, 4)}), status=status)
+        self.link = FakeLink()
+        ids = (uuid.UUID(int=n) for n in itertools.count(1))
+        self.registry = Registry()
+        self.pc = PlacementController(self.index, self.link, clock=self.clock, config=config, starter=starter,
+                                      metrics=self.registry, new_id=lambda: next(ids))
+        self.epochs: dict[str, int] = {}
+
+    def report(self, instance: str, *, epoch: int | None = None, state: InstanceState = InstanceState.ACTIVE,
+               rate: float | None = 1000.0, queued: int = 0, running: int = 0, batch_size: int | None = 8,
+               requested: InstanceState | None = None, ttl_ms: int = 3000, **changes: Any) -> StateMessage:
+        epoch = epoch if epoch is not None else self.epochs.get(instance, 1)
+        self.epochs[instance] = epoch
+        record = InstanceStatusRecord(instance, epoch, state, ttl_ms, running=running, queued=queued,
+                                      batch_size=batch_size, prefill_tokens_per_s=rate,
+                                      decode_tokens_per_s=100.0, links=(Link(H1, 1000.0, 50.0),),
+                                      requested_state=requested, **changes)
+        return self.pc.report_status(who(instance), k.uri_id(instance), record)
+
+    async def publish(self, n: int, holder: str = H1) -> None:
+        for i in range(n):
+            await self.index.publish(who(holder), k.holder_id(holder), bk(i), replica(i, holder=holder))
+
+    def advance(self, seconds: float) -> None:
+        self.clock.now += seconds
+
+    def samples(self, name: str) -> dict[Any, float]:
+        return self.registry.samples(name)
+
+
+def request(n_blocks: int = 4, tail: int = 3, *, session: int = 1, max_tokens: int = 32,
+            keys: int | None = None) -> SessionRequest:
+    prompt = tuple(range(100, 100 + n_blocks * BLOCK + tail))
+    return SessionRequest(uuid.UUID(int=1000 + session), S1, C1, prompt, max_tokens,
+                          Sampler("greedy", 0, 0, True), tuple(bk(i) for i in range(n_blocks if keys is None
+                                                                                       else keys)))
+
+
+def checkpoint(req: SessionRequest, epoch: int, generated: Sequence[int], offset: int | None = None
+               ) -> SessionCheckpoint:
+    return SessionCheckpoint(req.session, epoch, req.compat_id, req.scope_id, req.block_keys,
+                             req.prompt[len(req.block_keys) * BLOCK:], tuple(generated),
+                             len(generated) if offset is None else offset, replace(req.sampler, step=len(generated)))
+
+
+# -- ranking ------------------------------------------------------------------------------------------------------
+
+
+def _entry(instance: str, **changes: Any) -> InstanceStatus:
+    fields: dict[str, Any] = dict(prefill_tokens_per_s=1000.0, decode_tokens_per_s=100.0, batch_size=8)
+    fields.update(changes)
+    record = InstanceStatusRecord(instance, 1, InstanceState.ACTIVE, 3000, **fields)
+    return InstanceStatus(record, InstanceState.ACTIVE, 0.0, 10.0)
+
+
+def test_rank_by_spec_cost() -> None:
+    found = LookupResponse(2, tuple(LookupMatch(bk(i), (replica(i),)) for i in range(2)),
+                           (TargetEstimate(IA, 500, 32_000), TargetEstimate(IB, 40_000, 32_000)))
+    choices = rank([_entry(IA), _entry(IB), _entry(IC, prefill_tokens_per_s=None)], found, tokens=40,
+                   max_tokens=10, block_tokens=BLOCK)
+    assert [c.instance for c in choices] == [IA, IB, IC]
+    a, b, c = choices
+    # IA: min(500 + recompute(8 tokens) = 8500, recompute(40) = 40000), no queue
+    assert a.cost_us == pytest.approx(8500) and a.use_cache
+    # IB: fetching costs more than recomputing everything: cost = recompute_all, no prefetch
+    assert b.cost_us == pytest.approx(40_000) and not b.use_cache
+    assert c.cost_us is None
+    # a queue adds queued * (prefill + decode of this request): 2 * (40000 + 100000) us
+    queued = rank([_entry(IA, queued=2), _entry(IB)], found, 40, 10, BLOCK)
+    assert [c.instance for c in queued] == [IB, IA]
+    assert queued[1].cost_us == pytest.approx(8500 + 2 * 140_000)
+    # sessions assigned since the last report count as queued
+    pending = rank([_entry(IA), _entry(IB)], found, 40, 10, BLOCK, pending={IA: 1})
+    assert [c.instance for c in pending] == [IB, IA]
+    assert not rank([_entry(IA, running=8)], found, 40, 10, BLOCK)[0].has_capacity
+    # unknown geometry: no estimate is usable, cost = recompute of everything
+    blind = rank([_entry(IA)], found, 40, 10, None)[0]
+    assert blind.cost_us == pytest.approx(40_000) and blind.use_cache
+
+
+# -- placement ----------------------------------------------------------------------------------------------------
+
+
+async def test_assigns_to_cheapest_active_with_prefetch() -> None:
+    env = Env()
+    await env.publish(4)
+    await env.publish(4, holder=IB)  # IB holds the prompt's blocks itself: nothing to fetch
+    env.report(IA)
+    env.report(IB)
+    info, created = await env.pc.create_session(who(FRONT), request())
+    assert created and info.instance == IB and info.epoch == 1 and info.state is SessionState.RUNNING
+    assert env.link.of("prefetch") == []  # resident at IB
+    (instance, start), = env.link.of("start")
+    assert instance == IB and start.epoch == 1 and len(start.blocks) == 4
+    assert {*start.blocks[0].sources} == {H1, IB}
+
+    # IB busy: IA is cheaper now, and gets a directive for the blocks (sources: H1, IB) before the start
+    env.report(IB, queued=5)
+    env.link.calls.clear()
+    info, _ = await env.pc.create_session(who(FRONT), request(session=2))
+    assert info.instance == IA
+    assert [c[0] for c in env.link.calls] == ["prefetch", "start"]
+    directive = env.link.of("prefetch")[0][1]
+    assert directive.request_ref == str(request(session=2).session)
+    assert [b.block_key for b in directive.blocks] == [bk(i) for i in range(4)]
+    assert directive.deadline_ms == 1000 and directive.lease_ms == 5000
+    tokens = env.samples("kvsp_placement_tokens_total")
+    assert tokens[(("source", "cache"),)] == 128 and tokens[(("source", "recompute"),)] == 6
+    assert env.samples("kvsp_lookup_matched_keys_total")[(("component", "controller"),)] == 8
+
+
+async def test_never_assigns_to_inactive_instances() -> None:
+    env = Env(sleep=SleepPolicy(SleepMode.ALWAYS))
+    await env.publish(4, holder=IA)  # IA would be the cheapest
+    env.report(IA)
+    env.report(IB)
+    env.report(IC, state=InstanceState.DRAINING)
+    assert env.report(IA, requested=InstanceState.SLEEPING).state is InstanceState.DRAINING
+    info, _ = await env.pc.create_session(who(FRONT), request())
+    assert info.instance == IB
+    env.report(IB, state=InstanceState.FAILED)
+    env.advance(4)  # IA's and IC's records expire: failed
+    assert env.pc.status.state(IA) is InstanceState.FAILED
+    with pytest.raises(Unavailable):
+        await env.pc.create_session(who(FRONT), request(session=2))
+    assert {i for _, i, _ in env.link.calls} == {IB}  # nothing was ever sent to IA or IC
+    assert request(session=2).session not in env.pc.sessions
+
+
+async def test_session_request_rules() -> None:
+    env = Env()
+    env.report(IA)
+    req = request()
+    with pytest.raises(ScopeDenied):
+        await env.pc.create_session(who(FRONT), replace(req, scope_id=S2))
+    info, created = await env.pc.create_session(who(FRONT), req)
+    again, created_again = await env.pc.create_session(who(FRONT), req)  # a retry: same answer, no new start
+    assert created and not created_again and again == info and len(env.link.of("start")) == 1
+    with pytest.raises(Problem) as conflict:
+        await env.pc.create_session(who(OTHER), req)
+    assert conflict.value.status == 409
+    assert env.pc.session_info(who(FRONT), req.session) == info
+    with pytest.raises(NotFound):
+        env.pc.session_info(who(OTHER), req.session)  # only its creator reads it
+
+
+async def test_refused_and_failed_starts() -> None:
+    env = Env()
+    env.report(IA, queued=0)
+    env.report(IB, queued=1)
+    env.report(IC, queued=2)
+    env.link.fail[IA] = InvalidState("not active")  # a definite refusal: the same epoch goes on
+    env.link.fail[IB] = ConnectionError("reset")  # maybe started: the epoch is fenced
+    info, _ = await env.pc.create_session(who(FRONT), request(keys=0))
+    assert info.instance == IC and info.epoch == 2
+    assert [(i, s.epoch) for i, s in env.link.of("start")] == [(IA, 1), (IB, 1), (IC, 2)]
+    outcomes = env.samples("kvsp_session_starts_total")
+    assert outcomes[(("kind", "start"), ("outcome", "refused"))] == 1
+    assert outcomes[(("kind", "start"), ("outcome", "failed"))] == 1
+
+
+async def test_prefetch_refused_moves_on() -> None:
+    env = Env()
+    await env.publish(4)
+    env.report(IA)
+    env.report(IB, queued=1)
+    env.link.prefetch_fail[IA] = InvalidState("draining")
+    info, _ = await env.pc.create_session(who(FRONT), request())
+    assert info.instance == IB
+    assert [(c[0], c[1]) for c in env.link.calls] == [("prefetch", IA), ("prefetch", IB), ("start", IB)]
+
+
+# -- status and lifecycle -----------------------------------------------------------------------------------------
+
+
+async def test_status_epochs_and_expiry() -> None:
+    env = Env()
+    env.report(IA, epoch=5)
+    with pytest.raises(StaleEpoch):
+        env.report(IA, epoch=4)
+    assert env.report(IA, epoch=5).state is InstanceState.ACTIVE  # the same run
+    env.advance(3.5)
+    assert env.pc.status.state(IA) is InstanceState.FAILED
+    assert env.pc.active() == []
+    assert env.report(IA, epoch=6).state is InstanceState.ACTIVE  # restarted
+    status = env.samples("kvsp_status_reports_total")
+    assert status[(("outcome", "stale"),)] == 1 and status[(("outcome", "accepted"),)] == 3
+    assert [i["state"] for i in env.pc.instances()] == ["active"]
+
+
+def test_sleep_policy_by_load() -> None:
+    env = Env(sleep=SleepPolicy(min_active=1, min_spare=1))
+    env.report(IA, running=1)
+    env.report(IB, running=6, batch_size=8)
+    # IB has 2 spare slots: enough for IA's 1 session + 1
+    assert env.report(IA, running=1, requested=InstanceState.SLEEPING).state is InstanceState.DRAINING
+    # IA is draining: IB has no other active instance to take its load
+    assert env.report(IB, running=0, requested=InstanceState.SLEEPING).state is InstanceState.ACTIVE
+    # IA keeps reporting active (it has not seen the answer yet): still draining; then it finishes
+    assert env.report(IA, running=1).state is InstanceState.DRAINING
+    assert env.report(IA, state=InstanceState.DRAINING, running=0).state is InstanceState.DRAINING
+    assert env.report(IA, state=InstanceState.SLEEPING).state is InstanceState.SLEEPING
+    # a sleeping instance becomes active only on a state change from the PC
+    assert env.report(IA).state is InstanceState.SLEEPING
+    sleeps = env.samples("kvsp_sleep_requests_total")
+    assert sleeps[(("answer", "draining"),)] == 1 and sleeps[(("answer", "active"),)] == 1
+    # a restart starts afresh
+    assert env.report(IA, epoch=2).state is InstanceState.ACTIVE
+
+
+def test_sleep_policy_variants() -> None:
+    busy = Env(sleep=SleepPolicy(max_kv_utilization=0.5))
+    busy.report(IA)
+    busy.report(IB, kv_utilization=0.8)  # spare slots, but its memory is full
+    assert busy.report(IA, requested=InstanceState.SLEEPING).state is InstanceState.ACTIVE
+    never = Env(sleep=SleepPolicy(SleepMode.NEVER))
+    never.report(IB)
+    assert never.report(IA, requested=InstanceState.SLEEPING).state is InstanceState.ACTIVE
+    always = Env(sleep=SleepPolicy(SleepMode.ALWAYS, min_active=2))
+    always.report(IB, running=8)
+    assert always.report(IA, requested=InstanceState.SLEEPING).state is InstanceState.ACTIVE  # one other only
+    always.report(IC, running=8)
+    assert always.report(IA, requested=InstanceState.SLEEPING).state is InstanceState.DRAINING
+
+
+async def test_put_state_wakes_and_holds() -> None:
+    env = Env(sleep=SleepPolicy(SleepMode.ALWAYS))
+    env.report(IA)
+    env.report(IB)
+    env.report(IA, requested=InstanceState.SLEEPING)
+    env.report(IA, state=InstanceState.SLEEPING)
+    assert await env.pc.set_instance_state(IA, InstanceState.ACTIVE) is InstanceState.ACTIVE
+    assert env.link.of("state") == [(IA, InstanceState.ACTIVE)]
+    assert env.pc.status.state(IA) is InstanceState.ACTIVE
+    assert env.report(IA).state is InstanceState.ACTIVE
+    assert await env.pc.set_instance_state(IB, InstanceState.DRAINING) is InstanceState.DRAINING
+    assert env.report(IB).state is InstanceState.DRAINING  # the PC's decision holds over its report
+    with pytest.raises(NotFound):
+        await env.pc.set_instance_state(IC, InstanceState.ACTIVE)
+    with pytest.raises(BadRequest):
+        await env.pc.set_instance_state(IA, InstanceState.FAILED)
+
+
+async def test_wakes_a_sleeping_instance_when_nothing_is_active() -> None:
+    env = Env(sleep=SleepPolicy(SleepMode.ALWAYS, min_active=0))
+    env.report(IA, requested=InstanceState.SLEEPING)
+    env.report(IA, state=InstanceState.SLEEPING)
+    info, _ = await env.pc.create_session(who(FRONT), request(keys=0))
+    assert info.instance == IA
+    assert [c[0] for c in env.link.calls] == ["state", "start"]
+    assert env.samples("kvsp_instance_starts_total")[(("kind", "wake"),)] == 1
+
+
+async def test_start_hook_then_prefetch_and_start() -> None:
+    env = Env(config=ControllerConfig(start_timeout_ms=2000))
+    starter = FakeStarter(env, IC)
+    env.pc.starter = starter
+    await env.publish(4)
+    info, _ = await env.pc.create_session(who(FRONT), request())
+    assert starter.reasons and info.instance == IC
+    assert [(c[0], c[1]) for c in env.link.calls] == [("prefetch", IC), ("start", IC)]
+    # capacity: every active instance is full and the cost limit is exceeded -> another start, which times out
+    # after start_timeout_ms, and the session goes to the best existing instance
+    env2 = Env(config=ControllerConfig(start_timeout_ms=50, max_cost_us=1.0))
+    env2.pc.starter = FakeStarter()
+    env2.report(IA, running=8)
+    info, _ = await env2.pc.create_session(who(FRONT), request(keys=0))
+    assert info.instance == IA
+    assert env2.samples("kvsp_instance_starts_total")[(("kind", "hook"),)] == 1
+
+
+# -- checkpoints ----------------------------------------------------------------------------------------------------
+
+
+async def test_checkpoint_rules() -> None:
+    env = Env()
+    env.report(IA)
+    env.report(IB, queued=3)
+    req = request()
+    await env.pc.create_session(who(FRONT), req)
+    ack = env.pc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 6, 7]))
+    assert (ack.epoch, ack.output_offset) == (1, 3)
+    # a lower offset is acknowledged with the highest one recorded
+    assert env.pc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 6])).output_offset == 3
+    assert env.pc.session_info(who(FRONT), req.session).output_offset == 3
+    with pytest.raises(Forbidden):
+        env.pc.checkpoint(who(IB), req.session, checkpoint(req, 1, [5, 6, 7, 8]))
+    with pytest.raises(StaleEpoch):
+        env.pc.checkpoint(who(IA), req.session, checkpoint(req, 0, [5, 6, 7, 8]))
+    with pytest.raises(BadRequest):
+        env.pc.checkpoint(who(IA), req.session, checkpoint(req, 2, [5, 6, 7, 8]))  # never assigned
+    with pytest.raises(Problem) as contradiction:
+        env.pc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 9, 7, 8]))
+    assert contradiction.value.status == 409
+    with pytest.raises(NotFound):
+        env.pc.checkpoint(who(IA), uuid.UUID(int=7), checkpoint(req, 1, [5]))
+    with pytest.raises(BadRequest):  # the body names another session than the path
+        env.pc.checkpoint(who(IA), req.session, replace(checkpoint(req, 1, [5]), session=uuid.UUID(int=8)))
+    done = env.pc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 6, 7, 8]), done=True)
+    assert done.output_offset == 4
+    assert env.pc.session_info(who(FRONT), req.session).state is SessionState.DONE
+    assert env.pc.session_info(who(FRONT), req.session).to_json()["done"] is True
+    checkpoints = env.samples("kvsp_checkpoints_total")
+    assert checkpoints[(("outcome", "stale"),)] == 1 and checkpoints[(("outcome", "forbidden"),)] == 1
+
+
+# -- failover -------------------------------------------------------------------------------------------------------
+
+
+async def test_failure_resumes_elsewhere_with_next_epoch() -> None:
+    env = Env()
+    await env.publish(4)
+    env.report(IA)
+    env.report(IB, queued=2)
+    req = request()
+    await env.pc.create_session(who(FRONT), req)
+    env.pc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 6, 7]))
+    env.pc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 6, 7, 8, 9]))
+    env.advance(2)
+    env.report(IB, queued=2)  # IB stays alive, IA falls silent
+    assert env.pc.tick() == []  # not yet expired
+    env.link.calls.clear()
+    env.advance(1.5)
+    tasks = env.pc.tick()
+    assert len(tasks) == 1 and await tasks[0]
+    (instance, resume), = env.link.of("resume")
+    assert instance == IB and resume.epoch == 2
+    assert resume.checkpoint.output_offset == 5 and resume.checkpoint.generated == (5, 6, 7, 8, 9)
+    assert resume.max_tokens == req.max_tokens and resume.prompt == req.prompt
+    assert env.link.of("prefetch")[0][0] == IB  # the checkpoint's blocks, before the resume
+    info = env.pc.session_info(who(FRONT), req.session)
+    assert (info.instance, info.epoch, info.output_offset, info.state) == (IB, 2, 5, SessionState.RUNNING)
+    # the old instance is fenced everywhere: its checkpoints carry the old epoch
+    with pytest.raises(StaleEpoch):
+        env.pc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 6, 7, 8, 9, 10]))
+    ack = env.pc.checkpoint(who(IB), req.session, checkpoint(req, 2, [5, 6, 7, 8, 9, 10]))
+    assert (ack.epoch, ack.output_offset) == (2, 6)
+    assert env.samples("kvsp_migrations_total")[(("component", "controller"),)] == 1
+    assert env.pc.tick() == []
+
+
+async def test_failure_before_any_checkpoint_restarts_at_next_epoch() -> None:
+    env = Env()
+    env.report(IA)
+    env.report(IB, queued=1)
+    req = request(keys=0)
+    await env.pc.create_session(who(FRONT), req)
+    env.report(IA, state=InstanceState.FAILED)  # reported, not waited for
+    env.link.calls.clear()
+    await asyncio.gather(*env.pc.tick())
+    (instance, start), = env.link.of("start")
+    assert instance == IB and start.epoch == 2 and start.session == req.session
+
+
+async def test_restart_with_higher_epoch_fails_its_sessions_over() -> None:
+    env = Env()
+    env.report(IA, epoch=10)
+    req = request(keys=0)
+    await env.pc.create_session(who(FRONT), req)
+    env.pc.checkpoint(who(IA), req.session, checkpoint(req, 1, [1, 2]))
+    env.report(IA, epoch=11)  # restarted: the session's state there is gone, but the new run may take it
+    assert env.pc.kick.is_set()
+    env.link.calls.clear()
+    await asyncio.gather(*env.pc.tick())
+    (instance, resume), = env.link.of("resume")
+    assert instance == IA and resume.epoch == 2
+    assert env.pc.sessions[req.session].instance_epoch == 11
+
+
+async def test_migration_waits_for_an_instance() -> None:
+    env = Env()
+    env.report(IA)
+    req = request(keys=0)
+    await env.pc.create_session(who(FRONT), req)
+    env.advance(4)
+    assert not await env.pc.tick()[0]
+    waiting = env.pc.session_info(who(FRONT), req.session)
+    # the front end waits for the epoch to grow: it is shown only with the instance that serves it
+    assert (waiting.state, waiting.instance, waiting.epoch) == (SessionState.MIGRATING, None, 1)
+    assert "instance" not in waiting.to_json()
+    with pytest.raises(Forbidden):  # nobody serves epoch 2 yet
+        env.pc.checkpoint(who(IA), req.session, checkpoint(req, 2, [1]))
+    env.report(IB)
+    assert await env.pc.tick()[0]
+    info = env.pc.session_info(who(FRONT), req.session)
+    assert (info.instance, info.epoch) == (IB, 2)  # one failure, one increment
+
+
+async def test_sessions_are_forgotten() -> None:
+    env = Env(config=ControllerConfig(session_ttl_ms=10_000, done_ttl_ms=1000))
+    env.report(IA, ttl_ms=60_000)
+    a, b = request(session=1, keys=0), request(session=2, keys=0)
+    await env.pc.create_session(who(FRONT), a)
+    await env.pc.create_session(who(FRONT), b)
+    env.pc.checkpoint(who(IA), b.session, checkpoint(b, 1, [1]), done=True)
+    env.advance(2)
+    env.pc.tick()
+    assert a.session in env.pc.sessions and b.session not in env.pc.sessions
+    env.advance(9)
+    env.pc.tick()
+    assert a.session not in env.pc.sessions
