@@ -10,6 +10,7 @@ where the session went, waits for the new epoch, and resumes reading at the firs
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -89,23 +90,53 @@ class Completion:
             fe.stats.stale += self.relay.stale
 
     async def _follow(self) -> AsyncIterator[tuple[int, int]]:
+        """Read the current instance's tokens; when they stop (the stream broke, or nothing came for
+        ``stall_check`` seconds and the PC says the session moved), continue at its new instance."""
         fe = self.frontend
         deadline: float | None = None
         while True:
+            queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+            reader = asyncio.create_task(self._pump(self.instance, queue))
+            moved: str | None = None
             try:
-                async for index, token, done in self._read(self.instance):
-                    deadline = None
-                    if done is not None:
-                        self.reason = done
+                while moved is None:
+                    try:
+                        kind, value = await asyncio.wait_for(queue.get(), fe.stall_check)
+                    except TimeoutError:
+                        moved = await self._peek()  # silence: has the PC moved the session meanwhile?
+                        continue
+                    if kind == "token":
+                        deadline = None
+                        yield value
+                    elif kind == "done":
+                        self.reason = value
                         return
-                    yield index, token
-                raise TransportError("the token stream ended without a final line")
-            except (TransportError, ValueError) as exc:
-                log.info("session %s: token stream from %s broke (%s); asking the PC", self.session, self.instance,
-                         exc)
-            deadline = deadline or time.monotonic() + fe.failover_timeout
-            self.instance = await self._moved(deadline)
+                    elif isinstance(value, Problem) and not isinstance(value, TransportError):
+                        raise value
+                    else:
+                        log.info("session %s: token stream from %s broke (%s); asking the PC", self.session,
+                                 self.instance, value)
+                        break
+            finally:
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await reader
+            if moved is None:
+                deadline = deadline or time.monotonic() + fe.failover_timeout
+                moved = await self._moved(deadline)
+            self.instance = moved
             fe.stats.failovers += 1
+
+    async def _pump(self, instance: str, queue: asyncio.Queue[tuple[str, Any]]) -> None:
+        try:
+            async for index, token, done in self._read(instance):
+                if done is not None:
+                    await queue.put(("done", done))
+                    return
+                await queue.put(("token", (index, token)))
+            await queue.put(("broken", TransportError("the token stream ended without a final line")))
+        except (TransportError, ValueError, Problem) as exc:
+            await queue.put(("broken", exc))
 
     async def _read(self, instance: str) -> AsyncIterator[tuple[int, int, str | None]]:
         fe = self.frontend
@@ -134,6 +165,20 @@ class Completion:
                     if self.relay.offer(int(item["index"]), int(item["epoch"]), int(item["token"])):
                         fe.stats.tokens += 1
                         yield int(item["index"]), int(item["token"]), None
+
+    async def _peek(self) -> str | None:
+        """The session's new instance when the PC has moved it to a newer epoch, else None."""
+        try:
+            r = await self.frontend.client.request("GET", f"{self.frontend.pc}sessions/{self.session}")
+        except TransportError:
+            return None
+        if r.status != 200:
+            return None
+        state = r.json()
+        if int(state["epoch"]) > self.relay.epoch and state.get("instance"):
+            self.relay.new_epoch(int(state["epoch"]))
+            return str(state["instance"])
+        return None
 
     async def _moved(self, deadline: float) -> str:
         """Wait for the PC to move the session to a new epoch; its new instance."""
@@ -166,6 +211,7 @@ class Frontend:
     failover_timeout: float = 30.0
     read_timeout: float = 60.0
     poll_interval: float = 0.1
+    stall_check: float = 1.0  # seconds without a token before asking the PC whether the session moved
     random_seed: Callable[[], int] = lambda: secrets.randbelow(1 << 63)
     stats: FrontendStats = field(default_factory=FrontendStats)
 

@@ -5,6 +5,13 @@ A case gets the :class:`Env` (the running servers, the principals' certificates,
 :class:`~interop.drivers.Driver`; it passes by returning, fails by raising AssertionError, and is unsupported by
 raising :class:`~interop.drivers.Unsupported`. Setup steps that are not what the case tests (storing the block a
 GET case reads) go through ``env.setup``, our own client, so a peer is judged only on the exchange under test.
+
+The inference cases (prefetch, instance-state, checkpoint-resume, reshard-commit-abort) run against a real
+``kvsp-quic instance --device cpu`` (a tiny random model, blocks of 4 tokens; interop/servers.py), which reports to
+the index process's Placement Controller. Its resources need the controller role: the driver sends them with the
+PC's own certificate (principal ``controller``, the identity the PC itself uses towards instances); checkpoints go
+to the PC with the instance's own certificate (principal ``ii``), since the PC takes them only from the instance
+serving the session.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import asyncio
 import base64
 import hashlib
 import json
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +37,7 @@ from kvsp_quic.samples import random_sections
 from moqt.aio import MoqtPool
 from moqt.kvsp import moqt_record, track_name, track_namespace
 
-from .drivers import Driver, Refused, Reply, Request, Unsupported
+from .drivers import NO_HEADERS, Driver, Refused, Reply, Request, Unsupported
 from .moqt_drivers import ALPN, MoqtDriver, OursMoqt
 from .servers import DEV_IDENTITY
 
@@ -38,11 +46,23 @@ BLOCK = {"content-type": "application/kvsp-block", "if-none-match": "*"}
 KVSP = "https://iana.org/assignments/kvsp#"
 
 
+@dataclass(frozen=True)
+class Inference:
+    """The run's inference instance (``kvsp-quic instance --device cpu``), as the cases see it."""
+
+    uri: str  # its base URI, which is also its identity (principal "ii")
+    instance_id: str
+    descriptor: CompatDescriptor  # its cache (the holder serves it too)
+    keyer: BlockKeyer  # the cases' scope (the instance holds its key), the instance's compat_id and block size
+
+
 @dataclass
 class Env:
-    index: str  # base URIs of our servers
+    index: str  # base URIs of our servers (the index process is the Placement Controller too)
     holder: str
-    tls: Callable[[str], TlsFiles]  # principal name -> its files ("dev", "expired", "foreign", "instance")
+    # principal name -> its files: "dev", "expired", "foreign", "instance" (a fake instance: a certificate, no
+    # server), "controller" (the PC's own certificate) and "ii" (the inference instance's own certificate)
+    tls: Callable[[str], TlsFiles]
     instance_uri: str  # the base URI in the "instance" certificate
     setup: KvspClient  # our client, as the dev principal
     instance_client: KvspClient  # our client, as the instance principal
@@ -52,6 +72,9 @@ class Env:
     holder_moqt: str = ""  # moqt://host:port/ of the holder (same UDP port as its HTTP/3)
     relay: str = ""  # base URI of the relay (GET status)
     relay_moqt: str = ""  # moqt://host:port/ of the relay
+    ii: Inference | None = None  # the inference instance, when the run started one
+    ii_missing: str = "the inference instance was not started for this run"  # why not (its cases: unsupported)
+    ii_error: str = ""  # it was to start and did not (its cases fail)
 
     async def setup_as_instance(self, method: str, url: str, body: bytes) -> int:
         r = await self.instance_client.request(method, url, content=body, headers=JSON)
@@ -72,6 +95,7 @@ class CaseInfo:
     resource: str  # the spec resource (or MOQT feature) it covers
     run: Case | None  # None: no server of ours implements it yet
     why_not: str = ""
+    needs_instance: bool = False  # the runner starts the inference instance only for such cases
 
 
 def expect(reply: Reply | Refused, status: int, what: str) -> Reply:
@@ -97,9 +121,9 @@ def block_of(env: Env, n: int) -> tuple[bytes, bytes, Any]:
     return key, enc.tobytes(), enc
 
 
-def block_url(env: Env, key: bytes, query: str = "") -> str:
-    return (f"{env.holder}blocks/{env.descriptor.compat_id.hex()}/{env.keyer.scope_id.hex()}/{key.hex()}"
-            + (f"?{query}" if query else ""))
+def block_url(env: Env, key: bytes, query: str = "", compat_id: bytes | None = None) -> str:
+    compat = (compat_id or env.descriptor.compat_id).hex()
+    return f"{env.holder}blocks/{compat}/{env.keyer.scope_id.hex()}/{key.hex()}" + (f"?{query}" if query else "")
 
 
 def replica_record(env: Env, key: bytes, holder: str, ttl_ms: int = 60_000) -> dict[str, Any]:
@@ -253,18 +277,18 @@ def block_track(env: Env, key: bytes, holder: str) -> tuple[tuple[bytes, ...], b
     return track_namespace(env.descriptor.compat_id, env.keyer.scope_id, holder, 1), track_name(key)
 
 
-async def lookup(env: Env, key: bytes) -> list[dict[str, Any]]:
-    body = {"scope_id": env.keyer.scope_id.hex(), "compat_id": env.descriptor.compat_id.hex(),
+async def lookup(env: Env, key: bytes, compat_id: bytes | None = None) -> list[dict[str, Any]]:
+    body = {"scope_id": env.keyer.scope_id.hex(), "compat_id": (compat_id or env.descriptor.compat_id).hex(),
             "block_keys": [key.hex()]}
     r = await env.setup.request("POST", f"{env.index}lookup", content=json.dumps(body).encode(), headers=JSON)
     answer = json.loads(r.content or b"{}")
     return [rec for block in answer.get("blocks", []) for rec in block["replicas"]]
 
 
-async def until_published(env: Env, key: bytes, holder: str) -> dict[str, Any]:
+async def until_published(env: Env, key: bytes, holder: str, compat_id: bytes | None = None) -> dict[str, Any]:
     """The record of *key* with *holder* at the Index Service (holders and relays publish asynchronously)."""
     for _ in range(200):
-        for record in await lookup(env, key):
+        for record in await lookup(env, key, compat_id):
             if record["holder"] == holder:
                 return record
         await asyncio.sleep(0.05)
@@ -342,7 +366,246 @@ async def moqt_http_fallback(env: Env, driver: Driver) -> None:
         assert fetcher.metrics.transport_errors == 1, "the MOQT attempt should have failed in the handshake"
 
 
-_PC = "no server of kvsp-quic serves this resource yet (inference instance: issue #6; Placement Controller: #7)"
+# -- the inference instance and the Placement Controller (issues #6, #7) ------------------------------------------
+
+GREEDY = {"method": "greedy", "seed": 0, "step": 0, "deterministic": True, "params": {}}
+WAIT_S = 10.0  # how long a case waits for something asynchronous (a load, a session's end) before failing
+
+
+def inference(env: Env, driver: Driver) -> Inference:
+    """The instance, for a driver that can play an inference case; checked before any setup is spent on the cell."""
+    if isinstance(driver, MoqtDriver):
+        raise Unsupported("a MOQT client: the case is an HTTP exchange")
+    if not driver.sets_headers:
+        raise Unsupported(NO_HEADERS)  # every request of these cases carries Content-Type: application/kvsp+json
+    if env.ii is None:
+        if env.ii_error:
+            raise AssertionError(env.ii_error)
+        raise Unsupported(env.ii_missing)
+    return env.ii
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def body_of(reply: Reply) -> Any:
+    return json.loads(reply.body)
+
+
+async def setup_call(env: Env, method: str, url: str, obj: Any = None) -> Any:
+    """A setup request (our client, as dev) that must succeed; its JSON answer."""
+    r = await env.setup.request(method, url, content=dumps(obj) if obj is not None else None,
+                                headers=JSON if obj is not None else None)
+    assert 200 <= r.status < 300, f"setup: {method} {url} gave {r.status}: {(r.content or b'')[:300]!r}"
+    return json.loads(r.content) if r.content else None
+
+
+async def stored_context(env: Env, ii: Inference, n: int, count: int) -> list[bytes]:
+    """The first *count* blocks of a context of its own, stored at the holder as blocks of the instance's cache
+    (random K and V: nothing computes them) and published by it: their Block Keys."""
+    d = ii.descriptor
+    keys = [bytes(k) for k in ii.keyer.keys(list(range(n * 1000, n * 1000 + count * d.block_tokens)))]
+    for i, key in enumerate(keys):
+        enc = container.encode(random_sections(d, d.block_tokens, 0, d.layers - 1, seed=n * 64 + i), first_layer=0,
+                               token_count=d.block_tokens, descriptor=d)
+        r = await env.setup.request("PUT", block_url(env, key, compat_id=d.compat_id), content=enc.tobytes(),
+                                    headers=BLOCK)
+        assert r.status == 201, f"setup: storing block {i} of context {n} gave {r.status}"
+    for key in keys:
+        await until_published(env, key, env.holder, d.compat_id)
+    return keys
+
+
+async def pc_instances(env: Env) -> list[dict[str, Any]]:
+    listing: list[dict[str, Any]] = (await setup_call(env, "GET", f"{env.index}instances"))["instances"]
+    return listing
+
+
+async def until_active_at_pc(env: Env, ii: Inference) -> None:
+    """Wait until the PC holds the instance active, setting it active through the PC (``PUT instances/{id}/state``)
+    while it holds it sleeping: a sleeping instance stays so at the PC, whatever it reports, until the PC wakes it."""
+    deadline = asyncio.get_running_loop().time() + WAIT_S
+    entry: dict[str, Any] = {}
+    while asyncio.get_running_loop().time() < deadline:
+        entry = next((x for x in await pc_instances(env) if x["instance"] == ii.uri), {})
+        if entry.get("state") == "active" and entry.get("reported_state") == "active":
+            return
+        if entry.get("state") in ("sleeping", "draining"):
+            await setup_call(env, "PUT", f"{env.index}instances/{ii.instance_id}/state", {"state": "active"})
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the PC does not hold the instance active: {entry}")
+
+
+async def retire_fake_instance(env: Env) -> None:
+    """The lookup and instance-status cases leave the fake instance (a certificate, no server) active at the PC for
+    30 s; the PC would try to place sessions on it. Reported failed at the epoch it last reported, it is no
+    candidate."""
+    for entry in await pc_instances(env):
+        if entry["instance"] == env.instance_uri and entry["state"] != "failed":
+            record = {"instance": env.instance_uri, "epoch": entry["epoch"], "state": "failed", "ttl_ms": 1000}
+            status = await env.setup_as_instance(
+                "PUT", f"{env.index}instances/{instance_id(env.instance_uri)}/status", dumps(record))
+            assert status == 200, f"setup: reporting the fake instance failed gave {status}"
+
+
+def prompt_of(n: int, length: int) -> list[int]:
+    return [(n * 31 + 7 * i) % 256 for i in range(length)]  # token ids inside the tiny model's vocabulary
+
+
+def checkpoint_of(ii: Inference, session: uuid.UUID, epoch: int, prompt: list[int], generated: list[int],
+                  offset: int) -> dict[str, Any]:
+    keys = ii.keyer.keys(prompt)
+    return {"session": str(session), "epoch": epoch, "compat_id": ii.descriptor.compat_id.hex(),
+            "scope_id": ii.keyer.scope_id.hex(), "prompt_blocks": [k.hex() for k in keys],
+            "prompt_tail": prompt[len(keys) * ii.descriptor.block_tokens:], "generated": generated[:offset],
+            "output_offset": offset, "sampler": dict(GREEDY, step=offset)}
+
+
+async def token_lines(env: Env, ii: Inference, session: uuid.UUID) -> list[dict[str, Any]]:
+    """``GET {ii}sessions/{id}/tokens?from=0`` to its end (the run finished, or was fenced: no final line)."""
+    r = await env.setup.request("GET", f"{ii.uri}sessions/{session}/tokens?from=0")
+    assert r.status == 200, f"setup: the token stream of {session} gave {r.status}"
+    return [json.loads(line) for line in (r.content or b"").splitlines() if line.strip()]
+
+
+async def prefetch(env: Env, driver: Driver) -> None:
+    ii = inference(env, driver)
+    call = send(driver, env, "controller")
+    expect_problem(await call("GET", f"{ii.uri}prefetch/{uuid.uuid4()}"), 404, "kvsp-not-found", "unknown directive")
+    n = env.fresh()
+    keys = await stored_context(env, ii, 100_000 + n, 2)
+    directive = uuid.uuid4()
+    body = {"directive": str(directive), "scope_id": ii.keyer.scope_id.hex(),
+            "compat_id": ii.descriptor.compat_id.hex(),
+            "blocks": [{"block_key": k.hex(), "sources": [env.holder]} for k in keys],
+            "deadline_ms": 5000, "lease_ms": 5000, "request_ref": f"interop-{n}"}
+    accepted = expect(await call("POST", f"{ii.uri}prefetch", dumps(body), JSON), 202, "prefetch")
+    assert accepted.headers.get("location") == f"prefetch/{directive}", f"Location: {accepted.headers}"
+    status = body_of(accepted)
+    assert status["directive"] == str(directive) and status["state"] in ("pending", "partial", "complete"), status
+    deadline = asyncio.get_running_loop().time() + WAIT_S
+    while True:
+        status = body_of(expect(await call("GET", f"{ii.uri}prefetch/{directive}"), 200, "GET prefetch/{id}"))
+        assert status["state"] in ("pending", "partial", "complete"), status
+        if status["state"] != "pending" or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    assert status["state"] == "complete" and status["loaded"] == [k.hex() for k in keys], status
+    again = expect(await call("POST", f"{ii.uri}prefetch", dumps(body), JSON), 202, "the same directive again")
+    assert body_of(again) == status, "a re-sent directive is answered with its current status"
+    other = dict(body, deadline_ms=4000)
+    expect_problem(await call("POST", f"{ii.uri}prefetch", dumps(other), JSON), 409, None,
+                   "the directive's id with other contents")
+    await until_published(env, keys[0], ii.uri, ii.descriptor.compat_id)  # a loaded block is the instance's replica
+
+
+async def instance_state(env: Env, driver: Driver) -> None:
+    ii = inference(env, driver)
+    call = send(driver, env, "controller")
+    await until_active_at_pc(env, ii)
+    try:
+        drained = expect(await call("PUT", f"{ii.uri}state", dumps({"state": "draining"}), JSON), 200, "draining")
+        # with no session in flight a draining instance is sleeping at once
+        assert body_of(drained)["state"] in ("draining", "sleeping"), drained.body
+        sid = uuid.uuid4()
+        start = {"session": str(sid), "epoch": 1, "scope_id": ii.keyer.scope_id.hex(),
+                 "compat_id": ii.descriptor.compat_id.hex(), "prompt": prompt_of(env.fresh(), 6), "max_tokens": 4,
+                 "sampler": GREEDY}
+        expect_problem(await call("POST", f"{ii.uri}sessions/{sid}/start", dumps(start), JSON), 409,
+                       "kvsp-invalid-state", "a session start while draining")
+        status = body_of(expect(await call("GET", f"{ii.uri}status"), 200, "GET status"))
+        assert status["state"] in ("draining", "sleeping") and status["instance"] == ii.uri, status
+        woken = expect(await call("PUT", f"{ii.uri}state", dumps({"state": "active"}), JSON), 200, "active")
+        assert body_of(woken) == {"state": "active"}, woken.body
+        expect_problem(await call("PUT", f"{ii.uri}state", dumps({"state": "failed"}), JSON), 409,
+                       "kvsp-invalid-state", "PUT state failed")
+    finally:  # whatever happened, the instance serves again, and the PC knows it
+        await setup_call(env, "PUT", f"{ii.uri}state", {"state": "active"})
+        await until_active_at_pc(env, ii)
+
+
+async def checkpoint_resume(env: Env, driver: Driver) -> None:
+    ii = inference(env, driver)
+    n = env.fresh()
+    await retire_fake_instance(env)
+    await until_active_at_pc(env, ii)
+    # setup: a session through the PC (as the front end would), run to its end by the instance
+    sid, prompt, max_tokens = uuid.uuid4(), prompt_of(n, 6), 8
+    request = {"session": str(sid), "scope_id": ii.keyer.scope_id.hex(), "compat_id": ii.descriptor.compat_id.hex(),
+               "prompt": prompt, "max_tokens": max_tokens, "sampler": GREEDY}
+    info = await setup_call(env, "POST", f"{env.index}sessions", request)
+    assert info["instance"] == ii.uri, f"setup: the PC placed the session on {info.get('instance')}"
+    epoch = info["epoch"]
+    lines = await token_lines(env, ii, sid)
+    tokens = [x["token"] for x in lines if "token" in x]
+    assert len(tokens) == max_tokens and lines[-1].get("done"), f"setup: the session's stream: {lines}"
+    session_url = f"{env.index}sessions/{sid}"
+    deadline = asyncio.get_running_loop().time() + WAIT_S
+    while (await setup_call(env, "GET", session_url))["state"] != "done":  # the instance's last checkpoint
+        assert asyncio.get_running_loop().time() < deadline, "setup: the PC never saw the session's last checkpoint"
+        await asyncio.sleep(0.05)
+    # PUT sessions/{id}/checkpoint, as the instance serving the session
+    as_ii = send(driver, env, "ii")
+    url = f"{session_url}/checkpoint"
+    cp = checkpoint_of(ii, sid, epoch, prompt, tokens, 4)
+    expect_problem(await as_ii("PUT", url, dumps(dict(cp, epoch=epoch - 1)), JSON), 409, "kvsp-stale-epoch",
+                   "a checkpoint of an older epoch")
+    ack = body_of(expect(await as_ii("PUT", url, dumps(cp), JSON), 200, "checkpoint"))
+    assert ack == {"session": str(sid), "epoch": epoch, "output_offset": max_tokens}, \
+        f"the PC keeps the highest offset it acknowledged: {ack}"
+    expect_problem(await send(driver, env)("PUT", url, dumps(cp), JSON), 403, None,
+                   "a checkpoint from a principal that does not serve the session")
+    seen = body_of(expect(await send(driver, env)("GET", session_url), 200, "GET sessions/{id}"))
+    assert seen["output_offset"] == max_tokens and seen["state"] == "done" and seen.get("done") is True, seen
+    # POST sessions/{id}/resume, as the PC, with that checkpoint under a session id the PC does not know: the
+    # resumed run's own checkpoints are then refused with 404, which ends it (as for a session moved elsewhere)
+    as_pc = send(driver, env, "controller")
+    other = uuid.uuid4()
+    resume = {"epoch": epoch + 1, "checkpoint": checkpoint_of(ii, other, epoch, prompt, tokens, 4),
+              "max_tokens": max_tokens, "prompt": prompt}
+    admitted = expect(await as_pc("POST", f"{ii.uri}sessions/{other}/resume", dumps(resume), JSON), 200, "resume")
+    assert body_of(admitted) == {"session": str(other), "epoch": epoch + 1, "output_offset": 4}, admitted.body
+    stale = dict(resume, epoch=epoch, checkpoint=dict(resume["checkpoint"], epoch=epoch - 1))
+    expect_problem(await as_pc("POST", f"{ii.uri}sessions/{other}/resume", dumps(stale), JSON), 409,
+                   "kvsp-stale-epoch", "a resume at an older epoch")
+    resumed = await token_lines(env, ii, other)
+    got = [x["token"] for x in resumed if "token" in x]
+    assert not any(x.get("reason") == "error" for x in resumed), resumed[-1]
+    assert {x["epoch"] for x in resumed} == {epoch + 1}, resumed
+    # the checkpoint's tokens first; greedy decoding continues exactly as the first run did (as far as it got)
+    assert len(got) >= 4 and got == tokens[:len(got)], (got, tokens)
+
+
+async def reshard_commit_abort(env: Env, driver: Driver) -> None:
+    ii = inference(env, driver)
+    call = send(driver, env, "controller")
+    url = f"{ii.uri}reshard"
+    n = env.fresh()
+    keys = await stored_context(env, ii, 200_000 + n, 2)
+    b = ii.descriptor.block_tokens
+    m = f"interop-{n}"
+    context = {"compat_id": ii.descriptor.compat_id.hex(), "scope_id": ii.keyer.scope_id.hex(),
+               "block_keys": [k.hex() for k in keys]}
+    # version 1: the instance fetches the whole context from the holder (named as the range's "from")
+    plan = {"map": m, "from": 0, "to": 1, "deadline_ms": 5000, "retain": [], "release": [],
+            "fetch": [{"tokens": [0, 2 * b], "from": env.holder}], "context": context}
+    acked = expect(await call("POST", url, dumps(plan), JSON), 200, "plan 0 -> 1")
+    assert body_of(acked) == {"map": m, "from": 0, "to": 1, "acknowledged": True}, acked.body
+    committed = expect(await call("POST", url, dumps({"map": m, "commit": 1}), JSON), 200, "commit 1")
+    assert body_of(committed) == {"map": m, "version": 1}, committed.body
+    # version 2 would keep block 0 in place and let block 1 go; it is aborted, version 1 stays
+    plan = {"map": m, "from": 1, "to": 2, "deadline_ms": 5000, "retain": [[0, b]], "release": [[b, 2 * b]]}
+    acked = expect(await call("POST", url, dumps(plan), JSON), 200, "plan 1 -> 2")
+    assert body_of(acked) == {"map": m, "from": 1, "to": 2, "acknowledged": True}, acked.body
+    aborted = expect(await call("POST", url, dumps({"map": m, "abort": 2}), JSON), 200, "abort 2")
+    assert body_of(aborted) == {"map": m, "version": 1}, aborted.body
+    expect_problem(await call("POST", url, dumps({"map": m, "abort": 1}), JSON), 409, "kvsp-plan-conflict",
+                   "abort of a committed version")
+    stale = {"map": m, "from": 0, "to": 1, "deadline_ms": 5000}
+    expect_problem(await call("POST", url, dumps(stale), JSON), 409, "kvsp-plan-conflict",
+                   "a plan from a version the instance does not hold")
+
 
 CASES: list[CaseInfo] = [
     CaseInfo("mtls-refused", "mutual TLS (every resource)", mtls_refused),
@@ -357,10 +620,14 @@ CASES: list[CaseInfo] = [
     CaseInfo("block-not-found", "Holder GET blocks/... unknown (problem+json)", block_not_found),
     CaseInfo("lease-lifecycle", "Holder POST leases; PUT, DELETE leases/{id}", lease_lifecycle),
     CaseInfo("lease-quota", "Holder POST leases over quota (kvsp-lease-quota)", lease_quota),
-    CaseInfo("prefetch", "II POST prefetch; GET prefetch/{id}", None, _PC),
-    CaseInfo("instance-state", "II PUT state (lifecycle)", None, _PC),
-    CaseInfo("checkpoint-resume", "PC PUT sessions/{id}/checkpoint; II POST sessions/{id}/resume", None, _PC),
-    CaseInfo("reshard-commit-abort", "II POST reshard (plan, commit, abort)", None, _PC),
+    CaseInfo("prefetch", "II POST prefetch; GET prefetch/{id} (blocks loaded from the holder)", prefetch,
+             needs_instance=True),
+    CaseInfo("instance-state", "II PUT state (draining: starts refused; active), GET status", instance_state,
+             needs_instance=True),
+    CaseInfo("checkpoint-resume", "PC PUT sessions/{id}/checkpoint (stale epoch, highest offset); II POST "
+             "sessions/{id}/resume", checkpoint_resume, needs_instance=True),
+    CaseInfo("reshard-commit-abort", "II POST reshard (plan with fetch, commit; plan with retain, abort; conflicts)",
+             reshard_commit_abort, needs_instance=True),
     CaseInfo("moqt-setup", "MOQT SETUP with the holder and the relay (mutual TLS; the driver's draft)", moqt_setup),
     CaseInfo("moqt-publish-namespace", "MOQT PUBLISH_NAMESPACE to the relay (own holder-id; another's refused)",
              moqt_publish_namespace),

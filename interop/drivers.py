@@ -62,9 +62,13 @@ class Request:
     headers: Mapping[str, str] = field(default_factory=dict)
 
 
+NO_HEADERS = "gtlsclient cannot set request header fields"
+
+
 class Driver:
     name = ""
     transport = ""
+    sets_headers = True  # False: a request with header fields raises Unsupported(NO_HEADERS)
 
     def available(self) -> str | None:
         """None when the driver can run here, else why not."""
@@ -209,6 +213,7 @@ _HEADER_RE = re.compile(r"http: stream 0x0 \[([a-z0-9-]+): (.*)\]")
 class GtlsclientDriver(Driver):
     name = "gtlsclient-h3"
     transport = "h3"
+    sets_headers = False
 
     def available(self) -> str | None:
         return None if shutil.which("gtlsclient") else "gtlsclient is not installed (apt-get install ngtcp2-client)"
@@ -217,7 +222,7 @@ class GtlsclientDriver(Driver):
         from urllib.parse import urlsplit
 
         if request.headers:
-            raise Unsupported("gtlsclient cannot set request header fields")
+            raise Unsupported(NO_HEADERS)
         parts = urlsplit(request.url)
         with tempfile.TemporaryDirectory() as tmp:
             argv = ["gtlsclient", "--no-quic-dump", "--exit-on-all-streams-close", f"--timeout={int(TIMEOUT)}s",

@@ -22,14 +22,15 @@ from pathlib import Path
 
 from http3.client import KvspClient
 from http3.tls import TlsFiles
-from kvsp_quic.keys import BlockKeyer
+from kvsp_quic.compat import CompatDescriptor
+from kvsp_quic.keys import BlockKeyer, scope_id
 from kvsp_quic.serve import example_descriptor
 
 from . import report
-from .cases import CASES, CaseInfo, Env
+from .cases import CASES, CaseInfo, Env, Inference
 from .drivers import Driver, Unsupported, all_drivers
 from .moqt_drivers import MoqtDriver, moqt_drivers
-from .servers import INSTANCE_URI, start
+from .servers import INSTANCE_URI, SCOPE_KEY, Servers, start
 
 HERE = Path(__file__).resolve().parent
 EXPECTED = HERE / "expected.json"
@@ -87,7 +88,7 @@ class _Logged(Driver):
 
     def __init__(self, inner: Driver, lines: list[str]) -> None:
         self.inner, self.lines = inner, lines
-        self.name, self.transport = inner.name, inner.transport
+        self.name, self.transport, self.sets_headers = inner.name, inner.transport, inner.sets_headers
 
     async def send(self, request, tls, log):  # type: ignore[no-untyped-def]
         reply = await self.inner.send(request, tls, self.lines)
@@ -95,24 +96,42 @@ class _Logged(Driver):
         return reply
 
 
+def _inference(servers: Servers) -> Inference | None:
+    ready = servers.instance
+    if not ready:
+        return None
+    descriptor = CompatDescriptor.from_json(ready["descriptor"])
+    assert ready["scope_ids"] == [scope_id(SCOPE_KEY).hex()], f"the instance serves {ready['scope_ids']}"
+    return Inference(ready["base_uri"], ready["instance_id"], descriptor,
+                     BlockKeyer(SCOPE_KEY, descriptor.compat_id, descriptor.block_tokens))
+
+
 async def run(cases: list[CaseInfo], drivers: list[Driver], out: Path) -> list[Cell]:
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     cells: list[Cell] = []
+    # the instance only when a selected HTTP driver plays a case that needs it (it adds ~1.5 s to the start)
+    instance = any(c.needs_instance and c.run is not None for c in cases) and \
+        any(not isinstance(d, MoqtDriver) for d in drivers)
     with tempfile.TemporaryDirectory() as tmp:
-        servers = start(Path(tmp), logs)
+        started = time.perf_counter()
+        servers = start(Path(tmp), logs, instance=instance)
+        print(f"interop: servers up in {time.perf_counter() - started:.1f}s"
+              + (" (with the inference instance)" if servers.instance else ""), file=sys.stderr, flush=True)
         try:
             dev = servers.dev
 
             def tls(name: str) -> TlsFiles:
-                return TlsFiles(dev / "ca.pem", dev / f"{name}.pem", dev / f"{name}.key")
+                stem = servers.principals.get(name, name)
+                return TlsFiles(dev / "ca.pem", dev / f"{stem}.pem", dev / f"{stem}.key")
 
             descriptor = example_descriptor()
             async with KvspClient(tls("dev"), retries=0) as setup, KvspClient(tls("instance"), retries=0) as inst:
                 env = Env(servers.index["base_uri"], servers.holder["base_uri"], tls, INSTANCE_URI, setup, inst,
-                          descriptor, BlockKeyer(bytes(range(32)), descriptor.compat_id, descriptor.block_tokens),
+                          descriptor, BlockKeyer(SCOPE_KEY, descriptor.compat_id, descriptor.block_tokens),
                           holder_moqt=servers.holder["moqt"], relay=servers.relay["base_uri"],
-                          relay_moqt=servers.relay["moqt"])
+                          relay_moqt=servers.relay["moqt"], ii=_inference(servers),
+                          ii_missing=servers.instance_missing, ii_error=servers.instance_error)
                 for case in cases:
                     for driver in drivers:
                         cell = await run_cell(case, driver, env, logs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import re
 import shlex
@@ -18,6 +19,7 @@ from typing import Any, TypeVar
 
 from .config import (
     ConfigError,
+    FrontendFile,
     HolderFile,
     IndexFile,
     InstanceFile,
@@ -134,8 +136,70 @@ def add_commands(sub: Any) -> None:
                       help="fetch blocks over HTTP only (default: moqt:// replicas first)")
     inst.set_defaults(handler=cmd_instance)
 
+    add_frontend(sub)
+    demo = sub.add_parser("demo", help="start a whole cluster on this machine, run a workload with a failure, report",
+                          description="Write a small random model; start the Index Service with the Placement "
+                                      "Controller, a holder, a relay, two inference instances and the front end on "
+                                      "127.0.0.1 with fresh dev certificates; send requests with shared prefixes; "
+                                      "kill one instance mid-generation; print a report; stop everything.")
+    demo.add_argument("--json", action="store_true", help="print the report as JSON")
+    demo.add_argument("--workdir", type=Path, metavar="DIR", help="keep the model, certificates and logs in DIR")
+    demo.add_argument("--requests", type=int, default=4, metavar="N", help="requests sharing the prefix (4)")
+    demo.add_argument("--prefix-tokens", type=int, default=1536, metavar="N", help="shared prefix length (1536)")
+    demo.add_argument("--layers", type=int, default=8, metavar="N", help="model layers (8)")
+    demo.add_argument("--hidden", type=int, default=512, metavar="N", help="model hidden size (512)")
+    demo.set_defaults(handler=cmd_demo)
     # Parsed by interop.runner itself (kvsp_quic.cli.main hands it the arguments); listed here for --help.
     sub.add_parser("interop", help="run the interop matrix (python -m interop; see kvsp-quic interop --help)")
+
+
+def add_frontend(sub: Any) -> None:
+    fe = sub.add_parser("frontend", help="run the OpenAI-compatible front end (POST /v1/completions)",
+                        description="Serve POST /v1/completions (streaming and not) and GET /v1/models, routing "
+                                    "every request through the Placement Controller and relaying each output "
+                                    "token exactly once across instance failures (docs/inference.md).")
+    _common(fe)
+    fe.add_argument("--controller", metavar="URI", help="the Placement Controller's base URI (kvsp-quic index)")
+    fe.add_argument("--model", type=Path, metavar="DIR", help="the model directory (tokenizer, descriptor)")
+    fe.add_argument("--model-name", metavar="NAME", help="the model's name (default: from the model directory)")
+    fe.add_argument("--block-tokens", type=int, metavar="B", help="block size, as the instances use (default 16)")
+    fe.add_argument("--scope-key", type=Path, metavar="FILE",
+                    help="the scope key of the sessions (--dev default: DIR/scope.key, shared with instances)")
+    fe.add_argument("--max-tokens", type=int, metavar="N", help="the largest max_tokens accepted (default 4096)")
+    fe.set_defaults(handler=cmd_frontend)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import DemoOptions, render, run
+
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise ConfigError("the demo runs inference instances, which need torch: pip install 'kvsp-quic[gpu]'") \
+            from None
+    if args.requests < 1 or args.prefix_tokens < 64 or args.layers < 1 or args.hidden < 64 or args.hidden % 64:
+        raise ConfigError("--requests >= 1, --prefix-tokens >= 64, --layers >= 1, --hidden a multiple of 64")
+    options = DemoOptions(workdir=args.workdir, requests=args.requests, prefix_tokens=args.prefix_tokens,
+                          layers=args.layers, hidden=args.hidden)
+    report = asyncio.run(run(options, lambda line: print(line, file=sys.stderr, flush=True)))
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    ok = report["tokens_lost"] == 0 and report["tokens_duplicated"] == 0 and report["tokens_altered"] == 0
+    return 0 if ok else 1
+
+
+def cmd_frontend(args: argparse.Namespace) -> int:
+    from .serve import run_frontend
+
+    cfg = _file(FrontendFile, args)
+    overrides: dict[str, Any] = {}
+    for name in ("controller", "model", "model_name", "block_tokens", "scope_key", "max_tokens"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    cfg = dataclasses.replace(cfg, frontend=dataclasses.replace(cfg.frontend, **overrides),
+                              **_server_overrides(cfg, args))
+    _logging(args.log_level)
+    asyncio.run(run_frontend(cfg, dev_dir=args.dev, policy_path=args.policy))
+    return 0
 
 
 def _common(p: argparse.ArgumentParser) -> None:

@@ -289,6 +289,36 @@ class InstanceFile:
     transport: dict[str, float] = field(default_factory=dict)
     instance: InstanceSection = field(default_factory=InstanceSection)
 
+@dataclass(frozen=True)
+class FrontendSection:
+    """``kvsp-quic frontend``: the OpenAI-compatible edge (docs/inference.md)."""
+
+    controller: str | None = None  # the Placement Controller's base URI (required)
+    model: Path | None = None  # the model directory: its tokenizer and descriptor (required)
+    model_name: str | None = None  # the "model" of the OpenAI API and of the descriptor
+    block_tokens: int = 16  # must match the instances' --block-tokens
+    scope_key: Path | None = None  # the scope the front end's sessions belong to (hex or raw octets)
+    max_tokens: int = 4096
+    failover_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.controller is not None:
+            try:
+                base_uri(self.controller, "frontend.controller")
+            except RecordError as exc:
+                raise ConfigError(exc.detail) from None
+        if self.block_tokens < 1 or self.max_tokens < 1 or self.failover_timeout_s <= 0:
+            raise ConfigError("frontend.block_tokens, max_tokens and failover_timeout_s must be positive")
+
+
+@dataclass(frozen=True)
+class FrontendFile:
+    server: ServerSection = field(default_factory=ServerSection)
+    tls: TlsSection | None = None
+    transport: dict[str, float] = field(default_factory=dict)
+    frontend: FrontendSection = field(default_factory=FrontendSection)
+
+
 # -- loading -----------------------------------------------------------------------------------------------------
 
 
@@ -387,6 +417,25 @@ def _value(hint: Any, value: Any, where: str, root: Path) -> Any:
     raise ConfigError(f"{where}: unsupported type {hint}")  # pragma: no cover - a programming error
 
 
-__all__ = ["ConfigError", "ControllerSection", "HolderFile", "HolderSection", "IndexFile", "IndexSection",
-           "InstanceFile", "InstanceSection", "LeaseSection", "LinkSection", "LocalStorageSection", "RelayFile",
-           "RelaySection", "ServerSection", "TlsSection", "build", "host_port", "load"]
+__all__ = [
+    "ConfigError",
+    "ControllerSection",
+    "FrontendFile",
+    "FrontendSection",
+    "HolderFile",
+    "HolderSection",
+    "IndexFile",
+    "IndexSection",
+    "InstanceFile",
+    "InstanceSection",
+    "LeaseSection",
+    "LinkSection",
+    "LocalStorageSection",
+    "RelayFile",
+    "RelaySection",
+    "ServerSection",
+    "TlsSection",
+    "build",
+    "host_port",
+    "load",
+]

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .compat import CompatDescriptor
-from .config import ConfigError, HolderFile, IndexFile, InstanceFile, RelayFile, ServerSection, TlsSection
+from .config import ConfigError, FrontendFile, HolderFile, IndexFile, InstanceFile, RelayFile, ServerSection, TlsSection
 
 log = logging.getLogger("kvsp.serve")
 
@@ -479,6 +479,51 @@ async def run_instance(cfg: InstanceFile, *, dev_dir: Path | None, policy_path: 
         await node.aclose()
         await server.close()
         engine.close()
+
+# -- the front end -------------------------------------------------------------------------------------------------
+
+
+async def run_frontend(cfg: FrontendFile, *, dev_dir: Path | None, policy_path: Path | None = None,
+                       stop: asyncio.Event | None = None) -> None:
+    from gpu.modelfiles import derive_descriptor, load_tokenizer
+    from http3.client import KvspClient
+    from http3.frontend_app import Frontend, frontend_app
+
+    from .keys import BlockKeyer
+
+    section = cfg.frontend
+    if section.controller is None:
+        raise ConfigError("--controller URI (or frontend.controller) is required: the Placement Controller")
+    if section.model is None:
+        raise ConfigError("--model DIR (or frontend.model) is required: the model's tokenizer and descriptor")
+    key_path = section.scope_key
+    if key_path is None and dev_dir is not None:
+        key_path = dev_scope_key(dev_dir)
+    if key_path is None:
+        raise ConfigError("--scope-key FILE (or frontend.scope_key) is required: the scope of the sessions")
+    scope_key = read_scope_key(key_path)
+    descriptor = derive_descriptor(section.model, section.block_tokens, name=section.model_name)
+    tokenizer = load_tokenizer(section.model)
+    prepared = prepare("frontend", cfg.server, cfg.tls, cfg.transport, dev_dir=dev_dir, policy_path=policy_path)
+    client = KvspClient(prepared.files, settings=prepared.settings)
+    frontend = Frontend(client, section.controller, BlockKeyer(scope_key, descriptor.compat_id,
+                                                                descriptor.block_tokens),
+                        tokenizer, descriptor.model, max_tokens_limit=section.max_tokens,
+                        failover_timeout=section.failover_timeout_s)
+    try:
+        server = await serve_app(prepared, frontend_app(frontend, prepared.policy,
+                                                         base_path=_path_of(prepared.base_uri)))
+    except BaseException:
+        await client.aclose()
+        raise
+    log.info("front end at %s (model %s, controller %s)", prepared.base_uri, descriptor.model, section.controller)
+    announce(prepared, controller=section.controller, completions=f"{prepared.base_uri}v1/completions")
+    try:
+        await _wait(stop)
+    finally:
+        await server.close()
+        await client.aclose()
+
 
 def _read_key(path: Path | None) -> bytes | None:
     if path is None:

@@ -485,3 +485,28 @@ def test_geometry_from_descriptors(spec_descriptor: Any) -> None:
         IndexConfig(max_ttl_ms=0)
     with pytest.raises(ValueError):
         Geometry(block_tokens=0)
+
+
+async def test_lookup_skips_replicas_at_failed_instances() -> None:
+    from kvsp_quic.auth import ALL, Role
+    from kvsp_quic.records import InstanceStatusRecord, LookupRequest
+
+    now = [100.0]
+    service = IndexService(MemoryIndexStore(), clock=lambda: now[0])
+    inst = "https://127.0.0.1:7001/"
+    boss = Principal("urn:kvsp:client:x", frozenset(Role), ALL, ALL)
+    for i in range(2):
+        for holder in (inst, H1):
+            await service.publish(boss, hid(holder), bk(i), replica(i, holder))
+    from kvsp_quic.records import encode_moqt_namespace, kvsp_track_namespace
+
+    namespace = encode_moqt_namespace(kvsp_track_namespace(C1, S1, hid(inst), 1))
+    await service.publish(boss, hid("moqt://127.0.0.1:7001/"), bk(1),
+                          replica(1, "moqt://127.0.0.1:7001/", moqt_namespace=namespace))
+    me = Principal(inst, frozenset({Role.INSTANCE}), ALL, frozenset())
+    service.report_status(me, hid(inst), InstanceStatusRecord(inst, 1, InstanceState.ACTIVE, 1000))
+    request = LookupRequest(S1, C1, (bk(0), bk(1)))  # type: ignore[arg-type]
+    assert inst in {r.holder for m in (await service.lookup(boss, request)).blocks for r in m.replicas}
+    now[0] += 2.0  # the status record (1 s) expired: the instance failed, its replicas are unreachable
+    got = await service.lookup(boss, request)
+    assert got.matched == 2 and {r.holder for m in got.blocks for r in m.replicas} == {H1}

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from interop import report
+from interop.cases import CASES
 from interop.runner import EXPECTED, QUICK_CASES, Cell, regressions
+
+INFERENCE_CASES = [c.name for c in CASES if c.needs_instance]
 
 
 def test_the_quick_subset_passes_against_expected(tmp_path: Path) -> None:
@@ -26,6 +32,31 @@ def test_the_quick_subset_passes_against_expected(tmp_path: Path) -> None:
         assert (tmp_path / name).stat().st_size > 100
     for cell in cells:  # every cell links its log
         assert (tmp_path / cell["log"]).exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the instance needs torch (the gpu extra)")
+def test_the_inference_cases_pass_against_a_real_instance(tmp_path: Path) -> None:
+    """prefetch, instance-state, checkpoint-resume and reshard-commit-abort against ``kvsp-quic instance --device
+    cpu`` (a tiny model) and the index's Placement Controller, with our client over HTTP/2 and curl over HTTP/1.1."""
+    assert INFERENCE_CASES == ["prefetch", "instance-state", "checkpoint-resume", "reshard-commit-abort"]
+    argv = [sys.executable, "-m", "interop", "--out", str(tmp_path), "--impl", "kvsp-quic-h2", "--impl", "curl-h1",
+            "--impl", "gtlsclient-h3", "--impl", "kvsp-quic-moqt14"]
+    for name in INFERENCE_CASES:
+        argv += ["--case", name]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    cells = {(c["case"], c["client"]): c for c in json.loads((tmp_path / "matrix.json").read_text())}
+    for case in INFERENCE_CASES:
+        assert cells[(case, "kvsp-quic-h2")]["result"] == "pass", cells[(case, "kvsp-quic-h2")]
+        if cells[(case, "curl-h1")]["detail"] != "curl is not installed":
+            assert cells[(case, "curl-h1")]["result"] == "pass", cells[(case, "curl-h1")]
+        for client in ("gtlsclient-h3", "kvsp-quic-moqt14"):  # unsupported, and said why, without any setup
+            cell = cells[(case, client)]
+            assert cell["result"] == "unsupported" and cell["detail"] and cell["seconds"] < 1, cell
+
+
+def test_every_case_is_implemented() -> None:
+    assert all(c.run is not None for c in CASES), [c.name for c in CASES if c.run is None]
 
 
 def test_regressions_are_cells_expected_to_pass() -> None:

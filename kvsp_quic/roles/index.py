@@ -44,7 +44,7 @@ from ..records import (
     TargetEstimate,
 )
 from ..storage.index_store import IndexStore, with_ttl
-from .status import StatusTable
+from .status import StatusTable, endpoint
 
 Clock = Callable[[], float]
 
@@ -88,6 +88,20 @@ class IndexConfig:
     def with_descriptors(cls, descriptors: list[CompatDescriptor], **kwargs: int) -> IndexConfig:
         geometry = {bytes(d.compat_id): Geometry.of(d) for d in descriptors}
         return cls(geometry=MappingProxyType(geometry), **kwargs)
+
+
+Found = list[tuple[ReplicaRecord, ...]]
+
+
+def _without(found: Found, failed: frozenset[tuple[str, int]]) -> Found:
+    """The matched prefix without replicas at failed instances; it ends where a key has no replica left."""
+    out = []
+    for replicas in found:
+        alive = tuple(r for r in replicas if endpoint(r.holder) not in failed)
+        if not alive:
+            break
+        out.append(alive)
+    return out
 
 
 @dataclass(frozen=True)
@@ -161,6 +175,9 @@ class IndexService:
                                   f"got {len(targets)}")
         require_scope(principal, request.scope_id)
         found = await self.store.lookup(request.scope_id, request.compat_id, request.block_keys, self.clock())
+        failed = self.status.failed_endpoints()
+        if failed:  # replicas at an instance the PC saw fail are unreachable: do not send anyone there
+            found = _without(found, failed)
         blocks = tuple(LookupMatch(key, replicas) for key, replicas in zip(request.block_keys, found, strict=False))
         estimates = None if targets is None else tuple(self.estimates(request.compat_id, targets, found))
         return LookupResponse(len(blocks), blocks, estimates)

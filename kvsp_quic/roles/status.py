@@ -27,6 +27,7 @@ import enum
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
+from urllib.parse import urlsplit
 
 from ..compat import InstanceState
 from ..problems import StaleEpoch
@@ -173,6 +174,12 @@ class LifecyclePolicy:
         return state
 
 
+def endpoint(uri: str) -> tuple[str, int]:
+    """(host, port) of an https or moqt URI (443 when absent)."""
+    parts = urlsplit(uri)
+    return parts.hostname or "", parts.port or 443
+
+
 class StatusTable:
     def __init__(self, clock: Clock, *, policy: StatePolicy | None = None, max_ttl_ms: int | None = None) -> None:
         if max_ttl_ms is not None and max_ttl_ms < 1:
@@ -227,6 +234,17 @@ class StatusTable:
         if entry is None:
             return InstanceState.FAILED if instance in self._epochs else None
         return entry.state if entry.alive(self.clock()) else InstanceState.FAILED
+
+    def failed_endpoints(self) -> frozenset[tuple[str, int]]:
+        """(host, port) of every instance whose record has expired: its replicas, https or moqt, are unreachable
+        until it reports again (a restart reports a newer epoch)."""
+        now = self.clock()
+        out = set()
+        for instance in self._epochs:
+            entry = self._entries.get(instance)
+            if entry is None or not entry.alive(now):
+                out.add(endpoint(instance))
+        return frozenset(out)
 
     def highest_epoch(self, instance: str) -> int | None:
         return self._epochs.get(instance)
