@@ -29,8 +29,9 @@ from aioquic.quic.connection import QuicConnection
 
 from http3.client import KvspClient
 from http3.h3_server import h3_handler
-from http3.quic_server import QuicListener, bind_udp
+from http3.quic_server import QuicListener
 from http3.tls import TlsFiles, TransportSettings, quic_configuration
+from http3.udp import bind_udp
 
 SETTINGS = TransportSettings(stream_window=64 << 20, connection_window=64 << 20)
 

@@ -34,8 +34,9 @@ from aioquic.quic import events
 from aioquic.quic.connection import QuicConnection
 
 from benchmarks.bench_h3 import SETTINGS, RawClientProtocol, start_server
-from http3.quic_server import QuicListener, bind_udp
+from http3.quic_server import QuicListener
 from http3.tls import TlsFiles, quic_configuration
+from http3.udp import bind_udp
 from kvsp_quic import container as c
 from kvsp_quic.auth import Policy
 from kvsp_quic.compat import CompatDescriptor

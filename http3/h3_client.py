@@ -2,7 +2,8 @@
 
 :class:`H3ClientConnection` is one QUIC connection to one origin; :class:`H3Pool` keeps connections per origin and
 opens another when every stream of the existing ones is taken. The facade that adds fallback to HTTP/2 and
-HTTP/1.1, retries and timeouts is :mod:`http3.client`.
+HTTP/1.1, retries and timeouts is :mod:`http3.client`. The QUIC side (batched receiving, transmits, send
+backpressure, HANDSHAKE_DONE, connecting) is :mod:`http3.quic_protocol`'s.
 """
 
 from __future__ import annotations
@@ -10,26 +11,24 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import socket
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
-from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.h3.connection import H3Connection
 from aioquic.h3.events import DataReceived, HeadersReceived
 from aioquic.quic import events
 
 from .h3_frames import send_data
 from .quic_conn import KvspQuicConnection
-from .quic_server import bind_udp
-from .tls import TlsFiles, TransportSettings, quic_configuration
-from .udp import BatchedUdpTransport
+from .quic_protocol import KvspQuicProtocol, QuicConnectError, connect_quic
+from .tls import TlsFiles, TransportSettings
 
+H3_NO_ERROR = 0x100
 H3_REQUEST_CANCELLED = 0x10C
 _COALESCE = 1 << 20
 
 
-class H3ConnectError(ConnectionError):
+class H3ConnectError(QuicConnectError):
     """The QUIC handshake failed or timed out (UDP blocked, h3 refused, certificate rejected)."""
 
 
@@ -139,50 +138,26 @@ class _ClientH3(H3Connection):
             super()._check_content_length(stream)
 
 
-class H3ClientConnection(QuicConnectionProtocol):
+class H3ClientConnection(KvspQuicProtocol):
     """One HTTP/3 connection to an origin."""
 
+    closed_error = H3StreamError
+    no_error_code = H3_NO_ERROR
+    close_reason_format = "QUIC error {code}: {reason}"
+
     def __init__(self, quic: KvspQuicConnection, *, settings: TransportSettings, **kwargs: Any) -> None:
-        super().__init__(quic, **kwargs)
-        self.settings = settings
+        super().__init__(quic, settings=settings, **kwargs)
         self.h3 = _ClientH3(quic)
-        self.quic = quic
         self._responses: dict[int, H3Response] = {}
-        self._writers: dict[int, asyncio.Future[None]] = {}
-        self._transmit_pending = False
-        self.closed = False
-        self.close_reason = ""
         self.active = 0
         self.opened = 0
-        # Resolved on HANDSHAKE_DONE: the server has verified our certificate (TLS 1.3 lets a client finish its
-        # side of the handshake before the server has judged the client's certificate).
-        self.confirmed: asyncio.Future[None] = self._loop.create_future()
-
-    def datagram_received(self, data: bytes | str, addr: Any) -> None:
-        """Take in a datagram; events and replies wait for the end of the batch (:meth:`datagrams_done`)."""
-        self._quic.receive_datagram(data, addr, now=self._loop.time())  # type: ignore[arg-type]
-
-    def datagrams_done(self) -> None:
-        self._process_events()
-        self.transmit()
-        if self._quic._handshake_confirmed and not self.confirmed.done():
-            self.confirmed.set_result(None)
 
     def quic_event_received(self, event: events.QuicEvent) -> None:
+        super().quic_event_received(event)
         if isinstance(event, events.ConnectionTerminated):
-            self.closed = True
-            self.close_reason = f"QUIC error {event.error_code}: {event.reason_phrase}"
-            err = H3StreamError(f"connection closed ({self.close_reason})")
+            err = self.connection_closed_error()
             for response in list(self._responses.values()):
                 response._on_error(err)
-            for waiter in self._writers.values():
-                if not waiter.done():
-                    waiter.set_exception(err)
-            self._writers.clear()
-            if not self.confirmed.done():
-                self.confirmed.set_exception(ConnectionError(self.close_reason))
-            if self._transport is not None:
-                self._loop.call_soon(self._transport.close)  # the socket is of no further use
             return
         if isinstance(event, events.StreamReset):
             reset = self._responses.get(event.stream_id)
@@ -205,37 +180,6 @@ class H3ClientConnection(QuicConnectionProtocol):
     def available(self) -> bool:
         return not self.closed and self.active < self.settings.max_streams
 
-    def transmit_soon(self) -> None:
-        if not self._transmit_pending:
-            self._transmit_pending = True
-            self._loop.call_soon(self._deferred_transmit)
-
-    def _deferred_transmit(self) -> None:
-        self._transmit_pending = False
-        if not self.closed:
-            self.transmit()
-
-    def transmit(self) -> None:
-        super().transmit()
-        if self._writers:
-            low = self.settings.send_buffer // 2
-            for stream_id, waiter in list(self._writers.items()):
-                if self._buffered(stream_id) <= low:
-                    del self._writers[stream_id]
-                    if not waiter.done():
-                        waiter.set_result(None)
-
-    def _buffered(self, stream_id: int) -> int:
-        stream = self._quic._streams.get(stream_id)
-        return len(stream.sender._buffer) if stream is not None else 0
-
-    async def _wait_writable(self, stream_id: int) -> None:
-        while self._buffered(stream_id) > self.settings.send_buffer:
-            waiter = self._writers.get(stream_id)
-            if waiter is None or waiter.done():
-                waiter = self._writers[stream_id] = self._loop.create_future()
-            await waiter
-
     def stream_done(self, stream_id: int) -> None:
         self.h3.head_streams.discard(stream_id)
         if self._responses.pop(stream_id, None) is not None:
@@ -245,7 +189,7 @@ class H3ClientConnection(QuicConnectionProtocol):
                       body: bytes | AsyncIterable[bytes] | None) -> H3Response:
         """Send a request and return once the response headers are in; the body streams afterwards."""
         if self.closed:
-            raise H3StreamError(f"connection closed ({self.close_reason})")
+            raise self.connection_closed_error()
         stream_id = self.quic.get_next_available_stream_id()
         if method == "HEAD":
             self.h3.head_streams.add(stream_id)
@@ -295,20 +239,11 @@ class H3ClientConnection(QuicConnectionProtocol):
         self.transmit()
 
     async def _check(self, stream_id: int, response: H3Response) -> None:
-        await self._wait_writable(stream_id)
+        await self.wait_writable(stream_id)
         if response.stop_sending or (response._headers_ready.done() and response.status >= 400):
             raise _EarlyResponse()
         if response._error is not None:
             raise response._error
-
-    async def aclose(self) -> None:
-        if not self.closed:
-            self.close(error_code=0x100, reason_phrase="")
-            self.closed = True
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.wait_closed(), 1.0)
-        if self._transport is not None:
-            self._transport.close()
 
 
 class _EarlyResponse(Exception):
@@ -317,28 +252,9 @@ class _EarlyResponse(Exception):
 
 async def connect_h3(host: str, port: int, files: TlsFiles, *, settings: TransportSettings,
                      server_name: str | None = None, timeout: float = 10.0) -> H3ClientConnection:
-    loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
-    if not infos:
-        raise H3ConnectError(f"cannot resolve {host}")
-    family, _, _, _, addr = infos[0]
-    config = quic_configuration(files, is_client=True, alpn=["h3"], settings=settings,
-                                server_name=server_name or host)
-    quic = KvspQuicConnection(configuration=config, stream_window=settings.stream_window,
-                              connection_window=settings.connection_window)
-    sock = bind_udp("::" if family == socket.AF_INET6 else "0.0.0.0", 0, settings.socket_buffer)
-    protocol = H3ClientConnection(quic, settings=settings)
-    transport = BatchedUdpTransport(loop, sock, protocol)
-    try:
-        protocol.connect(addr)
-        await asyncio.wait_for(protocol.wait_connected(), timeout)
-        await asyncio.wait_for(protocol.confirmed, timeout)
-    except (TimeoutError, ConnectionError) as exc:
-        transport.close()
-        reason = protocol.close_reason or (f"no answer within {timeout:.1f} s (UDP blocked?)"
-                                           if isinstance(exc, TimeoutError) else str(exc))
-        raise H3ConnectError(f"HTTP/3 to {host}:{port} failed: {reason}") from None
-    return protocol
+    return await connect_quic(host, port, files, alpn=["h3"], settings=settings, server_name=server_name,
+                              timeout=timeout, protocol_factory=H3ClientConnection,
+                              error=lambda reason: H3ConnectError(f"HTTP/3 to {host}:{port} failed: {reason}"))
 
 
 class H3Pool:

@@ -6,27 +6,27 @@ enforced before a handler is created, and receive windows follow what the handle
 
 A handler is created once the handshake has completed (so the client certificate has been verified) and gets a
 :class:`QuicConnectionContext`: the connection, the peer's TLS extension for ASGI scopes, addresses, settings,
-and ``wait_writable`` for send-side backpressure.
+and ``wait_writable`` for send-side backpressure. Receiving in batches, transmits and backpressure are
+:class:`~http3.quic_protocol.KvspQuicProtocol`'s, shared with the clients.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.asyncio.server import QuicServer as AioquicServer
 from aioquic.quic import events
 from aioquic.quic.connection import QuicConnection
 
 from .quic_conn import KvspQuicConnection
+from .quic_protocol import KvspQuicProtocol
 from .tls import TLS_1_3, TlsFiles, TransportSettings, quic_configuration, tls_extension
-from .udp import BatchedUdpTransport
+from .udp import BatchedUdpTransport, bind_udp
 
 log = logging.getLogger("kvsp.quic")
 
@@ -62,41 +62,27 @@ class QuicConnectionContext:
         await self.protocol.wait_writable(stream_id)
 
 
-class ServerConnectionProtocol(QuicConnectionProtocol):
-    """One server connection: dispatches events to the handler of the negotiated ALPN; send backpressure."""
+class ServerConnectionProtocol(KvspQuicProtocol):
+    """One server connection: dispatches events to the handler of the negotiated ALPN."""
 
-    def __init__(self, quic: QuicConnection, *, server: QuicListener, **kwargs: Any) -> None:
-        super().__init__(quic, **kwargs)
+    def __init__(self, quic: KvspQuicConnection, *, server: QuicListener, **kwargs: Any) -> None:
+        super().__init__(quic, settings=server.settings, **kwargs)
         self._listener = server
         self._handler: ConnectionHandler | None = None
-        self._writers: dict[int, asyncio.Future[None]] = {}
-        self._transmit_pending = False
         self.peer_addr: tuple[str, int] | None = None
 
-    @property
-    def quic(self) -> KvspQuicConnection:
-        return self._quic  # type: ignore[return-value]
-
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
-        """Take in a datagram; events and replies wait for the end of the batch (:meth:`datagrams_done`)."""
         if self.peer_addr is None:
             self.peer_addr = (addr[0], addr[1])
-        self._quic.receive_datagram(data, addr, now=self._loop.time())  # type: ignore[arg-type]
+        super().datagram_received(data, addr)
         self._listener.dirty.add(self)
 
-    def datagrams_done(self) -> None:
-        self._process_events()
-        self.transmit()
-
     def quic_event_received(self, event: events.QuicEvent) -> None:
+        super().quic_event_received(event)
         if isinstance(event, events.HandshakeCompleted):
             self._start_handler(event.alpn_protocol)
         elif isinstance(event, events.ConnectionTerminated):
             self._listener.forget(self)
-            for waiter in self._writers.values():
-                if not waiter.done():
-                    waiter.set_exception(ConnectionError("connection closed"))
-            self._writers.clear()
             if self._handler is not None:
                 self._handler.connection_terminated()
             return
@@ -121,44 +107,6 @@ class ServerConnectionProtocol(QuicConnectionProtocol):
             settings=self._listener.settings,
         )
         self._handler = factory(ctx)
-
-    # -- sending ---------------------------------------------------------------------------------------------
-
-    def transmit_soon(self) -> None:
-        if not self._transmit_pending:
-            self._transmit_pending = True
-            self._loop.call_soon(self._deferred_transmit)
-
-    def _deferred_transmit(self) -> None:
-        self._transmit_pending = False
-        self.transmit()
-
-    def transmit(self) -> None:
-        super().transmit()
-        if self._writers:
-            self._wake_writers()
-
-    def buffered(self, stream_id: int) -> int:
-        """Octets of *stream_id* queued in QUIC and not yet acknowledged by the peer."""
-        stream = self._quic._streams.get(stream_id)
-        return len(stream.sender._buffer) if stream is not None else 0
-
-    async def wait_writable(self, stream_id: int) -> None:
-        """Wait until the stream's send buffer is below the high-water mark (or the stream is gone)."""
-        limit = self._listener.settings.send_buffer
-        while self.buffered(stream_id) > limit:
-            waiter = self._writers.get(stream_id)
-            if waiter is None or waiter.done():
-                waiter = self._writers[stream_id] = self._loop.create_future()
-            await waiter
-
-    def _wake_writers(self) -> None:
-        low = self._listener.settings.send_buffer // 2
-        for stream_id, waiter in list(self._writers.items()):
-            if self.buffered(stream_id) <= low:
-                del self._writers[stream_id]
-                if not waiter.done():
-                    waiter.set_result(None)
 
     async def drain(self) -> None:
         if self._handler is not None:
@@ -246,18 +194,3 @@ class QuicListener:
         self._server.close()  # closes the transport too
         self._server = None
         self._connections.clear()
-
-
-def bind_udp(host: str, port: int, buffer: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_DGRAM)
-    try:
-        for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, opt, buffer)
-        sock.bind((host, port))
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock

@@ -17,9 +17,10 @@ import socket
 
 from .asgi_types import ASGIApp
 from .h3_server import h3_handler
-from .quic_server import HandlerFactory, QuicListener, bind_udp
+from .quic_server import HandlerFactory, QuicListener
 from .tcp_server import TcpServer
 from .tls import ALPN_H3, TlsFiles, TransportSettings
+from .udp import bind_udp
 
 log = logging.getLogger("kvsp.server")
 

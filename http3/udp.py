@@ -7,12 +7,14 @@ readable, hands each to the protocol's ``datagram_received`` and then calls its 
 connection processes the whole batch before it transmits (one ACK for many packets, as RFC 9000 13.2.1 allows).
 
 It is an ``asyncio.DatagramTransport`` for aioquic's protocols: ``sendto``, ``close``, ``get_extra_info``.
+:func:`bind_udp` makes the socket, with the buffer sizes of ``TransportSettings.socket_buffer``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import socket
 from typing import Any, Protocol
@@ -119,3 +121,19 @@ class BatchedUdpTransport(asyncio.DatagramTransport):
 
     def get_write_buffer_size(self) -> int:
         return len(self._queue)
+
+
+def bind_udp(host: str, port: int, buffer: int) -> socket.socket:
+    """A non-blocking UDP socket bound to *host*:*port*, asking for *buffer* octets of receive and send buffer."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, opt, buffer)
+        sock.bind((host, port))
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock

@@ -7,8 +7,9 @@ verified identity (:attr:`MoqtConnection.peer_identity`, the certificate's SAN U
 
     server = RoleServer(app, files, quic_handlers=moqt_handlers(MyApp()))
 
-Client side: :func:`connect_moqt` (like :func:`http3.h3_client.connect_h3`: batched UDP, mutual TLS, waits for
-HANDSHAKE_DONE and then for the peer's SETUP) returns the :class:`MoqtConnection`::
+Client side: :func:`connect_moqt` (:func:`http3.quic_protocol.connect_quic`, like
+:func:`http3.h3_client.connect_h3`: batched UDP, mutual TLS, waits for HANDSHAKE_DONE, then for the peer's SETUP)
+returns the :class:`MoqtConnection`::
 
     conn = await connect_moqt("127.0.0.1", port, files)                  # offers both drafts
     async with conn.fetch(namespace, track, Location(0, 0), Location(0, 32)) as fetch:
@@ -31,7 +32,8 @@ What the adapter does, and nothing more (the session holds every protocol rule):
   ``data_streams`` + 1 are open or unread, and the connection window exceeds what they can hold unread by
   :data:`CONTROL_RESERVE`: however slowly the consumer reads, credit for control messages remains;
 * send backpressure: :class:`ServedFetch` writes object payloads in slices of half the send buffer, each after
-  ``wait_writable`` (QUIC's unsent + unacknowledged octets of the stream below the send buffer).
+  ``wait_writable`` (QUIC's unsent + unacknowledged octets of the stream below the send buffer; both sides'
+  connections are :class:`http3.quic_protocol.KvspQuicProtocol`).
 
 Priorities (``OpenStream.priority``) are not applied: aioquic has no stream priorities.
 """
@@ -42,23 +44,22 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 from urllib.parse import urlsplit
 
 from aioquic import tls
-from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.buffer import Buffer  # type: ignore[attr-defined]  # re-exported from aioquic._buffer
 from aioquic.quic import events as qe
 from aioquic.quic.packet import pull_quic_transport_parameters
 
 from http3.quic_conn import KvspQuicConnection
-from http3.quic_server import HandlerFactory, QuicConnectionContext, bind_udp
-from http3.tls import TLS_1_3, TlsFiles, TransportSettings, identity_of_pem, quic_configuration, tls_extension
-from http3.udp import BatchedUdpTransport
+from http3.quic_protocol import KvspQuicProtocol, QuicConnectError, connect_quic
+from http3.quic_server import HandlerFactory, QuicConnectionContext
+from http3.tls import TLS_1_3, TlsFiles, TransportSettings, identity_of_pem, tls_extension
 
 from . import events as ev
 from .actions import CloseSession, ResetStream, SendDatagram, SendStreamData, StopSending
@@ -77,7 +78,7 @@ DEFAULT_DATA_STREAMS = 4  # client: peer data streams open (or unread) at once
 # -- errors ---------------------------------------------------------------------------------------------------
 
 
-class MoqtConnectError(ConnectionError):
+class MoqtConnectError(QuicConnectError):
     """The QUIC handshake or the MOQT setup failed (no MOQT ALPN at the peer, certificate refused, timeout)."""
 
 
@@ -911,21 +912,6 @@ class MoqtConnection:
 # -- server side: QuicListener handlers ------------------------------------------------------------------------
 
 
-class _ContextTransport:
-    def __init__(self, ctx: QuicConnectionContext) -> None:
-        self._ctx = ctx
-
-    @property
-    def quic(self) -> KvspQuicConnection:
-        return self._ctx.quic
-
-    def transmit_soon(self) -> None:
-        self._ctx.transmit()
-
-    async def wait_writable(self, stream_id: int) -> None:
-        await self._ctx.wait_writable(stream_id)
-
-
 class MoqtServerHandler:
     """A :class:`http3.quic_server.ConnectionHandler` for one MOQT connection."""
 
@@ -934,7 +920,7 @@ class MoqtServerHandler:
         respect_peer_udp_payload(ctx.quic)
         if data_streams is not None:  # a relay: the peer's data streams (our upstream fetches) are budgeted
             MoqtQuicConnection.budget(ctx.quic, data_streams + 1)
-        self.conn = MoqtConnection(_ContextTransport(ctx), ctx.alpn, Role.SERVER, config=config, tls=ctx.tls, app=app,
+        self.conn = MoqtConnection(ctx.protocol, ctx.alpn, Role.SERVER, config=config, tls=ctx.tls, app=app,
                                    peer=ctx.client, send_buffer=ctx.settings.send_buffer)
         self.conn.start()
 
@@ -968,33 +954,15 @@ def moqt_handlers(app: MoqtApp, *, config: SessionConfig | None = None, alpns: S
 # -- client side ------------------------------------------------------------------------------------------------
 
 
-class _ClientProtocol(QuicConnectionProtocol):
+class _ClientProtocol(KvspQuicProtocol):
     def __init__(self, quic: MoqtQuicConnection, *, settings: TransportSettings,
                  make: Callable[[_ClientProtocol, str], MoqtConnection], **kwargs: Any) -> None:
-        super().__init__(quic, **kwargs)
-        self.settings = settings
+        super().__init__(quic, settings=settings, **kwargs)
         self._make = make
         self.conn: MoqtConnection | None = None
-        self.closed = False
-        self.close_reason = ""
-        self._writers: dict[int, asyncio.Future[None]] = {}
-        self._transmit_pending = False
-        self.confirmed: asyncio.Future[None] = self._loop.create_future()  # HANDSHAKE_DONE
-
-    @property
-    def quic(self) -> KvspQuicConnection:
-        return cast(KvspQuicConnection, self._quic)
-
-    def datagram_received(self, data: bytes | str, addr: Any) -> None:
-        self._quic.receive_datagram(cast(bytes, data), addr, now=self._loop.time())
-
-    def datagrams_done(self) -> None:
-        self._process_events()
-        self.transmit()
-        if self._quic._handshake_confirmed and not self.confirmed.done():
-            self.confirmed.set_result(None)
 
     def quic_event_received(self, event: qe.QuicEvent) -> None:
+        super().quic_event_received(event)
         if isinstance(event, qe.HandshakeCompleted):
             respect_peer_udp_payload(self.quic)
             try:
@@ -1004,60 +972,18 @@ class _ClientProtocol(QuicConnectionProtocol):
                 return
             self.conn.start()
         elif isinstance(event, qe.ConnectionTerminated):
-            self.closed = True
-            self.close_reason = f"QUIC error 0x{event.error_code:x}: {event.reason_phrase}"
-            for waiter in self._writers.values():
-                if not waiter.done():
-                    waiter.set_exception(ConnectionError(self.close_reason))
-            self._writers.clear()
-            if not self.confirmed.done():
-                self.confirmed.set_exception(ConnectionError(self.close_reason))
-                self.confirmed.exception()  # retrieved: connect reports close_reason
             if self.conn is not None:
                 self.conn.connection_terminated(event.error_code, event.reason_phrase)
-            if self._transport is not None:
-                self._loop.call_soon(self._transport.close)
         elif self.conn is not None:
             self.conn.quic_event_received(event)
 
-    def transmit_soon(self) -> None:
-        if not self._transmit_pending:
-            self._transmit_pending = True
-            self._loop.call_soon(self._deferred_transmit)
+    async def application_ready(self) -> None:
+        conn = self.conn
+        assert conn is not None
+        await conn.ready()
 
-    def _deferred_transmit(self) -> None:
-        self._transmit_pending = False
-        if not self.closed:
-            self.transmit()
-
-    def transmit(self) -> None:
-        super().transmit()
-        if self._writers:
-            low = self.settings.send_buffer // 2
-            for stream_id, waiter in list(self._writers.items()):
-                if self._buffered(stream_id) <= low:
-                    del self._writers[stream_id]
-                    if not waiter.done():
-                        waiter.set_result(None)
-
-    def _buffered(self, stream_id: int) -> int:
-        stream = self._quic._streams.get(stream_id)
-        return len(stream.sender._buffer) if stream is not None else 0
-
-    async def wait_writable(self, stream_id: int) -> None:
-        if self.closed:
-            raise ConnectionError(self.close_reason)
-        while self._buffered(stream_id) > self.settings.send_buffer:
-            waiter = self._writers.get(stream_id)
-            if waiter is None or waiter.done():
-                waiter = self._writers[stream_id] = self._loop.create_future()
-            await waiter
-
-    async def shutdown(self) -> None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.wait_closed(), 1.0)
-        if self._transport is not None:
-            self._transport.close()
+    def failure_reason(self, exc: BaseException, timeout: float) -> str:
+        return str(exc) if isinstance(exc, MoqtSessionClosed) else super().failure_reason(exc, timeout)
 
 
 async def connect_moqt(host: str, port: int, files: TlsFiles, *, settings: TransportSettings = TransportSettings(),
@@ -1075,16 +1001,8 @@ async def connect_moqt(host: str, port: int, files: TlsFiles, *, settings: Trans
         Draft.from_alpn(name)
     if data_streams < 1:
         raise ValueError("data_streams must be at least 1")
-    loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
-    if not infos:
-        raise MoqtConnectError(f"cannot resolve {host}")
-    family, _, _, _, addr = infos[0]
     window = max(settings.connection_window, (data_streams + 1) * settings.stream_window + CONTROL_RESERVE)
     tuned = dataclasses.replace(settings, connection_window=window)
-    qconfig = quic_configuration(files, is_client=True, alpn=alpns, settings=tuned, server_name=server_name or host)
-    quic = MoqtQuicConnection(configuration=qconfig, stream_window=tuned.stream_window, connection_window=window,
-                              uni_streams=data_streams + 1)
     authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     session_config = config or SessionConfig(path=path, authority=authority.encode("ascii"))
 
@@ -1092,28 +1010,15 @@ async def connect_moqt(host: str, port: int, files: TlsFiles, *, settings: Trans
         tls = tls_extension(protocol.quic.peer_chain_der, server_cert_pem=None, tls_version=TLS_1_3,
                             cipher_suite=None)
         return MoqtConnection(protocol, negotiated, Role.CLIENT, config=session_config, tls=tls, app=app,
-                              peer=(host, port), send_buffer=tuned.send_buffer, on_close=protocol.shutdown)
+                              peer=(host, port), send_buffer=tuned.send_buffer, on_close=protocol.aclose)
 
-    sock = bind_udp("::" if family == socket.AF_INET6 else "0.0.0.0", 0, settings.socket_buffer)
-    protocol = _ClientProtocol(quic, settings=tuned, make=make)
-    transport = BatchedUdpTransport(loop, sock, protocol)
-    try:
-        protocol.connect(addr)
-        async with asyncio.timeout(timeout):
-            await protocol.wait_connected()
-            await protocol.confirmed
-            conn = protocol.conn
-            assert conn is not None
-            await conn.ready()
-    except (TimeoutError, ConnectionError) as exc:
-        transport.close()
-        if isinstance(exc, MoqtSessionClosed):
-            reason = str(exc)
-        else:
-            reason = protocol.close_reason or (f"no answer within {timeout:.1f} s" if isinstance(exc, TimeoutError)
-                                               else str(exc) or type(exc).__name__)
-        raise MoqtConnectError(f"MOQT to {host}:{port} ({', '.join(alpns)}) failed: {reason}") from None
-    return conn
+    protocol = await connect_quic(
+        host, port, files, alpn=alpns, settings=tuned, server_name=server_name, timeout=timeout,
+        protocol_factory=functools.partial(_ClientProtocol, make=make),
+        quic_factory=functools.partial(MoqtQuicConnection, uni_streams=data_streams + 1),
+        error=lambda reason: MoqtConnectError(f"MOQT to {host}:{port} ({', '.join(alpns)}) failed: {reason}"))
+    assert protocol.conn is not None
+    return protocol.conn
 
 
 class MoqtPool:

@@ -16,9 +16,9 @@ from http3.client import KvspClient, TransportError
 from http3.h3_client import H3ClientConnection, H3ConnectError, connect_h3
 from http3.h3_server import h3_handler
 from http3.quic_conn import KvspQuicConnection
-from http3.quic_server import QuicListener, bind_udp
+from http3.quic_server import QuicListener
 from http3.tls import TlsFiles, TransportSettings, scope_identity
-from http3.udp import BatchedUdpTransport
+from http3.udp import BatchedUdpTransport, bind_udp
 
 from .pki import TestPki, make_pki
 

@@ -1,0 +1,194 @@
+"""One QUIC connection on asyncio, either side: what HTTP/3 and MOQT, servers and clients, share.
+
+:class:`KvspQuicProtocol` is aioquic's ``QuicConnectionProtocol`` on a :class:`~http3.quic_conn.KvspQuicConnection`,
+with
+
+* batched datagrams (:class:`~http3.udp.BatchedUdpTransport`): :meth:`~KvspQuicProtocol.datagram_received` only
+  takes a datagram in; :meth:`~KvspQuicProtocol.datagrams_done`, once per batch, processes the events and
+  transmits once (one ACK for many packets);
+* :meth:`~KvspQuicProtocol.transmit_soon`: one transmit per event-loop iteration however many callers ask;
+* send backpressure: :meth:`~KvspQuicProtocol.wait_writable` waits while QUIC's unsent + unacknowledged octets of
+  a stream (:meth:`~KvspQuicProtocol.buffered`) exceed ``TransportSettings.send_buffer``; a waiting writer is
+  woken after a transmit once the stream is down to half of it, and fails when the connection ends;
+* :attr:`~KvspQuicProtocol.confirmed`, resolved on HANDSHAKE_DONE: TLS 1.3 lets a client finish its side of the
+  handshake before the server has judged the client's certificate, so a client knows it was accepted only then.
+  It fails with the close reason if the connection ends first;
+* :attr:`~KvspQuicProtocol.closed`, :attr:`~KvspQuicProtocol.close_reason` and a graceful
+  :meth:`~KvspQuicProtocol.aclose`.
+
+A client connection owns its UDP socket (closed with the connection); a server connection shares its listener's.
+:func:`connect_quic` opens a client connection: resolve, bind a tuned socket, handshake, confirmation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, TypeVar, cast
+
+from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.quic import events
+
+from .quic_conn import KvspQuicConnection
+from .tls import TlsFiles, TransportSettings, quic_configuration
+from .udp import BatchedUdpTransport, bind_udp
+
+
+class QuicConnectError(ConnectionError):
+    """The QUIC handshake failed or timed out (UDP blocked, ALPN refused, certificate rejected)."""
+
+
+class KvspQuicProtocol(QuicConnectionProtocol):
+    """A QUIC connection with batched receiving, deferred transmits, send backpressure and confirmation."""
+
+    closed_error: ClassVar[type[ConnectionError]] = ConnectionError
+    """What writers get when the connection is gone (:meth:`connection_closed_error`)."""
+    no_error_code: ClassVar[int] = 0x0
+    """The application's NO_ERROR, sent by :meth:`aclose`."""
+    close_reason_format: ClassVar[str] = "QUIC error 0x{code:x}: {reason}"
+
+    def __init__(self, quic: KvspQuicConnection, *, settings: TransportSettings, **kwargs: Any) -> None:
+        super().__init__(quic, **kwargs)
+        self.quic = quic
+        self.settings = settings
+        self.closed = False
+        self.close_reason = ""
+        self.confirmed: asyncio.Future[None] = self._loop.create_future()
+        self._writers: dict[int, asyncio.Future[None]] = {}
+        self._transmit_pending = False
+
+    # -- receiving ---------------------------------------------------------------------------------------------
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        """Take in a datagram; events and replies wait for the end of the batch (:meth:`datagrams_done`)."""
+        self._quic.receive_datagram(cast(bytes, data), addr, now=self._loop.time())
+
+    def datagrams_done(self) -> None:
+        self._process_events()
+        self.transmit()
+        if not self.confirmed.done() and self._quic._handshake_confirmed:
+            self.confirmed.set_result(None)
+
+    def quic_event_received(self, event: events.QuicEvent) -> None:
+        """Subclasses handle their events after calling this (aioquic's stream readers are not used)."""
+        if isinstance(event, events.ConnectionTerminated):
+            self.closed = True
+            self.close_reason = self.close_reason_format.format(code=event.error_code, reason=event.reason_phrase)
+            err = self.connection_closed_error()
+            for waiter in self._writers.values():
+                if not waiter.done():
+                    waiter.set_exception(err)
+            self._writers.clear()
+            if not self.confirmed.done():
+                self.confirmed.set_exception(ConnectionError(self.close_reason))
+                self.confirmed.exception()  # retrieved: whoever waits for it reports close_reason
+            if self._quic.configuration.is_client and self._transport is not None:
+                self._loop.call_soon(self._transport.close)  # the socket is of no further use
+
+    def connection_closed_error(self) -> ConnectionError:
+        return self.closed_error(f"connection closed ({self.close_reason})")
+
+    # -- sending -----------------------------------------------------------------------------------------------
+
+    def transmit_soon(self) -> None:
+        if not self._transmit_pending:
+            self._transmit_pending = True
+            self._loop.call_soon(self._deferred_transmit)
+
+    def _deferred_transmit(self) -> None:
+        self._transmit_pending = False
+        if not self.closed:
+            self.transmit()
+
+    def transmit(self) -> None:
+        super().transmit()
+        if self._writers:
+            self._wake_writers()
+
+    def buffered(self, stream_id: int) -> int:
+        """Octets of *stream_id* queued in QUIC and not yet acknowledged by the peer."""
+        stream = self._quic._streams.get(stream_id)
+        return len(stream.sender._buffer) if stream is not None else 0
+
+    async def wait_writable(self, stream_id: int) -> None:
+        """Wait until the stream's send buffer is below the high-water mark (or the stream is gone)."""
+        if self.closed:
+            raise self.connection_closed_error()
+        limit = self.settings.send_buffer
+        while self.buffered(stream_id) > limit:
+            waiter = self._writers.get(stream_id)
+            if waiter is None or waiter.done():
+                waiter = self._writers[stream_id] = self._loop.create_future()
+            await waiter
+
+    def _wake_writers(self) -> None:
+        low = self.settings.send_buffer // 2
+        for stream_id, waiter in list(self._writers.items()):
+            if self.buffered(stream_id) <= low:
+                del self._writers[stream_id]
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    # -- opening and closing -----------------------------------------------------------------------------------
+
+    async def application_ready(self) -> None:
+        """What :func:`connect_quic` waits for after the confirmation (MOQT: the SETUP exchange); nothing here."""
+
+    def failure_reason(self, exc: BaseException, timeout: float) -> str:
+        """Why :func:`connect_quic` failed: the peer's close reason when it gave one."""
+        if self.close_reason:
+            return self.close_reason
+        if isinstance(exc, TimeoutError):
+            return f"no answer within {timeout:.1f} s" + ("" if self._connected else " (UDP blocked?)")
+        return str(exc) or type(exc).__name__
+
+    async def aclose(self) -> None:
+        """Close with the application's NO_ERROR, wait (a second at most) for the closing period, let go of the
+        socket."""
+        if not self.closed:
+            self.close(error_code=self.no_error_code, reason_phrase="")
+            self.closed = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.wait_closed(), 1.0)
+        if self._quic.configuration.is_client and self._transport is not None:
+            self._transport.close()
+
+
+P = TypeVar("P", bound=KvspQuicProtocol)
+
+
+async def connect_quic(host: str, port: int, files: TlsFiles, *, alpn: Sequence[str], settings: TransportSettings,
+                       protocol_factory: Callable[..., P], server_name: str | None = None, timeout: float = 10.0,
+                       quic_factory: Callable[..., KvspQuicConnection] = KvspQuicConnection,
+                       error: Callable[[str], Exception] = QuicConnectError) -> P:
+    """A client connection to *host*:*port* with mutual TLS, offering *alpn*, on its own tuned UDP socket.
+
+    ``protocol_factory(quic, settings=settings)`` makes the protocol of a connection ``quic_factory(configuration=,
+    stream_window=, connection_window=)`` makes (our windows from *settings*). Returns once the handshake is
+    complete, the server has confirmed it (so accepted our certificate) and the protocol's
+    :meth:`~KvspQuicProtocol.application_ready` has returned, all within *timeout*; otherwise raises
+    ``error(reason)``, the reason being the server's when it closed the connection.
+    """
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    if not infos:
+        raise error(f"cannot resolve {host}")
+    family, _, _, _, addr = infos[0]
+    config = quic_configuration(files, is_client=True, alpn=alpn, settings=settings, server_name=server_name or host)
+    quic = quic_factory(configuration=config, stream_window=settings.stream_window,
+                        connection_window=settings.connection_window)
+    sock = bind_udp("::" if family == socket.AF_INET6 else "0.0.0.0", 0, settings.socket_buffer)
+    protocol = protocol_factory(quic, settings=settings)
+    transport = BatchedUdpTransport(loop, sock, protocol)
+    try:
+        protocol.connect(addr)
+        async with asyncio.timeout(timeout):
+            await protocol.wait_connected()
+            await protocol.confirmed
+            await protocol.application_ready()
+    except (TimeoutError, ConnectionError) as exc:
+        transport.close()
+        raise error(protocol.failure_reason(exc, timeout)) from None
+    return protocol
