@@ -429,6 +429,7 @@ async def test_command_starter(tmp_path: Path) -> None:
             break
         await asyncio.sleep(0.02)
     assert out.read_text() == "https://pc.example/ no capacity" and starter.started == 1
+    await starter.settle(10)  # the hook has exited: no process outlives the test
     await starter.aclose()
     with pytest.raises(ValueError):
         CommandStarter([], pc_uri="https://pc.example/")

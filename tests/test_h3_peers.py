@@ -74,7 +74,12 @@ async def serve(files: TlsFiles) -> QuicListener:
 async def run(*argv: str, timeout: float = 30) -> tuple[int, bytes]:
     proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.STDOUT)
-    out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
     return proc.returncode or 0, out
 
 

@@ -132,6 +132,11 @@ class CommandStarter:
         (log.info if code == 0 else log.warning)("start hook %r (pid %d) exited with %d", self.argv[0], proc.pid,
                                                  code)
 
+    async def settle(self, timeout: float) -> None:
+        """Wait (up to *timeout* seconds) for the hook processes started so far to exit."""
+        if self._waiters:
+            await asyncio.wait(list(self._waiters), timeout=timeout)
+
     async def aclose(self) -> None:
         """Stop waiting for hook processes (they keep running)."""
         for task in list(self._waiters):
