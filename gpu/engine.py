@@ -34,12 +34,12 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from kvsp_quic.auth import Principal, require_scope
+from kvsp_quic.auth import Principal
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.container import ContainerHeader, DecodedLayer, EncodedContainer
 from kvsp_quic.fields import BlockKey, CompatId, ScopeId
 from kvsp_quic.keys import BlockKeyChain
-from kvsp_quic.problems import BadRequest, LayersUnavailable, NotAcceptable, NotFound
+from kvsp_quic.problems import NotFound
 from kvsp_quic.records import LeaseRenewal, LeaseRequest, LeaseResponse, ReplicaRecord, ResidencyEntry
 from kvsp_quic.roles.holder import Holder, HolderSettings, Replica
 from kvsp_quic.roles.instance import RateMeter
@@ -525,22 +525,8 @@ class CacheHolder(Holder):
             digest=rep.digest, residency=residency, ttl_ms=self._record_ttl_ms(rep, now),
             layer_digests=rep.meta.layer_digests)
 
-    def _read(self, principal: Principal, compat_id: bytes, scope_id: bytes, block_key: bytes,
-              layers: tuple[int, int] | None, codec: int | None) -> tuple[Replica, str, EncodedContainer]:
-        require_scope(principal, scope_id)
-        self.descriptor(compat_id)
-        block = BlockId(bytes(compat_id), bytes(scope_id), bytes(block_key))
-        rep = self.replica(block)
-        if rep is None:
-            raise NotFound(f"no replica of {block.block_key.hex()}")
-        if codec is not None and codec != rep.codec:
-            raise NotAcceptable(f"the replica is stored with codec {rep.codec}; this holder does not transcode")
-        count = len(rep.meta.layer_digests)
-        first, last = layers if layers is not None else (0, count - 1)
-        if first > last:
-            raise BadRequest(f"layers {first}-{last}: the first layer is after the last")
-        if last >= count:
-            raise LayersUnavailable(f"layers {first}-{last} requested; the replica holds layers 0-{count - 1}")
+    def _sections(self, block: BlockId, rep: Replica, first: int, last: int) -> tuple[str, EncodedContainer]:
+        """Layers *first*..*last* read out of the block's cache page (the checks are the holder's)."""
         page = self._pages[block]
         try:
             self.cache.acquire(page)
@@ -557,10 +543,8 @@ class CacheHolder(Holder):
         header = ContainerHeader(codec=rep.codec, first_layer=first, token_count=self.cache.block_tokens,
                                  lengths=tuple((len(sections[2 * i]), len(sections[2 * i + 1]))
                                                for i in range(last - first + 1)))
-        container = EncodedContainer(header, header.pack(), tuple(memoryview(s) for s in sections),
-                                     tuple(rep.meta.layer_digests[first:last + 1]))
-        self.metrics["fetched"] += 1
-        return rep, tier, container
+        return tier, EncodedContainer(header, header.pack(), tuple(memoryview(s) for s in sections),
+                                      tuple(rep.meta.layer_digests[first:last + 1]))
 
     # -- leases pin pages ------------------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from http3.asgi_bridge import (
     http_scope,
     reason_phrase,
 )
+from http3.tcp_flow import WriteFlow
 
 log = logging.getLogger("http3.tcp")
 
@@ -42,8 +43,10 @@ WRITE_HIGH_WATER = 1 << 20
 _CONTINUE = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
 
 
-class H1Connection(asyncio.Protocol):
+class H1Connection(WriteFlow, asyncio.Protocol):
     """One HTTP/1.1 connection; installed by :class:`http3.tcp_server.TcpServer` once ALPN chose it."""
+
+    protocol_name = "HTTP/1.1"
 
     def __init__(self, ctx: AsgiContext, transport: asyncio.Transport, conn_info: dict[str, Any]) -> None:
         self.ctx = ctx
@@ -109,23 +112,10 @@ class H1Connection(asyncio.Protocol):
         self._cancel_timer()
         if self.exchange is not None:
             self.exchange.body.disconnect()
-        for waiter in self._drain_waiters:
-            if not waiter.done():
-                waiter.set_exception(ClientDisconnected("connection lost"))
-        self._drain_waiters.clear()
+        self._fail_drain_waiters()
         for future in (self.quiet, self.done):
             if not future.done():
                 future.set_result(None)
-
-    def pause_writing(self) -> None:
-        self._write_paused = True
-
-    def resume_writing(self) -> None:
-        self._write_paused = False
-        for waiter in self._drain_waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-        self._drain_waiters.clear()
 
     # -- server API ------------------------------------------------------------------------------------------
 
@@ -331,20 +321,6 @@ class H1Connection(asyncio.Protocol):
         if not self.closed and not self.transport.is_closing():
             self.transport.writelines(chunks)
 
-    async def drain(self) -> None:
-        if not self._write_paused:
-            return
-        if self.closed:
-            raise ClientDisconnected("connection lost")
-        waiter = self.loop.create_future()
-        self._drain_waiters.append(waiter)
-        try:
-            async with asyncio.timeout(self.settings.idle_timeout):
-                await waiter
-        except TimeoutError:
-            log.debug("HTTP/1.1 peer %s stopped reading: closing", self.info["client"])
-            self.abort()
-            raise ClientDisconnected("the peer stopped reading") from None
 
     # -- timers ----------------------------------------------------------------------------------------------
 

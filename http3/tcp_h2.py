@@ -33,6 +33,7 @@ from http3.asgi_bridge import (
     RequestBody,
     http_scope,
 )
+from http3.tcp_flow import WriteFlow
 
 log = logging.getLogger("http3.tcp")
 
@@ -157,8 +158,10 @@ class H2Core(h2.connection.H2Connection):
         return b"".join(self.output())
 
 
-class H2Connection(asyncio.Protocol):
+class H2Connection(WriteFlow, asyncio.Protocol):
     """One HTTP/2 connection; installed by :class:`http3.tcp_server.TcpServer` once ALPN chose it."""
+
+    protocol_name = "HTTP/2"
 
     def __init__(self, ctx: AsgiContext, transport: asyncio.Transport, conn_info: dict[str, Any]) -> None:
         self.ctx = ctx
@@ -235,23 +238,10 @@ class H2Connection(asyncio.Protocol):
         for stream in list(self.streams.values()):
             stream.lost()
         self.streams.clear()
-        for waiter in self._drain_waiters:
-            if not waiter.done():
-                waiter.set_exception(ClientDisconnected("connection lost"))
-        self._drain_waiters.clear()
+        self._fail_drain_waiters()
         for future in (self.quiet, self.done):
             if not future.done():
                 future.set_result(None)
-
-    def pause_writing(self) -> None:
-        self._write_paused = True
-
-    def resume_writing(self) -> None:
-        self._write_paused = False
-        for waiter in self._drain_waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-        self._drain_waiters.clear()
 
     # -- server API ------------------------------------------------------------------------------------------
 
@@ -379,20 +369,6 @@ class H2Connection(asyncio.Protocol):
         if chunks and not self.closed and not self.transport.is_closing():
             self.transport.writelines(chunks)
 
-    async def drain(self) -> None:
-        if not self._write_paused:
-            return
-        if self.closed:
-            raise ClientDisconnected("connection lost")
-        waiter = self.loop.create_future()
-        self._drain_waiters.append(waiter)
-        try:
-            async with asyncio.timeout(self.settings.idle_timeout):
-                await waiter
-        except TimeoutError:
-            log.debug("HTTP/2 peer %s stopped reading: closing", self.info["client"])
-            self.abort()
-            raise ClientDisconnected("the peer stopped reading") from None
 
     def _close(self) -> None:
         if self.closed or self.transport.is_closing():

@@ -475,6 +475,15 @@ class Holder:
 
     def _read(self, principal: Principal, compat_id: bytes, scope_id: bytes, block_key: bytes,
               layers: tuple[int, int] | None, codec: int | None) -> tuple[Replica, str, EncodedContainer]:
+        block, rep, first, last = self._readable(principal, compat_id, scope_id, block_key, layers, codec)
+        tier, container = self._sections(block, rep, first, last)
+        self.metrics["fetched"] += 1
+        return rep, tier, container
+
+    def _readable(self, principal: Principal, compat_id: bytes, scope_id: bytes, block_key: bytes,
+                  layers: tuple[int, int] | None, codec: int | None) -> tuple[BlockId, Replica, int, int]:
+        """The checks of every read, in the order that leaks nothing: scope, compatibility, existence, codec,
+        layer range. Returns the block, its replica and the inclusive layer range to serve."""
         require_scope(principal, scope_id)
         self.descriptor(compat_id)
         block = BlockId(bytes(compat_id), bytes(scope_id), bytes(block_key))
@@ -489,14 +498,16 @@ class Holder:
             raise BadRequest(f"layers {first}-{last}: the first layer is after the last")
         if last >= count:
             raise LayersUnavailable(f"layers {first}-{last} requested; the replica holds layers 0-{count - 1}")
+        return block, rep, first, last
+
+    def _sections(self, block: BlockId, rep: Replica, first: int, last: int) -> tuple[str, EncodedContainer]:
+        """The tier that served them and the container of layers *first*..*last* (views of the stored octets)."""
         try:
             tier, data = self.storage.read(block)
         except TierFault as fault:
             self.fault(block, fault.reason)
             raise NotFound(f"the replica of {block.block_key.hex()} failed verification and was dropped") from None
-        container = cut(data, first, last, layer_digests=rep.meta.layer_digests)
-        self.metrics["fetched"] += 1
-        return rep, tier.name, container
+        return tier.name, cut(data, first, last, layer_digests=rep.meta.layer_digests)
 
     def _max_age(self, rep: Replica, now: float) -> int:
         until = rep.advertised_until if rep.expires_at is None else min(rep.advertised_until, rep.expires_at)
