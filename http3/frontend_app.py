@@ -28,12 +28,14 @@ from starlette.routing import Route
 from kvsp_quic.auth import Policy
 from kvsp_quic.frontend import SamplingRequest, TokenRelay
 from kvsp_quic.keys import BlockKeyer
+from kvsp_quic.metrics import Registry
 from kvsp_quic.problems import BadRequest, Problem, Unavailable
 
 from .app_kit import check_declared_length, role_app
 from .asgi_types import ASGIApp
 from .authz import Rule
 from .client import KvspClient, TransportError
+from .metrics_app import mount_metrics
 from .problem_response import install
 
 log = logging.getLogger("kvsp.frontend")
@@ -284,7 +286,11 @@ def frontend_app(frontend: Frontend, policy: Policy, *, base_path: str = "/") ->
     app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
                             Route("/v1/models", models, methods=["GET"])])
     install(app)
-    return role_app(app, policy, RULES, base_path)
+    registry = Registry()
+    registry.counter("kvsp_frontend_events_total", "Sessions, failovers, tokens delivered and tokens discarded",
+                     ("event",)).collect(lambda: [({"event": name}, float(value))
+                                                  for name, value in vars(frontend.stats).items()])
+    return role_app(app, policy, mount_metrics(app, registry, RULES), base_path)
 
 
 async def _sse(run: Completion, frontend: Frontend, ident: str, created: int) -> AsyncIterator[bytes]:

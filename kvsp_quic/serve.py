@@ -298,8 +298,9 @@ async def run_holder(cfg: HolderFile, *, dev_dir: Path | None, policy_path: Path
 async def run_relay(cfg: RelayFile, *, dev_dir: Path | None, policy_path: Path | None = None,
                     stop: asyncio.Event | None = None) -> None:
     from http3.client import KvspClient
+    from http3.relay_app import relay_app
     from moqt.aio import MoqtPool, moqt_handlers
-    from moqt.relay import Relay, RelayConfig, relay_status_app
+    from moqt.relay import Relay, RelayConfig
     from moqt.relay_index import IndexLink
 
     from .roles.relay import RelayRules
@@ -323,8 +324,7 @@ async def run_relay(cfg: RelayFile, *, dev_dir: Path | None, policy_path: Path |
                 relay.cache.remove(fetch.key)
 
             link.on_corrupt = drop
-        policy = prepared.policy
-        server = await serve_app(prepared, relay_status_app(relay, lambda ident: policy.principal(ident) is not None),
+        server = await serve_app(prepared, relay_app(relay, prepared.policy, base_path=_path_of(prepared.base_uri)),
                                  quic_handlers=moqt_handlers(relay, data_streams=section.data_streams))
     except BaseException:
         for sock in prepared.sockets:

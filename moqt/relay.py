@@ -37,7 +37,6 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -888,39 +887,5 @@ def _ns(namespace: Namespace) -> str:
     return b"/".join(namespace).decode("utf-8", "replace")
 
 
-def relay_status_app(relay: Relay, policy_check: Callable[[str | None], bool] | None = None) -> Any:
-    """A small ASGI app for the relay's HTTP side (same port, TCP and HTTP/3): ``GET status`` -> the relay's
-    counters (application/json) for any identity in the policy; everything else 404."""
-    import json
-
-    from http3.asgi_types import Receive, Scope, Send
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        if scope["type"] != "http":
-            return
-        from http3.tls import scope_identity
-
-        identity = scope_identity(scope)
-        if scope["method"] == "GET" and scope["path"].rstrip("/").endswith("/status"):
-            allowed = policy_check(identity) if policy_check is not None else True
-            status, body = (200, json.dumps(relay.status()).encode()) if allowed else (403, b'{"title":"Forbidden"}')
-        else:
-            status, body = 404, b'{"title":"Not Found"}'
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"cache-control", b"no-store"),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
-
-    return app
-
-
 __all__ = ["Announcement", "NoUpstream", "Relay", "RelayConfig", "UpstreamResolver", "publish_done_code",
-           "relay_status_app", "request_code", "upstream_error"]
+           "request_code", "upstream_error"]

@@ -175,3 +175,11 @@ async def test_bad_requests(system, body: dict[str, Any], message: str) -> None:
         r = await user.request("POST", edge.base_uri("/v1/completions"), content=json.dumps(body).encode(),
                                headers={"content-type": "application/json"})
     assert r.status == 400 and message in r.json()["detail"]
+
+
+async def test_metrics(system) -> None:
+    certs, _, frontend, edge = system
+    frontend.stats.failovers = 3
+    async with KvspClient(certs.files("bob"), retries=0) as user:
+        r = await user.request("GET", edge.base_uri("/metrics"))
+    assert r.status == 200 and 'kvsp_frontend_events_total{event="failovers"} 3' in (r.content or b"").decode()

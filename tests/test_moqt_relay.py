@@ -611,7 +611,13 @@ async def test_kvsp_quic_relay_dev_process(tmp_path: Path) -> None:
         finally:
             await conn.aclose()
         async with KvspClient(files) as client:
-            status = (await client.request("GET", f"{ready['base_uri']}status")).json()
+            for _ in range(100):  # the relay learns of the closed session asynchronously
+                status = (await client.request("GET", f"{ready['base_uri']}status")).json()
+                if not status["namespaces"]:
+                    break
+                await asyncio.sleep(0.02)
+            scraped = (await client.request("GET", f"{ready['base_uri']}metrics")).content or b""
+            assert b'kvsp_relay{counter="metrics_publish_refused"} 1' in scraped
         assert status["namespaces"] == [] and status["metrics"]["namespaces_published"] == 1
         assert status["metrics"]["publish_refused"] == 1
     finally:

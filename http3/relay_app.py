@@ -1,0 +1,46 @@
+"""The relay's HTTP side (same port as its MOQT, TCP and HTTP/3): ``GET status`` (its counters as JSON) and
+``GET metrics`` (Prometheus), for any principal of the policy, like every role's app."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from kvsp_quic.auth import Policy
+from kvsp_quic.metrics import Registry
+
+from .app_kit import kvsp_json, role_app
+from .asgi_types import ASGIApp
+from .authz import ANY_ROLE, Rule
+from .metrics_app import mount_metrics
+from .problem_response import install
+
+RULES = (Rule("GET", "status", ANY_ROLE),)
+
+
+def _flat(prefix: str, value: Any) -> Iterator[tuple[str, float]]:
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int | float):
+        yield prefix, float(value)
+    elif isinstance(value, dict):
+        for key, inner in value.items():
+            yield from _flat(f"{prefix}_{key}" if prefix else str(key), inner)
+
+
+def relay_app(relay: Any, policy: Policy, *, base_path: str = "/") -> ASGIApp:
+    registry = Registry()
+    gauge = registry.gauge("kvsp_relay", "The relay's counters (connections, cache, fetches, ...)", ("counter",))
+    gauge.collect(lambda: [({"counter": name}, value) for name, value in _flat("", relay.status())])
+
+    async def status(request: Request) -> Response:
+        return kvsp_json(relay.status())
+
+    app = Starlette(routes=[Route("/status", status, methods=["GET"])])
+    install(app)
+    return role_app(app, policy, mount_metrics(app, registry, RULES), base_path)
