@@ -300,7 +300,7 @@ def render(report: dict[str, Any]) -> str:
     lines = [
         "kvsp-quic demo: report",
         f"  requests through the front end      {report['requests']}",
-        f"  lookup hit ratio (controller)       {report['lookup_hit_ratio']}",
+        f"  lookup hit ratio (controller)       {report['lookup_hit_ratio'] or 0:.2f}",
         f"  prompt tokens fetched / recomputed  {report['fetched_tokens']:.0f} / {report['recomputed_tokens']:.0f}",
         f"  time to first token, cold           {report['ttft_cold_ms']} ms",
         f"  time to first token, with the cache {report['ttft_with_cache_ms']} ms "
