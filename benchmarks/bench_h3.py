@@ -5,7 +5,7 @@
 The server runs in its own process (two cores: one for each side, like two hosts). Baseline: one QUIC stream
 carrying the same octets between plain aioquic endpoints with the same tuning (16 KiB datagrams, 64 MiB
 windows, 4 MiB socket buffers) and no HTTP at all. Subject: a PUT of the body to an ASGI app that reads and
-discards it, and a GET of the same size, through http3.quic_server + http3.h3_server and http3.client.
+discards it, and a GET of the same size, through quic.listener + http3.h3_server and http3.client.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from aioquic.quic.connection import QuicConnection
 
 from http3.client import KvspClient
 from http3.h3_server import h3_handler
-from http3.quic_server import QuicListener
-from http3.tls import TlsFiles, TransportSettings, quic_configuration
-from http3.udp import bind_udp
+from quic.listener import QuicListener
+from quic.tls import TlsFiles, TransportSettings, quic_configuration
+from quic.udp import bind_udp
 
 SETTINGS = TransportSettings(stream_window=64 << 20, connection_window=64 << 20)
 

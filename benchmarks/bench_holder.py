@@ -38,13 +38,13 @@ from benchmarks.bench_h3 import start_server as start_raw_server
 from http3.client import KvspClient
 from http3.holder_app import holder_app
 from http3.server import RoleServer
-from http3.tls import TlsFiles
 from kvsp_quic import container as c
 from kvsp_quic.auth import ALL, Policy, Principal, Role
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.roles.holder import Holder, HolderSettings
 from kvsp_quic.samples import random_sections
 from kvsp_quic.storage.tiers import LocalStorageConfig
+from quic.tls import TlsFiles
 
 HOLDER_URI = "https://127.0.0.1/kvsp/"
 ALICE = "urn:kvsp:client:alice"

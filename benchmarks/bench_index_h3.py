@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 
 from http3.client import KvspClient
-from http3.tls import TlsFiles
 from kvsp_quic.auth import Policy
 from kvsp_quic.keys import holder_id
 from kvsp_quic.records import LookupRequest, ReplicaRecord, ResidencyEntry
 from kvsp_quic.roles.index import IndexService
 from kvsp_quic.storage.memory_index import MemoryIndexStore
+from quic.tls import TlsFiles
 
 HOLDER = "https://h1.example/kvsp/"
 COMPAT, SCOPE = hashlib.sha256(b"compat").digest(), hashlib.sha256(b"scope").digest()[:16]

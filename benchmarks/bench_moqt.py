@@ -3,9 +3,10 @@
     python -m benchmarks.bench_moqt [--reps 7] [--layers 32] [--layer-kib 512]
 
 The subject: a 16 MiB block (32 layers of 512 KiB: K and V of 256 KiB each) stored in a Holder, served by
-moqt.aio_kvsp.HolderTracks on a QuicListener (both drafts) in its own process; the client (moqt.aio.connect_moqt on
+kvsp_moqt.holder_tracks.HolderTracks on a QuicListener (both drafts) in its own process; the client
+(moqt.aio.connect_moqt on
 an established session) FETCHes group 0 and verifies every layer's SHA-256 against the Replica Record as it
-arrives (moqt.aio_kvsp.fetch_layers). Also measured: the same FETCH without verification (the adapter alone).
+arrives (kvsp_moqt.holder_tracks.fetch_layers). Also measured: the same FETCH without verification (the adapter alone).
 Baseline: benchmarks.bench_h3's raw server: one QUIC stream carrying the same octets between plain aioquic
 endpoints with the same tuning (16 KiB datagrams, 64 MiB windows, 4 MiB socket buffers), no MOQT, no hashing.
 The baseline opens a new connection per transfer (handshake not timed), so it starts with a cold congestion
@@ -34,17 +35,17 @@ from aioquic.quic import events
 from aioquic.quic.connection import QuicConnection
 
 from benchmarks.bench_h3 import SETTINGS, RawClientProtocol, start_server
-from http3.quic_server import QuicListener
-from http3.tls import TlsFiles, quic_configuration
-from http3.udp import bind_udp
+from kvsp_moqt.holder_tracks import HolderTracks, fetch_layers
+from kvsp_moqt.tracks import fetch_range, moqt_record, record_track
 from kvsp_quic import container as c
 from kvsp_quic.auth import Policy
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.records import ReplicaRecord
 from kvsp_quic.roles.holder import Holder, HolderSettings
 from moqt.aio import connect_moqt, moqt_handlers
-from moqt.aio_kvsp import HolderTracks, fetch_layers
-from moqt.kvsp import fetch_range, moqt_record, record_track
+from quic.listener import QuicListener
+from quic.tls import TlsFiles, quic_configuration
+from quic.udp import bind_udp
 
 ALICE = "urn:kvsp:client:alice"
 HOLDER = "https://127.0.0.1/kvsp/"

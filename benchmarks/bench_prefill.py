@@ -53,7 +53,6 @@ from http3.holder_app import holder_app
 from http3.index_app import index_app
 from http3.retrieval import BlockFetcher
 from http3.server import RoleServer
-from http3.tls import TlsFiles
 from kvsp_quic import container as c
 from kvsp_quic.auth import Policy
 from kvsp_quic.compat import CompatDescriptor
@@ -61,6 +60,7 @@ from kvsp_quic.keys import BlockKeyer, holder_id, scope_id
 from kvsp_quic.roles.holder import Holder, HolderSettings
 from kvsp_quic.roles.index import IndexService
 from kvsp_quic.storage.memory_index import MemoryIndexStore
+from quic.tls import TlsFiles
 
 SCOPE_KEY = bytes(range(32))
 

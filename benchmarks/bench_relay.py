@@ -8,7 +8,7 @@ UDP port for direct FETCHes, and on client sessions to each relay, where it PUBL
 relay (the real ``kvsp-quic relay`` with a config file: the same tuning as bench_h3 and bench_moqt, 2 GiB of
 cache), aiomoqt's relay (``python -m aiomoqt.tools.moq_interop_relay --quic`` in .venv-aiomoqt; its rows are left
 out, saying why, when that environment does not exist), the raw baseline server of bench_h3, and this process,
-the subscriber(s): ``moqt.aio.connect_moqt`` + ``moqt.aio_kvsp.fetch_layers``, every layer's SHA-256 checked
+the subscriber(s): ``moqt.aio.connect_moqt`` + ``kvsp_moqt.holder_tracks.fetch_layers``, every layer's SHA-256 checked
 against the Replica Record as it arrives (the raw baseline checks nothing).
 
 Rows (medians of ``--reps``, subjects alternating):
@@ -48,14 +48,14 @@ from typing import Any
 from benchmarks.bench_h3 import SETTINGS, start_server
 from benchmarks.bench_moqt import block, descriptor, raw_fetch
 from http3.client import KvspClient
-from http3.quic_server import QuicListener
-from http3.tls import TlsFiles
+from kvsp_moqt.holder_tracks import HolderTracks, fetch_layers
+from kvsp_moqt.tracks import moqt_record, track_namespace
 from kvsp_quic.auth import Policy
 from kvsp_quic.records import ReplicaRecord
 from kvsp_quic.roles.holder import Holder, HolderSettings
 from moqt.aio import MoqtConnection, connect_moqt, moqt_handlers
-from moqt.aio_kvsp import HolderTracks, fetch_layers
-from moqt.kvsp import moqt_record, track_namespace
+from quic.listener import QuicListener
+from quic.tls import TlsFiles
 
 ROOT = Path(__file__).resolve().parent.parent
 AIOMOQT = Path(os.environ.get("KVSP_AIOMOQT_PYTHON", ROOT / ".venv-aiomoqt" / "bin" / "python"))

@@ -45,9 +45,9 @@ import h2.connection
 import h2.events
 import h2.settings
 
-from http3 import pki
 from http3.tcp_h2 import H2Core
-from http3.tls import TlsFiles, ssl_client_context, ssl_server_context
+from quic import pki
+from quic.tls import TlsFiles, ssl_client_context, ssl_server_context
 
 CHUNK = 1 << 20
 READ = 256 << 10

@@ -44,9 +44,9 @@ from benchmarks.bench_h3 import SETTINGS
 from benchmarks.bench_prefill import model_config
 from gpu.modelfiles import derive_descriptor, write_random_model
 from http3.client import KvspClient
-from http3.tls import TlsFiles
+from kvsp_quic.app.serve import read_scope_key
 from kvsp_quic.keys import BlockKeyer, scope_id
-from kvsp_quic.serve import read_scope_key
+from quic.tls import TlsFiles
 
 JSON = {"content-type": "application/kvsp+json"}
 

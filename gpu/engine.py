@@ -34,6 +34,11 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from gpu.generate import decode_step
+from gpu.kvcache import DEVICE, Page, PagedKVCache
+from gpu.model import LlamaModel
+from gpu.prefill import BlockInput, PrefillResult, PrefillTrace, prefill
+from gpu.sampling import TokenSampler
 from kvsp_quic.auth import Principal
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.container import ContainerHeader, DecodedLayer, EncodedContainer
@@ -44,12 +49,6 @@ from kvsp_quic.records import LeaseRenewal, LeaseRequest, LeaseResponse, Replica
 from kvsp_quic.roles.holder import Holder, HolderSettings, Replica
 from kvsp_quic.roles.instance import RateMeter
 from kvsp_quic.storage.tiers import BlockId, BlockMeta, LruPolicy, Tier, TieredStore
-
-from .generate import decode_step
-from .kvcache import DEVICE, Page, PagedKVCache
-from .model import LlamaModel
-from .prefill import BlockInput, PrefillResult, PrefillTrace, prefill
-from .sampling import TokenSampler
 
 log = logging.getLogger("kvsp.gpu.engine")
 

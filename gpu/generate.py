@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .kvcache import SequenceKV
-from .model import LlamaModel
-from .prefill import Chunk, PrefillResult, run_layer
-from .sampling import TokenSampler
+from gpu.kvcache import SequenceKV
+from gpu.model import LlamaModel
+from gpu.prefill import Chunk, PrefillResult, run_layer
+from gpu.sampling import TokenSampler
 
 
 def decode_step(model: LlamaModel, seq: SequenceKV, token: int) -> torch.Tensor:

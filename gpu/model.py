@@ -23,11 +23,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from gpu.kvcache import KV_DTYPES, kv_torch_dtype, resolve_device
+from gpu.modelfiles import DTYPE_TO_KV, ModelConfig, ModelError, TextTokenizer, derive_descriptor, load_tokenizer
+from gpu.rope import RotaryTable, apply_rope
 from kvsp_quic.compat import CompatDescriptor
-
-from .kvcache import KV_DTYPES, kv_torch_dtype, resolve_device
-from .modelfiles import DTYPE_TO_KV, ModelConfig, ModelError, TextTokenizer, derive_descriptor, load_tokenizer
-from .rope import RotaryTable, apply_rope
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

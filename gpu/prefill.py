@@ -36,10 +36,9 @@ from typing import Any
 
 import torch
 
+from gpu.kvcache import DEVICE, Page, PagedKVCache, SequenceKV
+from gpu.model import LlamaModel, chunk_bounds
 from kvsp_quic.container import DecodedLayer
-
-from .kvcache import DEVICE, Page, PagedKVCache, SequenceKV
-from .model import LlamaModel, chunk_bounds
 
 log = logging.getLogger("kvsp.gpu.prefill")
 

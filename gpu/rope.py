@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from .modelfiles import ModelConfig
+from gpu.modelfiles import ModelConfig
 
 SEGMENT = 4096
 

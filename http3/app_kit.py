@@ -14,12 +14,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from http3.asgi_types import ASGIApp, Receive, Scope, Send
+from http3.authz import Authorization, Rule
+from http3.problem_response import send_problem
 from kvsp_quic.auth import Policy
 from kvsp_quic.problems import ContentTooLarge, NoSuchResource, UnsupportedMediaType
-
-from .asgi_types import ASGIApp, Receive, Scope, Send
-from .authz import Authorization, Rule
-from .problem_response import send_problem
 
 JSON_MEDIA_TYPE = "application/kvsp+json"
 BLOCK_MEDIA_TYPE = "application/kvsp-block"

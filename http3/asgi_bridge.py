@@ -29,9 +29,8 @@ from http import HTTPStatus
 from typing import Any, Protocol
 from urllib.parse import unquote
 
-from http3.tls import TransportSettings
-
-from .asgi_types import ASGIApp, Message, Scope
+from http3.asgi_types import ASGIApp, Message, Scope
+from quic.tls import TransportSettings
 
 log = logging.getLogger("http3.asgi")
 

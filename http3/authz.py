@@ -2,7 +2,7 @@
 
 :class:`Authorization` wraps any ASGI app (starlette or not) and decides before the app sees a request:
 
-1. the identity is the single SAN URI of the verified client certificate (:func:`http3.tls.scope_identity`); a
+1. the identity is the single SAN URI of the verified client certificate (:func:`quic.tls.scope_identity`); a
    request without one, or whose identity is not in the policy, gets 403 (``about:blank``);
 2. the first :class:`Rule` whose method and path pattern match decides: a principal that has none of the rule's
    roles gets 403 (:class:`~kvsp_quic.problems.Forbidden`); a request that matches no rule gets 404 -- deny by
@@ -22,12 +22,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from http3.asgi_types import ASGIApp, Message, Receive, Scope, Send
 from http3.problem_response import send_problem
-from http3.tls import scope_identity
 from kvsp_quic.auth import Policy, Principal, Role, parse_roles, require_role
 from kvsp_quic.problems import Forbidden, NoSuchResource, Problem
-
-from .asgi_types import ASGIApp, Message, Receive, Scope, Send
+from quic.tls import scope_identity
 
 PRINCIPAL_KEY = "kvsp.principal"
 ANY_ROLE = "*"  # Rule roles: any principal of the policy

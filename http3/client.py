@@ -24,10 +24,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from http3.h3_client import H3ConnectError, H3Pool, H3Response, H3StreamError
 from kvsp_quic.problems import Problem, problem_from_json
-
-from .h3_client import H3ConnectError, H3Pool, H3Response, H3StreamError
-from .tls import TlsFiles, TransportSettings, ssl_client_context
+from quic.tls import TlsFiles, TransportSettings, ssl_client_context
 
 log = logging.getLogger("kvsp.client")
 

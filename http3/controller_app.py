@@ -43,6 +43,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from http3.app_kit import JSON_MEDIA_TYPE, kvsp_json, read_json_body, role_app
+from http3.asgi_types import ASGIApp
+from http3.authz import Rule, principal_of
+from http3.client import KvspClient
+from http3.client import Response as ClientResponse
+from http3.index_app import DEFAULT_MAX_BODY_BYTES, INDEX_RULES, index_routes, running, sweeper
+from http3.metrics_app import TransferMetrics, mount_metrics
+from http3.problem_response import install
 from kvsp_quic import fields as f
 from kvsp_quic import keys as k
 from kvsp_quic.auth import Policy
@@ -53,15 +61,6 @@ from kvsp_quic.records import PrefetchDirective, SessionCheckpoint, ShardMap, St
 from kvsp_quic.roles.controller import PlacementController, ReshardMessage
 from kvsp_quic.roles.controller_records import SessionRequest, SessionResume, SessionStart
 from kvsp_quic.roles.index import IndexService
-
-from .app_kit import JSON_MEDIA_TYPE, kvsp_json, read_json_body, role_app
-from .asgi_types import ASGIApp
-from .authz import Rule, principal_of
-from .client import KvspClient
-from .client import Response as ClientResponse
-from .index_app import DEFAULT_MAX_BODY_BYTES, INDEX_RULES, index_routes, running, sweeper
-from .metrics_app import TransferMetrics, mount_metrics
-from .problem_response import install
 
 DEFAULT_MAX_SESSION_BYTES = 4 << 20  # a 131072-token prompt and its 8192 Block Keys are ~1.5 MB of JSON
 _MAP_RE = re.compile(r"[A-Za-z0-9._~-]{1,128}")

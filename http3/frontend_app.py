@@ -25,18 +25,17 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from http3.app_kit import check_declared_length, role_app
+from http3.asgi_types import ASGIApp
+from http3.authz import Rule
+from http3.client import KvspClient, TransportError
+from http3.metrics_app import mount_metrics
+from http3.problem_response import install
 from kvsp_quic.auth import Policy
 from kvsp_quic.frontend import SamplingRequest, TokenRelay
 from kvsp_quic.keys import BlockKeyer
 from kvsp_quic.metrics import Registry
 from kvsp_quic.problems import BadRequest, Problem, Unavailable
-
-from .app_kit import check_declared_length, role_app
-from .asgi_types import ASGIApp
-from .authz import Rule
-from .client import KvspClient, TransportError
-from .metrics_app import mount_metrics
-from .problem_response import install
 
 log = logging.getLogger("kvsp.frontend")
 

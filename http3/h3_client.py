@@ -3,7 +3,7 @@
 :class:`H3ClientConnection` is one QUIC connection to one origin; :class:`H3Pool` keeps connections per origin and
 opens another when every stream of the existing ones is taken. The facade that adds fallback to HTTP/2 and
 HTTP/1.1, retries and timeouts is :mod:`http3.client`. The QUIC side (batched receiving, transmits, send
-backpressure, HANDSHAKE_DONE, connecting) is :mod:`http3.quic_protocol`'s.
+backpressure, HANDSHAKE_DONE, connecting) is :mod:`quic.protocol`'s.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from aioquic.h3.connection import H3Connection
 from aioquic.h3.events import DataReceived, HeadersReceived
 from aioquic.quic import events
 
-from .h3_frames import send_data
-from .quic_conn import KvspQuicConnection
-from .quic_protocol import KvspQuicProtocol, QuicConnectError, connect_quic
-from .tls import TlsFiles, TransportSettings
+from http3.h3_frames import send_data
+from quic.connection import KvspQuicConnection
+from quic.protocol import KvspQuicProtocol, QuicConnectError, connect_quic
+from quic.tls import TlsFiles, TransportSettings
 
 H3_NO_ERROR = 0x100
 H3_REQUEST_CANCELLED = 0x10C

@@ -1,4 +1,4 @@
-"""HTTP/3 for ASGI apps: the ``h3`` handler of :class:`http3.quic_server.QuicListener`.
+"""HTTP/3 for ASGI apps: the ``h3`` handler of :class:`quic.listener.QuicListener`.
 
 Each request stream becomes one :class:`http3.asgi_bridge.Exchange`, the same request/response machinery the
 TCP transports use. What is HTTP/3-specific lives here: request bodies are credited back to the peer only once
@@ -18,10 +18,10 @@ from aioquic.h3.events import DataReceived, HeadersReceived
 from aioquic.h3.exceptions import H3Error
 from aioquic.quic import events
 
-from .asgi_bridge import AsgiContext, Buffer, ClientDisconnected, Exchange, Headers, RequestBody, http_scope
-from .asgi_types import ASGIApp
-from .h3_frames import send_data
-from .quic_server import HandlerFactory, QuicConnectionContext
+from http3.asgi_bridge import AsgiContext, Buffer, ClientDisconnected, Exchange, Headers, RequestBody, http_scope
+from http3.asgi_types import ASGIApp
+from http3.h3_frames import send_data
+from quic.listener import HandlerFactory, QuicConnectionContext
 
 log = logging.getLogger("kvsp.h3")
 
@@ -206,7 +206,7 @@ class H3Stream:
 
 
 def h3_handler(app: ASGIApp | None = None, *, asgi: AsgiContext | None = None) -> HandlerFactory:
-    """A handler factory for :class:`~http3.quic_server.QuicListener`: ``{"h3": h3_handler(app)}``.
+    """A handler factory for :class:`~quic.listener.QuicListener`: ``{"h3": h3_handler(app)}``.
 
     Pass *asgi* to share an :class:`AsgiContext` (and its lifespan state) with the TCP server of the same app.
     """

@@ -34,18 +34,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from http3.app_kit import NO_STORE, kvsp_json, read_json_body, role_app
+from http3.asgi_types import ASGIApp
+from http3.authz import Rule, principal_of
+from http3.metrics_app import TransferMetrics, mount_metrics
+from http3.problem_response import install
 from kvsp_quic import fields as f
 from kvsp_quic.auth import Policy, Principal
 from kvsp_quic.metrics import KvspMetrics, Registry
 from kvsp_quic.problems import BadRequest
 from kvsp_quic.records import InstanceStatusRecord, LookupRequest, LookupResponse, ReplicaRecord, StateMessage
 from kvsp_quic.roles.index import IndexService
-
-from .app_kit import NO_STORE, kvsp_json, read_json_body, role_app
-from .asgi_types import ASGIApp
-from .authz import Rule, principal_of
-from .metrics_app import TransferMetrics, mount_metrics
-from .problem_response import install
 
 log = logging.getLogger("kvsp.index")
 

@@ -17,8 +17,8 @@ asyncio service that connects them to the role (:mod:`kvsp_quic.roles.instance`)
 The instance is a holder of its own tiers: :class:`gpu.engine.CacheHolder` is a
 :class:`~kvsp_quic.roles.holder.Holder`, so the block and lease routes are :func:`http3.holder_app.holder_routes`,
 its records go to the Index Service through :class:`http3.publisher.ReplicaPublisher` (with ``moqt://`` twins),
-and :func:`moqt.aio_kvsp.holder_moqt_handlers` serves them over MOQT on the same UDP port. ``PUT blocks`` is not
-offered.
+and :func:`kvsp_moqt.holder_tracks.holder_moqt_handlers` serves them over MOQT on the same UDP port.
+``PUT blocks`` is not offered.
 
 Towards the Placement Controller the service sends ``PUT {pc}instances/{instance-id}/status`` every third of the
 status TTL (and at once after a state change) and ``PUT {pc}sessions/{id}/checkpoint`` when a checkpoint is made;
@@ -50,6 +50,16 @@ from gpu.engine import BlockLoads, CacheHolder, Engine, PrefixUnavailable, RunPl
 from gpu.kvcache import CacheFull, Page
 from gpu.prefill import BlockInput, PrefillResult
 from gpu.sampling import TokenSampler
+from http3.app_kit import JSON_MEDIA_TYPE, NO_STORE, kvsp_json, read_json_body, role_app
+from http3.asgi_types import ASGIApp
+from http3.authz import Rule, principal_of
+from http3.client import KvspClient, TransportError
+from http3.holder_app import holder_routes
+from http3.metrics_app import TransferMetrics, mount_metrics
+from http3.problem_response import install
+from http3.publisher import ReplicaPublisher
+from http3.retrieval import BlockFetcher, BlockSource, HttpSource, Lease
+from kvsp_moqt.source import MoqtSource, PreferMoqt
 from kvsp_quic import fields as f
 from kvsp_quic.auth import Policy, Principal, Role, require_scope
 from kvsp_quic.compat import InstanceState
@@ -90,17 +100,6 @@ from kvsp_quic.roles.instance import (
     ReshardContext,
     Session,
 )
-
-from .app_kit import JSON_MEDIA_TYPE, NO_STORE, kvsp_json, read_json_body, role_app
-from .asgi_types import ASGIApp
-from .authz import Rule, principal_of
-from .client import KvspClient, TransportError
-from .holder_app import holder_routes
-from .metrics_app import TransferMetrics, mount_metrics
-from .moqt_source import MoqtSource, PreferMoqt
-from .problem_response import install
-from .publisher import ReplicaPublisher
-from .retrieval import BlockFetcher, BlockSource, HttpSource, Lease
 
 log = logging.getLogger("kvsp.instance")
 
@@ -1059,14 +1058,13 @@ def build_instance(engine: Engine, *, base_uri: str, files: Any, policy: Policy,
     :class:`~kvsp_quic.roles.instance.InstanceSettings`), its holder of its own cache, the client (with *files*,
     the instance's certificate) for the Index Service, the PC and other holders, the publisher, the fetch sources
     (MOQT first when *moqt*), the app. *epoch*: default the time now in ms since the Unix epoch."""
+    from kvsp_moqt.holder_tracks import holder_moqt_handlers
+    from kvsp_moqt.tracks import moqt_uri_for
     from kvsp_quic.roles.holder import HolderSettings
     from kvsp_quic.roles.instance import InstanceSettings
     from kvsp_quic.roles.leases import LeaseLimits
     from moqt.aio import MoqtPool
-    from moqt.aio_kvsp import holder_moqt_handlers
-    from moqt.kvsp import moqt_uri_for
-
-    from .tls import TransportSettings
+    from quic.tls import TransportSettings
 
     transport = transport if transport is not None else TransportSettings()
     d = engine.descriptor

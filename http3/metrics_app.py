@@ -19,11 +19,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from http3.app_kit import NO_STORE
+from http3.asgi_types import ASGIApp, Message, Receive, Scope, Send
+from http3.authz import ANY_ROLE, Rule
 from kvsp_quic.metrics import CONTENT_TYPE, KvspMetrics, Registry
-
-from .app_kit import NO_STORE
-from .asgi_types import ASGIApp, Message, Receive, Scope, Send
-from .authz import ANY_ROLE, Rule
 
 METRICS_PATH = "metrics"
 METRICS_RULE = Rule("GET", METRICS_PATH, ANY_ROLE)

@@ -19,9 +19,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from http3.asgi_types import Send
 from kvsp_quic.problems import PROBLEM_MEDIA_TYPE, Problem, to_problem_json
-
-from .asgi_types import Send
 
 HeaderItems = Iterable[tuple[str | bytes, str | bytes]]
 

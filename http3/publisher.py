@@ -12,7 +12,7 @@ own tasks, at most *concurrency* at a time, so request handling never waits for 
 also drives the holder's timers (:meth:`Holder.tick`).
 
 With *moqt_uri* (the holder's ``moqt://host:port/``, whose UDP port serves MOQT next to HTTP/3) every record is
-also published as its MOQT twin (:func:`moqt.kvsp.moqt_record`: ``holder`` = *moqt_uri*, ``moqt_namespace``) at
+also published as its MOQT twin (:func:`kvsp_moqt.tracks.moqt_record`: ``holder`` = *moqt_uri*, ``moqt_namespace``) at
 ``replicas/{holder-id of moqt_uri}/{block_key}``, and withdrawn with it. The Index Service accepts the twin only
 from a holder whose policy entry lists *moqt_uri* in ``publish_for``; a 403 for it is logged once and not retried
 (the ``https`` record is what counts).
@@ -30,13 +30,12 @@ import contextlib
 import json
 import logging
 
+from http3.client import KvspClient
+from kvsp_moqt.tracks import moqt_record
 from kvsp_quic import fields as f
 from kvsp_quic.keys import uri_id
 from kvsp_quic.records import ReplicaRecord
 from kvsp_quic.roles.holder import Holder, Intent, IntentKind
-from moqt.kvsp import moqt_record
-
-from .client import KvspClient
 
 log = logging.getLogger("kvsp.publisher")
 

@@ -11,14 +11,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from http3.app_kit import kvsp_json, role_app
+from http3.asgi_types import ASGIApp
+from http3.authz import ANY_ROLE, Rule
+from http3.metrics_app import mount_metrics
+from http3.problem_response import install
 from kvsp_quic.auth import Policy
 from kvsp_quic.metrics import Registry
-
-from .app_kit import kvsp_json, role_app
-from .asgi_types import ASGIApp
-from .authz import ANY_ROLE, Rule
-from .metrics_app import mount_metrics
-from .problem_response import install
 
 RULES = (Rule("GET", "status", ANY_ROLE),)
 

@@ -28,7 +28,7 @@ withdraws the replica on the holder's behalf (``DELETE {is}replicas/{holder-id}/
 A block no replica delivers is reported missing -- a miss is never an exception; only misuse raises.
 
 Source kinds: an attempt talks to a :class:`BlockSource` chosen by the replica's holder URI.
-:class:`HttpSource` serves ``https`` holders; :class:`http3.moqt_source.MoqtSource` serves ``moqt://`` holders the
+:class:`HttpSource` serves ``https`` holders; :class:`kvsp_moqt.source.MoqtSource` serves ``moqt://`` holders the
 same way: its ``open`` returns the container octets (a header built from the descriptor, then each object's
 K || V payload, which is the layer digest's input) with ``repr_digest=None``, and the same decoder verifies the
 layer digests.
@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urljoin
 
+from http3.client import KvspClient, Response, TransportError
 from kvsp_quic import fields as f
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.container import (
@@ -80,8 +81,6 @@ from kvsp_quic.retrieval_plan import (
     failure_for_status,
     parse_repr_digest,
 )
-
-from .client import KvspClient, Response, TransportError
 
 log = logging.getLogger("kvsp.retrieval")
 

@@ -15,12 +15,12 @@ import contextlib
 import logging
 import socket
 
-from .asgi_types import ASGIApp
-from .h3_server import h3_handler
-from .quic_server import HandlerFactory, QuicListener
-from .tcp_server import TcpServer
-from .tls import ALPN_H3, TlsFiles, TransportSettings
-from .udp import bind_udp
+from http3.asgi_types import ASGIApp
+from http3.h3_server import h3_handler
+from http3.tcp_server import TcpServer
+from quic.listener import HandlerFactory, QuicListener
+from quic.tls import ALPN_H3, TlsFiles, TransportSettings
+from quic.udp import bind_udp
 
 log = logging.getLogger("kvsp.server")
 

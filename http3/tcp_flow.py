@@ -7,15 +7,15 @@ import asyncio
 import logging
 from typing import Any
 
-from .asgi_bridge import ClientDisconnected
+from http3.asgi_bridge import ClientDisconnected
 
 log = logging.getLogger("http3.tcp")
 
 
 class WriteFlow:
     """Mixed into :class:`~http3.tcp_h1.H1Connection` and :class:`~http3.tcp_h2.H2Connection`, which provide
-    ``loop``, ``closed``, ``settings``, ``info`` and ``abort()``, and set ``_write_paused = False`` and
-    ``_drain_waiters = []`` in their constructors."""
+    ``loop``, ``closed``, ``settings``, ``info``, ``abort()`` and ``_on_timer()``, and set ``_write_paused =
+    False``, ``_drain_waiters = []`` and ``_timer = None`` in their constructors."""
 
     protocol_name = "HTTP"
     loop: asyncio.AbstractEventLoop
@@ -24,9 +24,24 @@ class WriteFlow:
     info: dict[str, Any]
     _write_paused: bool
     _drain_waiters: list[asyncio.Future[None]]
+    _timer: asyncio.TimerHandle | None
 
     def abort(self) -> None:
         raise NotImplementedError
+
+    def _on_timer(self) -> None:
+        raise NotImplementedError
+
+    def _arm_timer(self, delay: float) -> None:
+        """One timer per connection (idle, header and body deadlines): *delay* seconds from now."""
+        self._cancel_timer()
+        if not self.closed:
+            self._timer = self.loop.call_later(delay, self._on_timer)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def pause_writing(self) -> None:
         self._write_paused = True

@@ -382,16 +382,6 @@ class H2Connection(WriteFlow, asyncio.Protocol):
 
     # -- timers --------------------------------------------------------------------------------------------
 
-    def _arm_timer(self, delay: float) -> None:
-        self._cancel_timer()
-        if not self.closed:
-            self._timer = self.loop.call_later(delay, self._on_timer)
-
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
     def _on_timer(self) -> None:
         self._timer = None
         if not self.streams:

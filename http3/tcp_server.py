@@ -5,11 +5,11 @@
     ...
     await server.close()                         # graceful: in-flight requests get settings.shutdown_grace
 
-TLS comes from :func:`http3.tls.ssl_server_context`: TLS 1.3 only and a client certificate from the configured
+TLS comes from :func:`quic.tls.ssl_server_context`: TLS 1.3 only and a client certificate from the configured
 CA required, so a peer without one (or with an expired, not yet valid or foreign one) fails in the handshake and
 never reaches the app. ALPN picks the protocol: ``h2`` runs :class:`http3.tcp_h2.H2Connection`, anything else
 :class:`http3.tcp_h1.H1Connection`. Every request scope carries the ASGI TLS extension with the client's
-certificate, so :func:`http3.tls.scope_identity` names the peer; every response advertises HTTP/3 with
+certificate, so :func:`quic.tls.scope_identity` names the peer; every response advertises HTTP/3 with
 ``alt-svc: h3=":PORT"``. The app's lifespan protocol runs around the server's life when the app supports it.
 """
 
@@ -24,7 +24,7 @@ from http3.asgi_bridge import AsgiContext, Lifespan, address, alt_svc_h3, tls_ci
 from http3.asgi_types import ASGIApp
 from http3.tcp_h1 import H1Connection
 from http3.tcp_h2 import H2Connection
-from http3.tls import TLS_1_3, TlsFiles, TransportSettings, ssl_server_context, tls_extension
+from quic.tls import TLS_1_3, TlsFiles, TransportSettings, ssl_server_context, tls_extension
 
 log = logging.getLogger("http3.tcp")
 

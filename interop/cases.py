@@ -26,20 +26,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from http3.client import KvspClient
-from http3.moqt_source import MoqtSource, PreferMoqt
 from http3.retrieval import BlockFetcher, HttpSource
-from http3.tls import TlsFiles
+from interop.drivers import NO_HEADERS, Driver, Refused, Reply, Request, Unsupported
+from interop.moqt_drivers import ALPN, MoqtDriver, OursMoqt
+from interop.servers import DEV_IDENTITY
+from kvsp_moqt.source import MoqtSource, PreferMoqt
+from kvsp_moqt.tracks import moqt_record, track_name, track_namespace
 from kvsp_quic import container
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.keys import BlockKeyer, holder_id, instance_id
 from kvsp_quic.records import LookupMatch, ReplicaRecord
 from kvsp_quic.samples import random_sections
 from moqt.aio import MoqtPool
-from moqt.kvsp import moqt_record, track_name, track_namespace
-
-from .drivers import NO_HEADERS, Driver, Refused, Reply, Request, Unsupported
-from .moqt_drivers import ALPN, MoqtDriver, OursMoqt
-from .servers import DEV_IDENTITY
+from quic.tls import TlsFiles
 
 JSON = {"content-type": "application/kvsp+json"}
 BLOCK = {"content-type": "application/kvsp-block", "if-none-match": "*"}

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from http3.client import KvspClient, TransportError
-from http3.tls import TlsFiles
+from quic.tls import TlsFiles
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS_PYTHON = Path(os.environ.get("KVSP_PEERS_PYTHON", ROOT / ".venv-peers" / "bin" / "python"))

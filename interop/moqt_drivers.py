@@ -17,12 +17,11 @@ import json
 import os
 from pathlib import Path
 
-from http3.tls import TlsFiles
+from interop.drivers import Driver, Refused, Reply, Request, Unsupported
+from kvsp_moqt.tracks import moqt_address
 from moqt.aio import MoqtConnectError, MoqtRequestError, connect_moqt
-from moqt.kvsp import moqt_address
 from moqt.types import Location, Namespace
-
-from .drivers import Driver, Refused, Reply, Request, Unsupported
+from quic.tls import TlsFiles
 
 ROOT = Path(__file__).resolve().parent.parent
 AIOMOQT_PYTHON = Path(os.environ.get("KVSP_AIOMOQT_PYTHON", ROOT / ".venv-aiomoqt" / "bin" / "python"))

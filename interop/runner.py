@@ -21,16 +21,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from http3.client import KvspClient
-from http3.tls import TlsFiles
+from interop import report
+from interop.cases import CASES, CaseInfo, Env, Inference
+from interop.drivers import Driver, Unsupported, all_drivers
+from interop.moqt_drivers import MoqtDriver, moqt_drivers
+from interop.servers import INSTANCE_URI, SCOPE_KEY, Servers, start
+from kvsp_quic.app.serve import example_descriptor
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.keys import BlockKeyer, scope_id
-from kvsp_quic.serve import example_descriptor
-
-from . import report
-from .cases import CASES, CaseInfo, Env, Inference
-from .drivers import Driver, Unsupported, all_drivers
-from .moqt_drivers import MoqtDriver, moqt_drivers
-from .servers import INSTANCE_URI, SCOPE_KEY, Servers, start
+from quic.tls import TlsFiles
 
 HERE = Path(__file__).resolve().parent
 EXPECTED = HERE / "expected.json"

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from http3 import pki
-from kvsp_quic.serve import example_descriptor
+from kvsp_quic.app.serve import example_descriptor
+from quic import pki
 
 INSTANCE_URI = "https://127.0.0.1:1/interop-instance/"
 DEV_IDENTITY = pki.CLIENT_URI_PREFIX + "dev"
@@ -112,7 +112,7 @@ def _tool(args: list[str], logs: Path, name: str) -> None:
 
 
 def _stem(role: str, base_uri: str) -> str:
-    """The name of a --dev role's certificate in the dev directory (kvsp_quic.serve.prepare: ROLE-PORT)."""
+    """The name of a --dev role's certificate in the dev directory (kvsp_quic.app.serve.prepare: ROLE-PORT)."""
     return f"{role}-{urlsplit(base_uri).port}"
 
 

@@ -1,6 +1,6 @@
 """Authorization: authenticated identities -> roles, scopes and the holders a principal may publish for.
 
-The identity of a request is the single SAN URI of the verified client certificate (``http3.tls.scope_identity``
+The identity of a request is the single SAN URI of the verified client certificate (``quic.tls.scope_identity``
 extracts it); this module works on that string only and does no I/O beyond reading the policy file. A policy
 file (TOML) lists the principals::
 
@@ -33,9 +33,9 @@ from types import MappingProxyType
 from typing import Any, Final, Literal, TypeAlias
 from urllib.parse import urlsplit
 
-from . import fields as f
-from .fields import ScopeId
-from .problems import Forbidden, ScopeDenied
+from kvsp_quic import fields as f
+from kvsp_quic.fields import ScopeId
+from kvsp_quic.problems import Forbidden, ScopeDenied
 
 
 class Role(enum.StrEnum):

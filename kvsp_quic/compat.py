@@ -23,8 +23,8 @@ from typing import Any
 
 import rfc8785
 
-from . import fields as f
-from .fields import CompatId, RecordError
+from kvsp_quic import fields as f
+from kvsp_quic.fields import CompatId, RecordError
 
 COMPAT_LABEL = b"KVSP-COMPAT-1\x00"
 LAYOUT_1 = "kvsp-layout-1"

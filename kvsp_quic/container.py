@@ -22,8 +22,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
-from .compat import Codec, CompatDescriptor, codec_known
-from .problems import BadRequest, DigestMismatch, LayersUnavailable
+from kvsp_quic.compat import Codec, CompatDescriptor, codec_known
+from kvsp_quic.problems import BadRequest, DigestMismatch, LayersUnavailable
 
 MAGIC = b"KVB1"
 VERSION = 1

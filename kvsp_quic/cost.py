@@ -39,7 +39,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .records import InstanceStatusRecord, Link, ReplicaRecord, ResidencyEntry, TargetEstimate
+from kvsp_quic.records import InstanceStatusRecord, Link, ReplicaRecord, ResidencyEntry, TargetEstimate
 
 # -- the four formulas ----------------------------------------------------------------------------------------
 

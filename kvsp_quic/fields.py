@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NewType, TypeVar
 from urllib.parse import urlsplit
 
-from .problems import BadRequest
+from kvsp_quic.problems import BadRequest
 
 T = TypeVar("T")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .problems import BadRequest
+from kvsp_quic.problems import BadRequest
 
 
 class TokenGap(BadRequest):

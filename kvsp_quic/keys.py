@@ -23,8 +23,8 @@ from array import array
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .fields import BlockKey, CompatId, ScopeId
-from .problems import BadRequest
+from kvsp_quic.fields import BlockKey, CompatId, ScopeId
+from kvsp_quic.problems import BadRequest
 
 SCOPE_LABEL = b"KVSP-SCOPE-1\x00"
 BLOCK_LABEL = b"KVSP-BLOCK-1\x00"

@@ -20,9 +20,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Self
 
-from . import fields as f
-from .compat import STORAGE_TIERS, InstanceState, codec_known
-from .fields import BlockKey, CompatId, RecordError, ScopeId
+from kvsp_quic import fields as f
+from kvsp_quic.compat import STORAGE_TIERS, InstanceState, codec_known
+from kvsp_quic.fields import BlockKey, CompatId, RecordError, ScopeId
 
 TokenRange = tuple[int, int]
 

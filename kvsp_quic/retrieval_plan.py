@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .cost import part_cost
-from .records import Link, ReplicaRecord
+from kvsp_quic.cost import part_cost
+from kvsp_quic.records import Link, ReplicaRecord
 
 LayerRange = tuple[int, int]  # inclusive
 

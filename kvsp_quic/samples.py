@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from .compat import CompatDescriptor
-from .problems import BadRequest
+from kvsp_quic.compat import CompatDescriptor
+from kvsp_quic.problems import BadRequest
 
 
 def float32_to_bf16_bits(values: np.ndarray) -> np.ndarray:

@@ -8,9 +8,9 @@ draft 18 (ALPN "moqt-18"). See docs/moqt.md.
     for event in session.receive_stream_data(stream_id, data, fin): ...   # moqt.events.*
 """
 
-from . import events
-from .actions import Action, CloseSession, OpenStream, ResetStream, SendDatagram, SendStreamData, StopSending
-from .errors import (
+from moqt import events
+from moqt.actions import Action, CloseSession, OpenStream, ResetStream, SendDatagram, SendStreamData, StopSending
+from moqt.errors import (
     MoqtError,
     MoqtUsageError,
     PublishDoneCode14,
@@ -20,11 +20,11 @@ from .errors import (
     SessionErrorCode,
     StreamResetCode,
 )
-from .events import Event
-from .messages18 import Params18, Redirect
-from .requests import Role, SessionConfig
-from .session import MoqtSession
-from .types import (
+from moqt.events import Event
+from moqt.messages18 import Params18, Redirect
+from moqt.requests import Role, SessionConfig
+from moqt.session import MoqtSession
+from moqt.types import (
     ALPNS,
     AuthToken,
     Draft,
@@ -40,7 +40,7 @@ from .types import (
     parse_name,
     render_name,
 )
-from .writers import FetchStreamWriter, SubgroupWriter
+from moqt.writers import FetchStreamWriter, SubgroupWriter
 
 __all__ = [
     "ALPNS", "Action", "AuthToken", "CloseSession", "Draft", "Event", "FetchStreamWriter", "FetchType", "FilterType",

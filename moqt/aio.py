@@ -1,13 +1,13 @@
 """The asyncio adapter: a sans-I/O :class:`~moqt.session.MoqtSession` on an aioquic connection.
 
-Server side: :func:`moqt_handlers` gives :class:`http3.quic_server.QuicListener` (and so
+Server side: :func:`moqt_handlers` gives :class:`quic.listener.QuicListener` (and so
 :class:`http3.server.RoleServer`) a handler per MOQT ALPN (``moq-00``: draft 14, ``moqt-18``: draft 18), so a
 role's one UDP port serves HTTP/3 and MOQT with the same mutual TLS; each connection's session knows the peer's
 verified identity (:attr:`MoqtConnection.peer_identity`, the certificate's SAN URI) for authorization::
 
     server = RoleServer(app, files, quic_handlers=moqt_handlers(MyApp()))
 
-Client side: :func:`connect_moqt` (:func:`http3.quic_protocol.connect_quic`, like
+Client side: :func:`connect_moqt` (:func:`quic.protocol.connect_quic`, like
 :func:`http3.h3_client.connect_h3`: batched UDP, mutual TLS, waits for HANDSHAKE_DONE, then for the peer's SETUP)
 returns the :class:`MoqtConnection`::
 
@@ -33,7 +33,7 @@ What the adapter does, and nothing more (the session holds every protocol rule):
   :data:`CONTROL_RESERVE`: however slowly the consumer reads, credit for control messages remains;
 * send backpressure: :class:`ServedFetch` writes object payloads in slices of half the send buffer, each after
   ``wait_writable`` (QUIC's unsent + unacknowledged octets of the stream below the send buffer; both sides'
-  connections are :class:`http3.quic_protocol.KvspQuicProtocol`).
+  connections are :class:`quic.protocol.KvspQuicProtocol`).
 
 Priorities (``OpenStream.priority``) are not applied: aioquic has no stream priorities.
 """
@@ -56,18 +56,17 @@ from aioquic.buffer import Buffer  # type: ignore[attr-defined]  # re-exported f
 from aioquic.quic import events as qe
 from aioquic.quic.packet import pull_quic_transport_parameters
 
-from http3.quic_conn import KvspQuicConnection
-from http3.quic_protocol import KvspQuicProtocol, QuicConnectError, connect_quic
-from http3.quic_server import HandlerFactory, QuicConnectionContext
-from http3.tls import TLS_1_3, TlsFiles, TransportSettings, identity_of_pem, tls_extension
-
-from . import events as ev
-from .actions import CloseSession, ResetStream, SendDatagram, SendStreamData, StopSending
-from .errors import MoqtUsageError, RequestErrorCode14, RequestErrorCode18, SessionErrorCode, StreamResetCode
-from .requests import Role, SessionConfig
-from .session import MoqtSession
-from .types import ALPNS, Draft, GroupOrder, KeyValuePairs, Location, Namespace, ObjectStatus
-from .writers import FetchStreamWriter
+from moqt import events as ev
+from moqt.actions import CloseSession, ResetStream, SendDatagram, SendStreamData, StopSending
+from moqt.errors import MoqtUsageError, RequestErrorCode14, RequestErrorCode18, SessionErrorCode, StreamResetCode
+from moqt.requests import Role, SessionConfig
+from moqt.session import MoqtSession
+from moqt.types import ALPNS, Draft, GroupOrder, KeyValuePairs, Location, Namespace, ObjectStatus
+from moqt.writers import FetchStreamWriter
+from quic.connection import KvspQuicConnection
+from quic.listener import HandlerFactory, QuicConnectionContext
+from quic.protocol import KvspQuicProtocol, QuicConnectError, connect_quic
+from quic.tls import TLS_1_3, TlsFiles, TransportSettings, identity_of_pem, tls_extension
 
 log = logging.getLogger("kvsp.moqt")
 
@@ -913,7 +912,7 @@ class MoqtConnection:
 
 
 class MoqtServerHandler:
-    """A :class:`http3.quic_server.ConnectionHandler` for one MOQT connection."""
+    """A :class:`quic.listener.ConnectionHandler` for one MOQT connection."""
 
     def __init__(self, ctx: QuicConnectionContext, app: MoqtApp, config: SessionConfig | None = None, *,
                  data_streams: int | None = None) -> None:
@@ -936,7 +935,7 @@ class MoqtServerHandler:
 
 def moqt_handlers(app: MoqtApp, *, config: SessionConfig | None = None, alpns: Sequence[str] = ALPNS,
                   data_streams: int | None = None) -> dict[str, HandlerFactory]:
-    """Handler factories for :class:`~http3.quic_server.QuicListener` / ``RoleServer(quic_handlers=...)``: every
+    """Handler factories for :class:`~quic.listener.QuicListener` / ``RoleServer(quic_handlers=...)``: every
     MOQT connection gets a session of its ALPN's draft, served by *app*. *data_streams*: for a server that also
     fetches on accepted connections (a relay), the peer data streams admitted at once beyond the handshake's
     grant (see :meth:`MoqtQuicConnection.budget`)."""

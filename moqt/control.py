@@ -7,12 +7,12 @@ require closing the session with PROTOCOL_VIOLATION. So is an unknown message ty
 
 from __future__ import annotations
 
-from .errors import protocol_violation
-from .message import Message
-from .messages14 import MESSAGES as MESSAGES14
-from .messages18 import MESSAGES as MESSAGES18
-from .types import Draft
-from .varint import NeedMore, Reader, Writer, encode_varint
+from moqt.errors import protocol_violation
+from moqt.message import Message
+from moqt.messages14 import MESSAGES as MESSAGES14
+from moqt.messages18 import MESSAGES as MESSAGES18
+from moqt.types import Draft
+from moqt.varint import NeedMore, Reader, Writer, encode_varint
 
 TABLES = {Draft.D14: MESSAGES14, Draft.D18: MESSAGES18}
 MAX_PAYLOAD = 0xFFFF

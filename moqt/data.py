@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final
 
-from .errors import protocol_violation
-from .types import (
+from moqt.errors import protocol_violation
+from moqt.types import (
     OBJECT_STATUSES,
     Draft,
     GroupOrder,
@@ -35,7 +35,7 @@ from .types import (
     decode_kvp_block,
     encode_kvp_block,
 )
-from .varint import Reader, Writer, varint_max
+from moqt.varint import Reader, Writer, varint_max
 
 FETCH_HEADER: Final = 0x05
 SETUP_STREAM: Final = 0x2F00  # draft 18: a control stream begins with its SETUP message

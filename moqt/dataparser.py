@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from enum import Enum
 
-from .data import (
+from moqt.data import (
     FETCH_HEADER,
     PADDING_STREAM,
     FetchObjectDecoder,
@@ -22,10 +22,10 @@ from .data import (
     decode_subgroup_object,
     is_subgroup_type,
 )
-from .errors import protocol_violation
-from .events import DataStreamOpened, Event, FetchRangeEnded, ObjectReceived, StreamEnded
-from .types import Draft, GroupOrder, Location
-from .varint import NeedMore, Reader
+from moqt.errors import protocol_violation
+from moqt.events import DataStreamOpened, Event, FetchRangeEnded, ObjectReceived, StreamEnded
+from moqt.types import Draft, GroupOrder, Location
+from moqt.varint import NeedMore, Reader
 
 _SLICE = 4096  # octets of new data appended to a cut header per attempt
 

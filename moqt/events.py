@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .messages18 import Params18, Redirect
-from .types import (
+from moqt.messages18 import Params18, Redirect
+from moqt.types import (
     AuthToken,
     Draft,
     FetchTarget,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import ClassVar, Self
 
-from .errors import protocol_violation
-from .types import GroupOrder, KeyValuePairs
-from .varint import Reader, Writer
+from moqt.errors import protocol_violation
+from moqt.types import GroupOrder, KeyValuePairs
+from moqt.varint import Reader, Writer
 
 
 class Message:

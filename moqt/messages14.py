@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import ClassVar, Final, Self
 
-from .errors import protocol_violation
-from .message import Message, check_no_duplicates, read_flag, read_group_order
-from .types import (
+from moqt.errors import protocol_violation
+from moqt.message import Message, check_no_duplicates, read_flag, read_group_order
+from moqt.types import (
     LARGEST_OBJECT_FILTER,
     MAX_URI,
     FetchTarget,
@@ -37,7 +37,7 @@ from .types import (
     encode_fetch_target,
     encode_namespace,
 )
-from .varint import Reader, Writer
+from moqt.varint import Reader, Writer
 
 
 class Param14(IntEnum):

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import ClassVar, Final, Self
 
-from .errors import RequestErrorCode18, protocol_violation
-from .message import Message, check_no_duplicates, read_flag
-from .types import (
+from moqt.errors import RequestErrorCode18, protocol_violation
+from moqt.message import Message, check_no_duplicates, read_flag
+from moqt.types import (
     MAX_FULL_TRACK_NAME,
     MAX_URI,
     FetchTarget,
@@ -50,7 +50,7 @@ from .types import (
     encode_kvps,
     encode_namespace,
 )
-from .varint import NeedMore, Reader, Writer, varint_max
+from moqt.varint import NeedMore, Reader, Writer, varint_max
 
 
 class Param18(IntEnum):

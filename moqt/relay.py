@@ -11,7 +11,7 @@ the same mutual TLS as every role. docs/moqt.md ("Relay") records the decisions;
   for the same track whose range covers it (**coalescing**: 8 concurrent FETCHes of a block are one upstream
   FETCH); else the relay starts one: to the session that published the longest prefix of the namespace, or --
   for a KVSP namespace nobody published here -- to the ``moqt://`` holder the Index Service names
-  (:mod:`moqt.relay_index`). For a KVSP track the upstream FETCH runs from the first layer asked for to the end of
+  (:mod:`kvsp_moqt.index_link`). For a KVSP track the upstream FETCH runs from the first layer asked for to the end of
   the block, so that later requests for the rest join it. Every downstream FETCH is written by its own task
   from the shared :class:`~moqt.relay_cache.TrackFetch` as the pieces arrive (**cut-through**: the first layer
   leaves before the second has arrived), FETCH_OK as soon as the upstream's is known (objects may precede it:
@@ -40,12 +40,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvsp_moqt.tracks import GROUP, KvspTrack, parse_track
 from kvsp_quic.records import ReplicaRecord
 from kvsp_quic.roles.relay import Decision, RelayRules, Verdict, under
-
-from . import events as ev
-from .aio import FetchCancelled, MoqtApp, MoqtConnection, MoqtRequestError, MoqtSessionClosed, MoqtStalled, ServedFetch
-from .errors import (
+from moqt import events as ev
+from moqt.aio import (
+    FetchCancelled,
+    MoqtApp,
+    MoqtConnection,
+    MoqtRequestError,
+    MoqtSessionClosed,
+    MoqtStalled,
+    ServedFetch,
+)
+from moqt.errors import (
     FetchErrorCode14,
     MoqtUsageError,
     PublishDoneCode14,
@@ -54,11 +62,10 @@ from .errors import (
     RequestErrorCode18,
     StreamResetCode,
 )
-from .kvsp import GROUP, KvspTrack, parse_track
-from .messages18 import Params18
-from .relay_cache import WHOLE, Key, RelayCache, TrackFetch, TrackKey, end_key, end_location, start_key
-from .types import Draft, GroupOrder, JoiningFetch, Location, Namespace
-from .writers import SubgroupWriter
+from moqt.messages18 import Params18
+from moqt.relay_cache import WHOLE, Key, RelayCache, TrackFetch, TrackKey, end_key, end_location, start_key
+from moqt.types import Draft, GroupOrder, JoiningFetch, Location, Namespace
+from moqt.writers import SubgroupWriter
 
 log = logging.getLogger("kvsp.relay")
 
@@ -70,7 +77,7 @@ class NoUpstream(LookupError):
 
 
 class UpstreamResolver(Protocol):
-    """Index-guided upstreams (:class:`moqt.relay_index.IndexLink`)."""
+    """Index-guided upstreams (:class:`kvsp_moqt.index_link.IndexLink`)."""
 
     async def resolve(self, track: KvspTrack, namespace: Namespace) -> tuple[MoqtConnection, ReplicaRecord] | None:
         ...

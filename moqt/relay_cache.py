@@ -20,15 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from . import events as ev
-from .kvsp import KvspTrack, MalformedTrack
-from .types import KeyValuePairs, Location, Namespace, ObjectStatus
+from kvsp_moqt.tracks import KvspTrack, MalformedTrack
+from moqt import events as ev
+from moqt.types import KeyValuePairs, Location, Namespace, ObjectStatus
 
 if TYPE_CHECKING:
     from kvsp_quic.records import ReplicaRecord
-
-    from .aio import FetchStream
-    from .types import Draft
+    from moqt.aio import FetchStream
+    from moqt.types import Draft
 
 WHOLE = 1 << 64  # the object of an end key meaning "to the end of the group"
 Key = tuple[int, int]

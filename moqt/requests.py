@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final
 
-from .errors import MoqtError, SessionErrorCode, protocol_violation
-from .types import FilterType, GroupOrder, KeyValuePairs, Location, Namespace, SubscriptionFilter
-from .writers import FetchStreamWriter
+from moqt.errors import MoqtError, SessionErrorCode, protocol_violation
+from moqt.types import FilterType, GroupOrder, KeyValuePairs, Location, Namespace, SubscriptionFilter
+from moqt.writers import FetchStreamWriter
 
 
 class Role(Enum):

@@ -14,8 +14,8 @@ stream per request, cancellation by stream reset). Create a session with ``MoqtS
 
 from __future__ import annotations
 
-from .actions import Action, CloseSession, OpenStream, ResetStream, SendDatagram, SendStreamData, StopSending
-from .data import (
+from moqt.actions import Action, CloseSession, OpenStream, ResetStream, SendDatagram, SendStreamData, StopSending
+from moqt.data import (
     FetchObjectEncoder,
     ObjectDatagram,
     SubgroupHeader,
@@ -23,9 +23,9 @@ from .data import (
     decode_datagram,
     encode_fetch_header,
 )
-from .dataparser import DataStreamParser
-from .errors import MoqtError, MoqtUsageError, SessionErrorCode, StreamResetCode, protocol_violation
-from .events import (
+from moqt.dataparser import DataStreamParser
+from moqt.errors import MoqtError, MoqtUsageError, SessionErrorCode, StreamResetCode, protocol_violation
+from moqt.events import (
     DataStreamOpened,
     Event,
     ObjectReceived,
@@ -34,9 +34,9 @@ from .events import (
     StreamReset,
     StreamStopped,
 )
-from .messages18 import Redirect
-from .requests import Kind, Request, Role, RState, SessionConfig
-from .types import (
+from moqt.messages18 import Redirect
+from moqt.requests import Kind, Request, Role, RState, SessionConfig
+from moqt.types import (
     AliasType,
     AuthToken,
     Draft,
@@ -52,8 +52,8 @@ from .types import (
     SubscriptionFilter,
     check_namespace,
 )
-from .varint import NeedMore
-from .writers import FetchStreamWriter, StreamWriter, SubgroupWriter
+from moqt.varint import NeedMore
+from moqt.writers import FetchStreamWriter, StreamWriter, SubgroupWriter
 
 __all__ = ["Kind", "MoqtSession", "RState", "Request", "Role", "SessionConfig"]
 
@@ -92,8 +92,8 @@ class MoqtSession:
 
     @staticmethod
     def create(draft: Draft, role: Role, config: SessionConfig | None = None) -> MoqtSession:
-        from .session14 import Session14
-        from .session18 import Session18
+        from moqt.session14 import Session14
+        from moqt.session18 import Session18
 
         return (Session14 if draft is Draft.D14 else Session18)(role, config)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections import deque
 from typing import ClassVar
 
-from .control import ControlParser, encode_message
-from .errors import (
+from moqt.control import ControlParser, encode_message
+from moqt.errors import (
     FetchErrorCode14,
     MoqtError,
     MoqtUsageError,
@@ -18,7 +18,7 @@ from .errors import (
     StreamResetCode,
     protocol_violation,
 )
-from .events import (
+from moqt.events import (
     FetchAccepted,
     FetchCancelled,
     FetchRequested,
@@ -41,8 +41,8 @@ from .events import (
     Unsubscribed,
     UpdateRequested,
 )
-from .message import Message
-from .messages14 import (
+from moqt.message import Message
+from moqt.messages14 import (
     REQUESTS,
     ClientSetup,
     ErrorReply,
@@ -75,12 +75,12 @@ from .messages14 import (
     Unsubscribe,
     UnsubscribeNamespace,
 )
-from .messages14 import PublishDone as PublishDoneMsg
-from .messages14 import PublishNamespaceDone as PublishNamespaceDoneMsg
-from .messages18 import Redirect
-from .requests import Kind, Request, Role, RState, SessionConfig, absolute_filter, check_authority, check_path
-from .session import MoqtSession
-from .types import (
+from moqt.messages14 import PublishDone as PublishDoneMsg
+from moqt.messages14 import PublishNamespaceDone as PublishNamespaceDoneMsg
+from moqt.messages18 import Redirect
+from moqt.requests import Kind, Request, Role, RState, SessionConfig, absolute_filter, check_authority, check_path
+from moqt.session import MoqtSession
+from moqt.types import (
     LARGEST_OBJECT_FILTER,
     AuthToken,
     Draft,

@@ -5,9 +5,9 @@ cancelled by resetting / stopping its stream. No version negotiation (ALPN) and 
 
 from __future__ import annotations
 
-from .control import ControlParser, encode_message
-from .data import SETUP_STREAM
-from .errors import (
+from moqt.control import ControlParser, encode_message
+from moqt.data import SETUP_STREAM
+from moqt.errors import (
     MoqtError,
     MoqtUsageError,
     PublishDoneCode18,
@@ -16,7 +16,7 @@ from .errors import (
     StreamResetCode,
     protocol_violation,
 )
-from .events import (
+from moqt.events import (
     FetchAccepted,
     FetchCancelled,
     FetchRequested,
@@ -41,8 +41,8 @@ from .events import (
     UpdateAccepted,
     UpdateRequested,
 )
-from .message import Message
-from .messages18 import (
+from moqt.message import Message
+from moqt.messages18 import (
     FIRST_ON_REQUEST_STREAM,
     Fetch,
     FetchOk,
@@ -63,10 +63,10 @@ from .messages18 import (
     SubscribeTracks,
     TrackStatus,
 )
-from .messages18 import PublishDone as PublishDoneMsg
-from .requests import Kind, Request, Role, RState, SessionConfig, check_authority, check_path
-from .session import MoqtSession
-from .types import (
+from moqt.messages18 import PublishDone as PublishDoneMsg
+from moqt.requests import Kind, Request, Role, RState, SessionConfig, check_authority, check_path
+from moqt.session import MoqtSession
+from moqt.types import (
     Draft,
     FetchTarget,
     GroupOrder,
@@ -79,7 +79,7 @@ from .types import (
     SubscriptionFilter,
     kvp_value,
 )
-from .varint import NeedMore, Reader
+from moqt.varint import NeedMore, Reader
 
 DEFAULT_PUBLISHER_GROUP_ORDER = 0x22  # the track property
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TypeVar
 
-from .actions import Action, CloseSession, ResetStream, SendDatagram, SendStreamData, StopSending
-from .events import Event, ObjectReceived
-from .session import MoqtSession, Role, SessionConfig
-from .types import Draft
+from moqt.actions import Action, CloseSession, ResetStream, SendDatagram, SendStreamData, StopSending
+from moqt.events import Event, ObjectReceived
+from moqt.session import MoqtSession, Role, SessionConfig
+from moqt.types import Draft
 
 E = TypeVar("E")
 

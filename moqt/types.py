@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from enum import Enum, IntEnum
 from typing import Final, NewType
 
-from .errors import MoqtError, SessionErrorCode, protocol_violation
-from .varint import NeedMore, Reader, Writer, varint_max
+from moqt.errors import MoqtError, SessionErrorCode, protocol_violation
+from moqt.varint import NeedMore, Reader, Writer, varint_max
 
 Namespace = tuple[bytes, ...]
 TrackAlias = NewType("TrackAlias", int)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from .errors import MoqtError, SessionErrorCode
+from moqt.errors import MoqtError, SessionErrorCode
 
 QUIC_MAX: Final = (1 << 62) - 1
 VI64_MAX: Final = (1 << 64) - 1

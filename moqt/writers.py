@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .data import FetchObjectEncoder, SubgroupObjectEncoder
-from .errors import MoqtUsageError, StreamResetCode
-from .types import KeyValuePairs, Location, ObjectStatus
+from moqt.data import FetchObjectEncoder, SubgroupObjectEncoder
+from moqt.errors import MoqtUsageError, StreamResetCode
+from moqt.types import KeyValuePairs, Location, ObjectStatus
 
 
 class _Sink(Protocol):

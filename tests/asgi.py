@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from http3.tls import tls_extension
+from quic.tls import tls_extension
 
 Message = MutableMapping[str, Any]
 App = Callable[[MutableMapping[str, Any], Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]],

@@ -3,8 +3,7 @@ from __future__ import annotations
 import pytest
 
 from kvsp_quic.compat import CompatDescriptor
-
-from . import vectors
+from tests import vectors
 
 
 @pytest.fixture

@@ -16,9 +16,8 @@ from http3.authz import PRINCIPAL_KEY, Authorization, Rule, principal_of, route_
 from kvsp_quic import auth, fields
 from kvsp_quic.auth import Policy
 from kvsp_quic.problems import NotFound
-
-from . import pki as test_pki
-from .asgi import Sent, call, http_scope, tls_for
+from tests import pki as test_pki
+from tests.asgi import Sent, call, http_scope, tls_for
 
 SERVER = test_pki.SERVER_URI  # https://127.0.0.1/ -- a holder here
 ALICE = "urn:kvsp:client:alice"  # a client; bob has a certificate of the same CA but is not in the policy

@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 
 from kvsp_quic import container as c
-from kvsp_quic.cli import main
+from kvsp_quic.app.cli import main
 from kvsp_quic.compat import CompatDescriptor
-
-from . import vectors
+from tests import vectors
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC_DESCRIPTOR = ROOT / "examples" / "descriptor.json"

@@ -10,11 +10,10 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from http3 import pki
-from http3.tls import scope_identity
-from kvsp_quic.cli import main
-
-from .asgi import http_scope
+from kvsp_quic.app.cli import main
+from quic import pki
+from quic.tls import scope_identity
+from tests.asgi import http_scope
 
 H1 = "https://127.0.0.1:4433/kvsp/"
 INDEX = "https://index.example:8443/"

@@ -19,14 +19,13 @@ import pytest
 
 from http3.client import KvspClient
 from http3.retrieval import BlockFetcher
-from http3.tls import TlsFiles
 from kvsp_quic import container
+from kvsp_quic.app.serve import example_descriptor
 from kvsp_quic.keys import BlockKeyer
 from kvsp_quic.records import LeaseRequest
 from kvsp_quic.samples import random_sections
-from kvsp_quic.serve import example_descriptor
-
-from .redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
+from quic.tls import TlsFiles
+from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
 
 DESCRIPTOR = example_descriptor()  # 32 layers, 4-token blocks, 8 heads x 128 bf16: 512 KiB of K and V a block
 SCOPE_KEY = bytes(range(32))

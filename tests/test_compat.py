@@ -14,8 +14,7 @@ from kvsp_quic.compat import (
     tokenizer_digest,
     weight_files,
 )
-
-from . import vectors
+from tests import vectors
 
 
 def test_canonical_json_matches_the_spec_vector(spec_descriptor: CompatDescriptor) -> None:

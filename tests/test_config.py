@@ -6,7 +6,7 @@ from typing import Literal
 
 import pytest
 
-from kvsp_quic.config import ConfigError, ServerSection, TlsSection, build, host_port, load
+from kvsp_quic.app.config import ConfigError, ServerSection, TlsSection, build, host_port, load
 
 
 @dataclass(frozen=True)

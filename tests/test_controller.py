@@ -48,8 +48,7 @@ from kvsp_quic.roles.controller_records import SessionRequest, SessionResume, Se
 from kvsp_quic.roles.index import Geometry, IndexConfig, IndexService
 from kvsp_quic.roles.status import InstanceStatus, LifecyclePolicy, SleepMode, SleepPolicy, StatusTable
 from kvsp_quic.storage.memory_index import MemoryIndexStore
-
-from .test_index import C1, S1, S2, FakeClock, bk, replica
+from tests.test_index import C1, S1, S2, FakeClock, bk, replica
 
 H1 = "https://h1.example/kvsp/"
 IA = "https://ia.example/kvsp/"

@@ -30,11 +30,11 @@ from http3.controller_app import HttpInstanceLink, controller_app
 from http3.holder_app import holder_app
 from http3.problem_response import install
 from http3.server import RoleServer, bind_pair
-from http3.tls import TlsFiles
 from kvsp_quic import keys as k
+from kvsp_quic.app.config import ConfigError, ControllerSection, IndexFile, build
+from kvsp_quic.app.serve import run_index
 from kvsp_quic.auth import ALL, Policy, Principal, Role
 from kvsp_quic.compat import InstanceState
-from kvsp_quic.config import ConfigError, ControllerSection, IndexFile, build
 from kvsp_quic.metrics import CONTENT_TYPE, Registry
 from kvsp_quic.problems import InvalidState
 from kvsp_quic.records import (
@@ -54,13 +54,12 @@ from kvsp_quic.roles.controller_records import SessionInfo, SessionResume, Sessi
 from kvsp_quic.roles.holder import Holder, HolderSettings
 from kvsp_quic.roles.index import Geometry, IndexConfig, IndexService
 from kvsp_quic.roles.status import LifecyclePolicy, SleepPolicy, StatusTable
-from kvsp_quic.serve import run_index
 from kvsp_quic.storage.memory_index import MemoryIndexStore
-
-from .conftest import small_descriptor
-from .pki import make_pki
-from .test_index import C1, S1, bk, replica
-from .test_metrics import check_format
+from quic.tls import TlsFiles
+from tests.conftest import small_descriptor
+from tests.pki import make_pki
+from tests.test_index import C1, S1, bk, replica
+from tests.test_metrics import check_format
 
 BLOCK = 16
 BYTES_PER_TOKEN = 1024  # what a fake instance counts per token it would transfer in a reshard

@@ -14,13 +14,12 @@ import pytest
 from http3.client import KvspClient
 from http3.frontend_app import Frontend, frontend_app
 from http3.server import RoleServer
+from kvsp_quic.app.serve import example_descriptor
 from kvsp_quic.auth import Policy
 from kvsp_quic.frontend import SamplingRequest, TokenGap, TokenRelay
 from kvsp_quic.keys import BlockKeyer
 from kvsp_quic.problems import BadRequest
-from kvsp_quic.serve import example_descriptor
-
-from .pki import TestPki, make_pki
+from tests.pki import TestPki, make_pki
 
 DESCRIPTOR = example_descriptor()
 OUTPUT = [100 + i for i in range(10)]
@@ -151,7 +150,7 @@ async def test_every_index_exactly_once_through_a_failover(system) -> None:
 
 async def test_streaming_server_sent_events(system) -> None:
     certs, _, _, edge = system
-    from http3.tls import ssl_client_context
+    from quic.tls import ssl_client_context
 
     ctx = ssl_client_context(certs.files("bob"), alpn=["h2"])
     async with httpx.AsyncClient(verify=ctx, http2=True) as user, user.stream(

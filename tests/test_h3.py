@@ -15,12 +15,11 @@ from aioquic.quic.configuration import QuicConfiguration
 from http3.client import KvspClient, TransportError
 from http3.h3_client import H3ClientConnection, H3ConnectError, connect_h3
 from http3.h3_server import h3_handler
-from http3.quic_conn import KvspQuicConnection
-from http3.quic_server import QuicListener
-from http3.tls import TlsFiles, TransportSettings, scope_identity
-from http3.udp import BatchedUdpTransport, bind_udp
-
-from .pki import TestPki, make_pki
+from quic.connection import KvspQuicConnection
+from quic.listener import QuicListener
+from quic.tls import TlsFiles, TransportSettings, scope_identity
+from quic.udp import BatchedUdpTransport, bind_udp
+from tests.pki import TestPki, make_pki
 
 SMALL_WINDOWS = TransportSettings(stream_window=1 << 20, connection_window=2 << 20, send_buffer=1 << 20,
                                   max_body_bytes=96 << 20, shutdown_grace=5.0)
@@ -246,7 +245,7 @@ def test_server_requires_a_handler(certs: TestPki) -> None:
 
 def test_server_context_asks_for_client_certificates(certs: TestPki) -> None:
     # The TLS posture of the TCP side is checked in test_tcp_server; here the QUIC configuration.
-    from http3.tls import quic_configuration
+    from quic.tls import quic_configuration
 
     config = quic_configuration(certs.files("server"), is_client=False, alpn=["h3"])
     assert config.verify_mode == ssl.CERT_REQUIRED and config.cadata == certs.ca.read_bytes()
@@ -285,7 +284,7 @@ def test_server_name_check(certs: TestPki) -> None:
     from aioquic import tls
     from cryptography import x509
 
-    from http3.quic_conn import check_server_name
+    from quic.connection import check_server_name
 
     cert = x509.load_pem_x509_certificate(certs.files("server").cert.read_bytes())
     check_server_name(cert, "127.0.0.1")

@@ -16,10 +16,9 @@ from typing import Any
 import pytest
 
 from http3.h3_server import h3_handler
-from http3.quic_server import QuicListener
-from http3.tls import TlsFiles, scope_identity
-
-from .pki import TestPki, make_pki
+from quic.listener import QuicListener
+from quic.tls import TlsFiles, scope_identity
+from tests.pki import TestPki, make_pki
 
 ROOT = Path(__file__).resolve().parent.parent
 GTLSCLIENT = shutil.which("gtlsclient")

@@ -30,8 +30,7 @@ from kvsp_quic.roles.holder import Holder, HolderSettings, IntentKind, parse_cod
 from kvsp_quic.roles.leases import LeaseLimits
 from kvsp_quic.samples import random_sections
 from kvsp_quic.storage.tiers import BlockId, LocalStorageConfig
-
-from .conftest import small_descriptor
+from tests.conftest import small_descriptor
 
 BASE = "https://h1.example/kvsp/"
 SCOPE = bytes.fromhex("6d1c6481cd428737da312c089db3832a")

@@ -18,7 +18,6 @@ from http3.client import KvspClient, Response
 from http3.holder_app import holder_app
 from http3.publisher import ReplicaPublisher
 from http3.server import RoleServer
-from http3.tls import scope_identity
 from kvsp_quic import container as c
 from kvsp_quic.auth import Policy
 from kvsp_quic.compat import CompatDescriptor
@@ -27,9 +26,9 @@ from kvsp_quic.records import LeaseResponse, ReplicaRecord
 from kvsp_quic.roles.holder import Holder, HolderSettings
 from kvsp_quic.roles.leases import LeaseLimits
 from kvsp_quic.samples import random_sections
-
-from .conftest import small_descriptor
-from .pki import TestPki, make_pki
+from quic.tls import scope_identity
+from tests.conftest import small_descriptor
+from tests.pki import TestPki, make_pki
 
 HOLDER_URI = "https://127.0.0.1/kvsp/"
 INDEX_URI = "https://127.0.0.1/is/"

@@ -36,8 +36,7 @@ from kvsp_quic.roles.index import Geometry, IndexConfig, IndexService
 from kvsp_quic.roles.status import InstanceStatus, StatusTable
 from kvsp_quic.storage.index_store import IndexStore, pack_body, unpack_body
 from kvsp_quic.storage.memory_index import MemoryIndexStore
-
-from .redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
+from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
 
 S1, S2 = bytes([1]) * 16, bytes([2]) * 16
 C1, C2 = bytes([0xC1]) * 32, bytes([0xC2]) * 32

@@ -17,7 +17,6 @@ from http3.app_kit import JSON_MEDIA_TYPE as MEDIA_TYPE
 from http3.client import KvspClient, Response
 from http3.index_app import index_app, lookup_json
 from http3.server import RoleServer
-from http3.tls import TlsFiles
 from kvsp_quic import keys as k
 from kvsp_quic.auth import Policy
 from kvsp_quic.compat import InstanceState
@@ -42,9 +41,9 @@ from kvsp_quic.records import (
 )
 from kvsp_quic.roles.index import Geometry, IndexConfig, IndexService
 from kvsp_quic.storage.memory_index import MemoryIndexStore
-
-from .pki import make_pki
-from .test_index import C1, S1, S2, SHAPES, bk, replica
+from quic.tls import TlsFiles
+from tests.pki import make_pki
+from tests.test_index import C1, S1, S2, SHAPES, bk, replica
 
 INDEX = "https://127.0.0.1/kvsp/"
 H1 = "https://h1.example/kvsp/"

@@ -42,8 +42,7 @@ from kvsp_quic.keys import BlockKeyer, holder_id, scope_id  # noqa: E402
 from kvsp_quic.roles.holder import Holder, HolderSettings  # noqa: E402
 from kvsp_quic.roles.index import IndexService  # noqa: E402
 from kvsp_quic.storage.memory_index import MemoryIndexStore  # noqa: E402
-
-from .pki import TestPki, make_pki  # noqa: E402
+from tests.pki import TestPki, make_pki  # noqa: E402
 
 B = 4
 LAYERS = 4

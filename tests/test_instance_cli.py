@@ -13,9 +13,9 @@ import pytest
 
 from gpu.modelfiles import ModelConfig, write_random_model
 from http3.client import KvspClient
-from http3.tls import TlsFiles
-from kvsp_quic.cli import main
-from kvsp_quic.config import ConfigError, InstanceFile, load
+from kvsp_quic.app.cli import main
+from kvsp_quic.app.config import ConfigError, InstanceFile, load
+from quic.tls import TlsFiles
 
 torch = pytest.importorskip("torch", reason="the gpu extra (torch) is not installed")
 

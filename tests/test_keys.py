@@ -20,8 +20,7 @@ from kvsp_quic.keys import (
     parse_scope_key,
     scope_id,
 )
-
-from . import vectors
+from tests import vectors
 
 COMPAT = bytes.fromhex(vectors.COMPAT_ID)
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from starlette.applications import Starlette
 
-from http3 import pki
 from http3.app_kit import role_app
 from http3.authz import Rule
 from http3.metrics_app import TransferMetrics, mount_metrics
@@ -25,8 +24,8 @@ from kvsp_quic.metrics import (
     retrieval_collectors,
 )
 from kvsp_quic.retrieval_plan import RetrievalMetrics
-
-from .asgi import call, http_scope
+from quic import pki
+from tests.asgi import call, http_scope
 
 # One line of the text format: name, optional labels, value (no timestamps are written).
 _SAMPLE = re.compile(r'[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*="(\\.|[^"\\])*",?)*\})? \S+')

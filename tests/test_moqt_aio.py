@@ -14,7 +14,6 @@ import pytest
 
 from http3.client import KvspClient
 from http3.server import RoleServer
-from http3.tls import TransportSettings, scope_identity
 from moqt import Location
 from moqt.aio import (
     FetchCancelled,
@@ -29,8 +28,8 @@ from moqt.aio import (
     not_supported_code,
 )
 from moqt.events import FetchRequested
-
-from .pki import SERVER_URI, TestPki, make_pki
+from quic.tls import TransportSettings, scope_identity
+from tests.pki import SERVER_URI, TestPki, make_pki
 
 ALICE = "urn:kvsp:client:alice"
 NS = (b"test", b"objects")

@@ -24,9 +24,8 @@ from moqt.messages18 import Setup
 from moqt.session import MoqtSession, Role, SessionConfig
 from moqt.types import Draft, GroupOrder, Location
 from moqt.varint import NeedMore
-
-from .test_moqt_codec import MESSAGES_14, MESSAGES_18
-from .test_moqt_data import DATAGRAMS, FETCH_OBJECTS, fetch_stream
+from tests.test_moqt_codec import MESSAGES_14, MESSAGES_18
+from tests.test_moqt_data import DATAGRAMS, FETCH_OBJECTS, fetch_stream
 
 FULL = os.environ.get("KVSP_SLOW") == "1"
 drafts = st.sampled_from(list(Draft))

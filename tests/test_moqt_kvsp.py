@@ -1,4 +1,5 @@
-"""KVSP over MOQT (moqt/kvsp.py, moqt/aio_kvsp.py, http3/moqt_source.py) over real sockets on 127.0.0.1: an in-process
+"""KVSP over MOQT (kvsp_moqt/tracks.py, kvsp_moqt/holder_tracks.py, kvsp_moqt/source.py) over real sockets on
+127.0.0.1: an in-process
 Holder served by one RoleServer (holder_app over HTTP/3 + its tracks over MOQT, one UDP port), FETCHes of group 0
 with every layer verified as it arrives, refusals with the drafts' codes, the replica publisher's MOQT twins at a
 real Index Service, and BlockFetcher preferring the moqt:// replica and falling back to HTTP for each way MOQT
@@ -22,11 +23,24 @@ import pytest
 from http3.client import KvspClient
 from http3.holder_app import holder_app
 from http3.index_app import index_app
-from http3.moqt_source import MoqtSource, PreferMoqt
 from http3.publisher import ReplicaPublisher
 from http3.retrieval import BlockFetcher, HttpSource
 from http3.server import RoleServer, bind_pair
-from http3.tls import TlsFiles
+from kvsp_moqt.holder_tracks import HolderTracks, fetch_layers, fetch_replica, holder_moqt_handlers
+from kvsp_moqt.source import MoqtSource, PreferMoqt
+from kvsp_moqt.tracks import (
+    LayerAssembler,
+    MalformedTrack,
+    does_not_exist,
+    invalid_range,
+    moqt_record,
+    moqt_uri_for,
+    parse_track,
+    served_range,
+    track_name,
+    track_namespace,
+    unauthorized,
+)
 from kvsp_quic import container as c
 from kvsp_quic.auth import Policy, Principal, Role
 from kvsp_quic.compat import CompatDescriptor
@@ -40,25 +54,11 @@ from kvsp_quic.storage.memory_index import MemoryIndexStore
 from kvsp_quic.storage.tiers import BlockId
 from moqt import Location
 from moqt.aio import MoqtApp, MoqtConnection, MoqtPool, MoqtRequestError, moqt_handlers
-from moqt.aio_kvsp import HolderTracks, fetch_layers, fetch_replica, holder_moqt_handlers
 from moqt.events import FetchRequested, ObjectReceived
-from moqt.kvsp import (
-    LayerAssembler,
-    MalformedTrack,
-    does_not_exist,
-    invalid_range,
-    moqt_record,
-    moqt_uri_for,
-    parse_track,
-    served_range,
-    track_name,
-    track_namespace,
-    unauthorized,
-)
 from moqt.types import Draft, ObjectStatus, StandaloneFetch
-
-from .conftest import small_descriptor
-from .pki import TestPki, make_pki
+from quic.tls import TlsFiles
+from tests.conftest import small_descriptor
+from tests.pki import TestPki, make_pki
 
 SCOPE = bytes.fromhex("6d1c6481cd428737da312c089db3832a")
 OTHER_SCOPE = bytes.fromhex("00112233445566778899aabbccddeeff")
@@ -439,8 +439,8 @@ class Process:
 
 
 async def test_dev_holder_serves_moqt_and_publishes_twins(tmp_path: Path) -> None:
+    from kvsp_quic.app.serve import example_descriptor
     from kvsp_quic.keys import BlockKeyer
-    from kvsp_quic.serve import example_descriptor
 
     d = example_descriptor()
     keyer = BlockKeyer(bytes(range(32)), d.compat_id, d.block_tokens)

@@ -29,19 +29,18 @@ from pathlib import Path
 
 import pytest
 
-from http3.quic_server import QuicListener
+from kvsp_moqt.holder_tracks import HolderTracks, fetch_layers
+from kvsp_moqt.tracks import moqt_record, track_name, track_namespace
 from kvsp_quic.auth import Policy
 from kvsp_quic.records import ReplicaRecord, ResidencyEntry, encode_moqt_namespace
 from kvsp_quic.roles.holder import Holder, HolderSettings
 from kvsp_quic.roles.relay import RelayRules
 from moqt.aio import MoqtConnectError, connect_moqt, moqt_handlers
-from moqt.aio_kvsp import HolderTracks, fetch_layers
-from moqt.kvsp import moqt_record, track_name, track_namespace
 from moqt.relay import Relay, RelayConfig
-
-from .conftest import small_descriptor
-from .pki import TestPki, make_pki
-from .test_moqt_relay import ALICE, HOLDER_URI, SCOPE, WRITER, block, key
+from quic.listener import QuicListener
+from tests.conftest import small_descriptor
+from tests.pki import TestPki, make_pki
+from tests.test_moqt_relay import ALICE, HOLDER_URI, SCOPE, WRITER, block, key
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = ROOT / "interop" / "aiomoqt_peer.py"

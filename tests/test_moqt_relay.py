@@ -1,4 +1,4 @@
-"""The MOQT relay (moqt/relay.py, moqt/relay_cache.py, moqt/relay_index.py, kvsp_quic/roles/relay.py): its rules
+"""The MOQT relay (moqt/relay.py, moqt/relay_cache.py, kvsp_moqt/index_link.py, kvsp_quic/roles/relay.py): its rules
 sans I/O, then real sockets on 127.0.0.1 -- a Holder's tracks published to the relay by the holder's own session,
 subscribers fetching through it with every layer verified, across drafts; the cache, coalescing and cut-through;
 refusals; upstream failures; index-guided upstreams and the relay's Replica Records; SUBSCRIBE fan-out; and
@@ -22,13 +22,14 @@ import pytest
 
 from http3.client import KvspClient
 from http3.index_app import index_app
-from http3.quic_server import QuicListener
 from http3.server import RoleServer
-from http3.tls import TransportSettings
+from kvsp_moqt.holder_tracks import HolderTracks, fetch_layers
+from kvsp_moqt.index_link import IndexLink
+from kvsp_moqt.tracks import does_not_exist, invalid_range, moqt_record, track_name, track_namespace, unauthorized
 from kvsp_quic import container as c
+from kvsp_quic.app.config import ConfigError, RelayFile, RelaySection, build
 from kvsp_quic.auth import Policy, Principal, Role
 from kvsp_quic.compat import CompatDescriptor
-from kvsp_quic.config import ConfigError, RelayFile, RelaySection, build
 from kvsp_quic.keys import holder_id
 from kvsp_quic.records import ReplicaRecord, decode_moqt_namespace
 from kvsp_quic.roles.holder import Holder, HolderSettings
@@ -47,16 +48,14 @@ from moqt.aio import (
     connect_moqt,
     moqt_handlers,
 )
-from moqt.aio_kvsp import HolderTracks, fetch_layers
 from moqt.errors import PublishDoneCode14
-from moqt.kvsp import does_not_exist, invalid_range, moqt_record, track_name, track_namespace, unauthorized
 from moqt.relay import Relay, RelayConfig, publish_done_code, request_code
 from moqt.relay_cache import WHOLE, RelayCache, TrackFetch, end_key, end_location
-from moqt.relay_index import IndexLink
 from moqt.types import Draft, GroupOrder, Location, ObjectStatus
-
-from .conftest import small_descriptor
-from .pki import TestPki, make_pki
+from quic.listener import QuicListener
+from quic.tls import TransportSettings
+from tests.conftest import small_descriptor
+from tests.pki import TestPki, make_pki
 
 SCOPE = bytes.fromhex("6d1c6481cd428737da312c089db3832a")
 OTHER_SCOPE = bytes.fromhex("00112233445566778899aabbccddeeff")
@@ -311,7 +310,7 @@ class SlowTracks(HolderTracks):
         self.go = go
 
     async def fetch(self, conn: MoqtConnection, request: ev.FetchRequested) -> None:
-        from moqt.kvsp import parse_track
+        from kvsp_moqt.tracks import parse_track
 
         track = parse_track(request.namespace, request.track_name)
         assert track is not None
@@ -626,7 +625,7 @@ async def test_kvsp_quic_relay_dev_process(tmp_path: Path) -> None:
 
 
 def c_files(ready: dict[str, Any]) -> Any:
-    from http3.tls import TlsFiles
+    from quic.tls import TlsFiles
 
     return TlsFiles(Path(ready["ca"]), Path(ready["client_cert"]), Path(ready["client_key"]))
 

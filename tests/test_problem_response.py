@@ -12,8 +12,7 @@ from starlette.routing import Route
 
 from http3 import problem_response
 from kvsp_quic.problems import LeaseQuota, Problem, problem_from_json
-
-from .asgi import Sent, call, http_scope
+from tests.asgi import Sent, call, http_scope
 
 
 def assert_problem_headers(sent: Sent) -> None:

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from .redis_server import REDIS_SERVER, SKIP_REASON, RedisClusterServers, RedisServer, command
-from .test_index import C1, H1, H2, II7, PC, S1, S2, bk, hid, replica, who
+from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisClusterServers, RedisServer, command
+from tests.test_index import C1, H1, H2, II7, PC, S1, S2, bk, hid, replica, who
 
 if REDIS_SERVER is None:
     pytest.skip(SKIP_REASON, allow_module_level=True)

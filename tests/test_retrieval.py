@@ -21,14 +21,12 @@ from typing import Any
 
 import pytest
 
-from http3 import pki
 from http3.client import KvspClient
 from http3.holder_app import holder_app
 from http3.index_app import index_app
 from http3.publisher import ReplicaPublisher
 from http3.retrieval import BlockFetcher, FetchResult
 from http3.server import RoleServer
-from http3.tls import TlsFiles
 from kvsp_quic import container as c
 from kvsp_quic.auth import ALL, Policy, Principal, Role
 from kvsp_quic.compat import CompatDescriptor
@@ -58,9 +56,10 @@ from kvsp_quic.roles.index import IndexService
 from kvsp_quic.roles.leases import LeaseLimits
 from kvsp_quic.samples import random_sections
 from kvsp_quic.storage.memory_index import MemoryIndexStore
-
-from .conftest import small_descriptor
-from .pki import TestPki, make_pki
+from quic import pki
+from quic.tls import TlsFiles
+from tests.conftest import small_descriptor
+from tests.pki import TestPki, make_pki
 
 SCOPE = bytes.fromhex("6d1c6481cd428737da312c089db3832a")
 ALICE = "urn:kvsp:client:alice"  # the loading instance / client

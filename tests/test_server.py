@@ -19,11 +19,10 @@ from http3.client import KvspClient, TransportError
 from http3.h3_client import H3ConnectError, connect_h3
 from http3.problem_response import install
 from http3.server import RoleServer, bind_pair
-from http3.tls import TlsFiles, TransportSettings, scope_identity, ssl_client_context
 from kvsp_quic.auth import Policy, require_scope
-
-from .pki import TestPki, make_pki
-from .test_h3 import connect_without_certificate
+from quic.tls import TlsFiles, TransportSettings, scope_identity, ssl_client_context
+from tests.pki import TestPki, make_pki
+from tests.test_h3 import connect_without_certificate
 
 SCOPE_A, SCOPE_B = "aa" * 16, "bb" * 16
 SETTINGS = TransportSettings(shutdown_grace=2.0)

@@ -29,9 +29,8 @@ from hyperframe.frame import DataFrame, Frame, HeadersFrame
 from http3.asgi_bridge import LifespanFailure, split_target
 from http3.tcp_h2 import H2Core
 from http3.tcp_server import TcpServer
-from http3.tls import TlsFiles, TransportSettings, scope_identity, ssl_client_context
-
-from .pki import TestPki, make_pki
+from quic.tls import TlsFiles, TransportSettings, scope_identity, ssl_client_context
+from tests.pki import TestPki, make_pki
 
 MiB = 1 << 20
 BLOCK = os.urandom(MiB)

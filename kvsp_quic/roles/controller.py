@@ -37,12 +37,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .. import cost
-from ..auth import ALL, Principal, Role, require_scope
-from ..compat import InstanceState
-from ..fields import BlockKey
-from ..metrics import KvspMetrics, Registry
-from ..problems import (
+from kvsp_quic import cost
+from kvsp_quic.auth import ALL, Principal, Role, require_scope
+from kvsp_quic.compat import InstanceState
+from kvsp_quic.fields import BlockKey
+from kvsp_quic.metrics import KvspMetrics, Registry
+from kvsp_quic.problems import (
     BadRequest,
     Forbidden,
     Incompatible,
@@ -53,7 +53,7 @@ from ..problems import (
     StaleEpoch,
     Unavailable,
 )
-from ..records import (
+from kvsp_quic.records import (
     CheckpointAck,
     InstanceStatusRecord,
     LookupRequest,
@@ -67,10 +67,10 @@ from ..records import (
     ShardMap,
     StateMessage,
 )
-from .controller_records import SessionInfo, SessionRequest, SessionResume, SessionStart, SessionState
-from .controller_reshard import members, plan_reshard
-from .index import IndexService
-from .status import InstanceStatus, StatusTable
+from kvsp_quic.roles.controller_records import SessionInfo, SessionRequest, SessionResume, SessionStart, SessionState
+from kvsp_quic.roles.controller_reshard import members, plan_reshard
+from kvsp_quic.roles.index import IndexService
+from kvsp_quic.roles.status import InstanceStatus, StatusTable
 
 log = logging.getLogger("kvsp.controller")
 

@@ -20,9 +20,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from .. import fields as f
-from ..fields import BlockKey, CompatId, RecordError, ScopeId
-from ..records import PrefetchBlock, Record, Sampler, SessionCheckpoint, wire
+from kvsp_quic import fields as f
+from kvsp_quic.fields import BlockKey, CompatId, RecordError, ScopeId
+from kvsp_quic.records import PrefetchBlock, Record, Sampler, SessionCheckpoint, wire
 
 
 def _tokens(value: Any, path: str) -> tuple[int, ...]:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..problems import PlanConflict
-from ..records import ReshardFetch, ReshardPlan, ShardMap, TokenRange
+from kvsp_quic.problems import PlanConflict
+from kvsp_quic.records import ReshardFetch, ReshardPlan, ShardMap, TokenRange
 
 
 def owners(shard_map: ShardMap, tokens: TokenRange) -> list[tuple[TokenRange, str | None]]:

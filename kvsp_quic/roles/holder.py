@@ -30,9 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..auth import Principal, require_scope
-from ..compat import CompatDescriptor
-from ..container import (
+from kvsp_quic.auth import Principal, require_scope
+from kvsp_quic.compat import CompatDescriptor
+from kvsp_quic.container import (
     ENTRY,
     FIXED_HEADER,
     ContainerDecoder,
@@ -41,8 +41,8 @@ from ..container import (
     GeometryMismatch,
     cut,
 )
-from ..fields import BlockKey, CompatId, ScopeId, base_uri
-from ..problems import (
+from kvsp_quic.fields import BlockKey, CompatId, ScopeId, base_uri
+from kvsp_quic.problems import (
     BadRequest,
     Incompatible,
     InsufficientStorage,
@@ -53,8 +53,9 @@ from ..problems import (
     PreconditionFailed,
     PreconditionRequired,
 )
-from ..records import LeaseRenewal, LeaseRequest, LeaseResponse, ReplicaRecord, ResidencyEntry
-from ..storage.tiers import (
+from kvsp_quic.records import LeaseRenewal, LeaseRequest, LeaseResponse, ReplicaRecord, ResidencyEntry
+from kvsp_quic.roles.leases import LeaseLimits, LeaseTable
+from kvsp_quic.storage.tiers import (
     HOST,
     LOCAL_STORAGE,
     BlockId,
@@ -68,7 +69,6 @@ from ..storage.tiers import (
     TierFault,
     eviction_policy,
 )
-from .leases import LeaseLimits, LeaseTable
 
 
 @dataclass(frozen=True)

@@ -29,12 +29,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from .. import cost
-from .. import keys as k
-from ..auth import ALL, Principal, Role, require_publish_for, require_role, require_scope
-from ..compat import CompatDescriptor, InstanceState
-from ..problems import BadRequest, ContentTooLarge, Forbidden, NotFound
-from ..records import (
+from kvsp_quic import cost
+from kvsp_quic import keys as k
+from kvsp_quic.auth import ALL, Principal, Role, require_publish_for, require_role, require_scope
+from kvsp_quic.compat import CompatDescriptor, InstanceState
+from kvsp_quic.problems import BadRequest, ContentTooLarge, Forbidden, NotFound
+from kvsp_quic.records import (
     InstanceStatusRecord,
     LookupMatch,
     LookupRequest,
@@ -43,8 +43,8 @@ from ..records import (
     StateMessage,
     TargetEstimate,
 )
-from ..storage.index_store import IndexStore, with_ttl
-from .status import StatusTable, endpoint
+from kvsp_quic.roles.status import StatusTable, endpoint
+from kvsp_quic.storage.index_store import IndexStore, with_ttl
 
 Clock = Callable[[], float]
 

@@ -28,10 +28,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import fields as f
-from ..compat import InstanceState
-from ..fields import BlockKey, CompatId, ScopeId
-from ..problems import (
+from kvsp_quic import fields as f
+from kvsp_quic.compat import InstanceState
+from kvsp_quic.fields import BlockKey, CompatId, ScopeId
+from kvsp_quic.problems import (
     BadRequest,
     Incompatible,
     InvalidState,
@@ -41,7 +41,7 @@ from ..problems import (
     StaleEpoch,
     TooManyRequests,
 )
-from ..records import (
+from kvsp_quic.records import (
     InstanceStatusRecord,
     Link,
     PrefetchDirective,

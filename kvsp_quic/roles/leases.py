@@ -21,8 +21,8 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from ..problems import LeaseQuota, NotFound
-from ..storage.tiers import BlockId
+from kvsp_quic.problems import LeaseQuota, NotFound
+from kvsp_quic.storage.tiers import BlockId
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..auth import ALL, Policy, Principal, Role
-from ..keys import holder_id
-from ..records import NAMESPACE_TAG
+from kvsp_quic.auth import ALL, Policy, Principal, Role
+from kvsp_quic.keys import holder_id
+from kvsp_quic.records import NAMESPACE_TAG
 
 Namespace = tuple[bytes, ...]
 

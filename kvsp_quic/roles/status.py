@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from ..compat import InstanceState
-from ..problems import StaleEpoch
-from ..records import InstanceStatusRecord
+from kvsp_quic.compat import InstanceState
+from kvsp_quic.problems import StaleEpoch
+from kvsp_quic.records import InstanceStatusRecord
 
 Clock = Callable[[], float]
 

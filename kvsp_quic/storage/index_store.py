@@ -32,9 +32,9 @@ import struct
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from ..compat import STORAGE_TIERS
-from ..fields import BlockKey, CompatId, ScopeId
-from ..records import ReplicaRecord, ResidencyEntry
+from kvsp_quic.compat import STORAGE_TIERS
+from kvsp_quic.fields import BlockKey, CompatId, ScopeId
+from kvsp_quic.records import ReplicaRecord, ResidencyEntry
 
 
 @runtime_checkable

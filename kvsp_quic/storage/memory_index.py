@@ -24,9 +24,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .. import keys as k
-from ..records import ReplicaRecord
-from .index_store import pack_body, remaining_ms, unpack_body
+from kvsp_quic import keys as k
+from kvsp_quic.records import ReplicaRecord
+from kvsp_quic.storage.index_store import pack_body, remaining_ms, unpack_body
 
 Entry = tuple[float, str, bytes, bytes]  # expires_at, holder, scope_id + compat_id (interned), packed body
 Slot = Entry | tuple[Entry, ...]

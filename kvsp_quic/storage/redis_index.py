@@ -36,9 +36,9 @@ from typing import Any
 from redis.asyncio import Redis, RedisCluster
 from redis.exceptions import NoScriptError
 
-from .. import keys as k
-from ..records import ReplicaRecord
-from .index_store import pack_body, unpack_body
+from kvsp_quic import keys as k
+from kvsp_quic.records import ReplicaRecord
+from kvsp_quic.storage.index_store import pack_body, unpack_body
 
 _U16 = struct.Struct("<H")
 

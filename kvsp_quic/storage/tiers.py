@@ -37,8 +37,8 @@ from typing import NamedTuple, Protocol
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from ..container import ContainerError, ContainerHeader, decode, replica_digest
-from ..problems import DigestMismatch
+from kvsp_quic.container import ContainerError, ContainerHeader, decode, replica_digest
+from kvsp_quic.problems import DigestMismatch
 
 log = logging.getLogger("kvsp.tiers")
 

@@ -16,7 +16,7 @@ Replica Record the holder publishes one whose ``holder`` is its ``moqt://host:po
 This module has no I/O: names, ranges, request-error codes of both drafts, and :class:`LayerAssembler`, which
 turns the pieces of a fetch's objects (:class:`moqt.events.ObjectReceived`) into verified
 :class:`~kvsp_quic.container.DecodedLayer` views. The asyncio parts (serving a holder, the fetching client) are in
-:mod:`moqt.aio_kvsp`.
+:mod:`kvsp_moqt.holder_tracks`.
 """
 
 from __future__ import annotations
@@ -38,10 +38,9 @@ from kvsp_quic.records import (
     encode_moqt_namespace,
     kvsp_track_namespace,
 )
-
-from .errors import FetchErrorCode14, RequestErrorCode14, RequestErrorCode18
-from .events import ObjectReceived
-from .types import Draft, Location, Namespace, ObjectStatus, StandaloneFetch
+from moqt.errors import FetchErrorCode14, RequestErrorCode14, RequestErrorCode18
+from moqt.events import ObjectReceived
+from moqt.types import Draft, Location, Namespace, ObjectStatus, StandaloneFetch
 
 GROUP: Final = 0  # a block's layers are the objects of group 0
 MOQT_SCHEME: Final = "moqt"

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .problems import Unavailable
+from kvsp_quic.problems import Unavailable
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant for an operator of a large language model serving fleet. The fleet shares "
@@ -171,7 +171,7 @@ async def _metrics(client: Any, base: str) -> dict[str, float]:
 async def run(options: DemoOptions, progress: Callable[[str], None]) -> dict[str, Any]:
     from gpu.modelfiles import ModelConfig, write_random_model
     from http3.client import KvspClient
-    from http3.tls import TlsFiles
+    from quic.tls import TlsFiles
 
     root = options.workdir or Path(tempfile.mkdtemp(prefix="kvsp-demo-"))
     root.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from http3.client import KvspClient
+from kvsp_moqt.tracks import KvspTrack
 from kvsp_quic import fields as f
 from kvsp_quic.fields import RecordError
 from kvsp_quic.keys import holder_id
@@ -41,11 +42,9 @@ from kvsp_quic.records import (
     decode_moqt_namespace,
     encode_moqt_namespace,
 )
-
-from .aio import MoqtConnectError, MoqtConnection, MoqtPool
-from .kvsp import KvspTrack
-from .relay_cache import TrackFetch
-from .types import Namespace
+from moqt.aio import MoqtConnectError, MoqtConnection, MoqtPool
+from moqt.relay_cache import TrackFetch
+from moqt.types import Namespace
 
 log = logging.getLogger("kvsp.relay.index")
 

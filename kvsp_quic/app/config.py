@@ -15,7 +15,7 @@ paths are resolved against the file's directory.
     cert = "pki/holder1.pem"
     key = "pki/holder1.key"
 
-    [transport]                   # optional: fields of http3.tls.TransportSettings
+    [transport]                   # optional: fields of quic.tls.TransportSettings
     stream_window = 16777216
 """
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .fields import RecordError, base_uri
+from kvsp_quic.fields import RecordError, base_uri
 
 T = TypeVar("T")
 
@@ -138,7 +138,7 @@ class ControllerSection:
 class IndexFile:
     server: ServerSection = field(default_factory=ServerSection)
     tls: TlsSection | None = None  # required unless --dev
-    transport: dict[str, float] = field(default_factory=dict)  # fields of http3.tls.TransportSettings
+    transport: dict[str, float] = field(default_factory=dict)  # fields of quic.tls.TransportSettings
     index: IndexSection = field(default_factory=IndexSection)
     controller: ControllerSection = field(default_factory=ControllerSection)
 

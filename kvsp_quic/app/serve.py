@@ -12,7 +12,7 @@ Every server subcommand (``kvsp-quic index``, ``kvsp-quic holder``, ``kvsp-quic 
 
 Once the role serves, exactly one JSON line goes to standard output: ``{"ready": ROLE, "base_uri": ..., "ca": ...,
 "client_cert": ..., "client_key": ...}``; logs go to standard error. This module is part of the composition root
-(with :mod:`kvsp_quic.cli`): it is the place that imports the HTTP edge and wires it to the roles.
+(with :mod:`kvsp_quic.app.cli`): it is the place that imports the HTTP edge and wires it to the roles.
 """
 
 from __future__ import annotations
@@ -33,8 +33,17 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from .compat import CompatDescriptor
-from .config import ConfigError, FrontendFile, HolderFile, IndexFile, InstanceFile, RelayFile, ServerSection, TlsSection
+from kvsp_quic.app.config import (
+    ConfigError,
+    FrontendFile,
+    HolderFile,
+    IndexFile,
+    InstanceFile,
+    RelayFile,
+    ServerSection,
+    TlsSection,
+)
+from kvsp_quic.compat import CompatDescriptor
 
 log = logging.getLogger("kvsp.serve")
 
@@ -55,16 +64,16 @@ class Prepared:
     """What every server role needs before its app exists."""
 
     role: str
-    files: Any  # http3.tls.TlsFiles
+    files: Any  # quic.tls.TlsFiles
     policy: Any  # kvsp_quic.auth.Policy
     base_uri: str
     sockets: tuple[socket.socket, socket.socket | None]
-    settings: Any  # http3.tls.TransportSettings
+    settings: Any  # quic.tls.TransportSettings
     ready: dict[str, Any] = field(default_factory=dict)
 
 
 def transport_settings(values: dict[str, float]) -> Any:
-    from http3.tls import TransportSettings
+    from quic.tls import TransportSettings
 
     known = {f.name for f in dataclasses.fields(TransportSettings)} - {"extra_alpn"}
     for key, value in values.items():
@@ -79,11 +88,10 @@ def transport_settings(values: dict[str, float]) -> Any:
 def prepare(role: str, server: ServerSection, tls: TlsSection | None, transport: dict[str, float], *,
             dev_dir: Path | None, policy_path: Path | None = None) -> Prepared:
     """Bind the sockets, and find (or, with *dev_dir*, make) the certificates and the policy."""
-    from http3 import pki
     from http3.server import bind_pair
-    from http3.tls import TlsFiles
-
-    from .auth import Policy
+    from kvsp_quic.auth import Policy
+    from quic import pki
+    from quic.tls import TlsFiles
 
     settings = transport_settings(transport)
     host, port = server.address()
@@ -162,11 +170,10 @@ async def run_index(cfg: IndexFile, *, dev_dir: Path | None, policy_path: Path |
     """The Index Service with the Placement Controller: one process, one base URI (docs/wire.md)."""
     from http3.client import KvspClient
     from http3.controller_app import HttpInstanceLink, controller_app
-
-    from .metrics import Registry
-    from .roles.controller import CommandStarter, ControllerConfig, PlacementController
-    from .roles.index import IndexConfig, IndexService
-    from .roles.status import LifecyclePolicy, SleepMode, SleepPolicy, StatusTable
+    from kvsp_quic.metrics import Registry
+    from kvsp_quic.roles.controller import CommandStarter, ControllerConfig, PlacementController
+    from kvsp_quic.roles.index import IndexConfig, IndexService
+    from kvsp_quic.roles.status import LifecyclePolicy, SleepMode, SleepPolicy, StatusTable
 
     section, pc = cfg.index, cfg.controller
     descriptors = load_descriptors(section.descriptors)
@@ -217,10 +224,10 @@ async def run_index(cfg: IndexFile, *, dev_dir: Path | None, policy_path: Path |
 
 def _index_store(section: Any) -> Any:
     if section.store == "redis":
-        from .storage.redis_index import RedisIndexStore
+        from kvsp_quic.storage.redis_index import RedisIndexStore
 
         return RedisIndexStore.from_url(section.redis_url, cluster=section.redis_cluster, prefix=section.redis_prefix)
-    from .storage.memory_index import MemoryIndexStore
+    from kvsp_quic.storage.memory_index import MemoryIndexStore
 
     return MemoryIndexStore()
 
@@ -233,13 +240,12 @@ async def run_holder(cfg: HolderFile, *, dev_dir: Path | None, policy_path: Path
     from http3.client import KvspClient
     from http3.holder_app import holder_app
     from http3.publisher import ReplicaPublisher
-    from moqt.aio_kvsp import holder_moqt_handlers
-    from moqt.kvsp import moqt_uri_for
-
-    from .metrics import Registry
-    from .roles.holder import Holder, HolderSettings
-    from .roles.leases import LeaseLimits
-    from .storage.tiers import LocalStorageConfig
+    from kvsp_moqt.holder_tracks import holder_moqt_handlers
+    from kvsp_moqt.tracks import moqt_uri_for
+    from kvsp_quic.metrics import Registry
+    from kvsp_quic.roles.holder import Holder, HolderSettings
+    from kvsp_quic.roles.leases import LeaseLimits
+    from kvsp_quic.storage.tiers import LocalStorageConfig
 
     section = cfg.holder
     descriptors = load_descriptors(section.descriptors)
@@ -299,11 +305,10 @@ async def run_relay(cfg: RelayFile, *, dev_dir: Path | None, policy_path: Path |
                     stop: asyncio.Event | None = None) -> None:
     from http3.client import KvspClient
     from http3.relay_app import relay_app
+    from kvsp_moqt.index_link import IndexLink
+    from kvsp_quic.roles.relay import RelayRules
     from moqt.aio import MoqtPool, moqt_handlers
     from moqt.relay import Relay, RelayConfig
-    from moqt.relay_index import IndexLink
-
-    from .roles.relay import RelayRules
 
     section = cfg.relay
     transport = {"stream_window": RELAY_STREAM_WINDOW, **cfg.transport}
@@ -370,7 +375,7 @@ DEV_SCOPE_KEY = "scope.key"  # --dev without --scope-key: the dev scope's key, m
 
 def read_scope_key(path: Path) -> bytes:
     """A scope key file: hex text (64 or more hex digits, whitespace ignored), or 32 or more raw octets."""
-    from .keys import check_scope_key
+    from kvsp_quic.keys import check_scope_key
 
     try:
         raw = path.read_bytes()
@@ -416,8 +421,7 @@ async def run_instance(cfg: InstanceFile, *, dev_dir: Path | None, policy_path: 
     from gpu.modelfiles import ModelError
     from http3.instance_app import build_instance
     from kvsp_quic.records import Link
-
-    from .roles.leases import LeaseLimits
+    from kvsp_quic.roles.leases import LeaseLimits
 
     section = cfg.instance
     if section.model is None:
@@ -488,8 +492,7 @@ async def run_frontend(cfg: FrontendFile, *, dev_dir: Path | None, policy_path: 
     from gpu.modelfiles import derive_descriptor, load_tokenizer
     from http3.client import KvspClient
     from http3.frontend_app import Frontend, frontend_app
-
-    from .keys import BlockKeyer
+    from kvsp_quic.keys import BlockKeyer
 
     section = cfg.frontend
     if section.controller is None:

@@ -1,13 +1,13 @@
 """The UDP side of a role: one QUIC listener whose connections are handed, by ALPN, to an application handler.
 
 HTTP/3 (``h3``) is one handler (:mod:`http3.h3_server`); MOQT (``moq-00``, ``moqt-18``) plugs in the same way, so
-one UDP port serves both. Every connection is a :class:`~http3.quic_conn.KvspQuicConnection`: mutual TLS is
+one UDP port serves both. Every connection is a :class:`~quic.connection.KvspQuicConnection`: mutual TLS is
 enforced before a handler is created, and receive windows follow what the handler has consumed.
 
 A handler is created once the handshake has completed (so the client certificate has been verified) and gets a
 :class:`QuicConnectionContext`: the connection, the peer's TLS extension for ASGI scopes, addresses, settings,
 and ``wait_writable`` for send-side backpressure. Receiving in batches, transmits and backpressure are
-:class:`~http3.quic_protocol.KvspQuicProtocol`'s, shared with the clients.
+:class:`~quic.protocol.KvspQuicProtocol`'s, shared with the clients.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from aioquic.asyncio.server import QuicServer as AioquicServer
 from aioquic.quic import events
 from aioquic.quic.connection import QuicConnection
 
-from .quic_conn import KvspQuicConnection
-from .quic_protocol import KvspQuicProtocol
-from .tls import TLS_1_3, TlsFiles, TransportSettings, quic_configuration, tls_extension
-from .udp import BatchedUdpTransport, bind_udp
+from quic.connection import KvspQuicConnection
+from quic.protocol import KvspQuicProtocol
+from quic.tls import TLS_1_3, TlsFiles, TransportSettings, quic_configuration, tls_extension
+from quic.udp import BatchedUdpTransport, bind_udp
 
 log = logging.getLogger("kvsp.quic")
 

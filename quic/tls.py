@@ -113,7 +113,7 @@ def quic_configuration(files: TlsFiles, *, is_client: bool, alpn: Sequence[str],
     """An aioquic configuration with our certificate, the CA, and the tuned windows and datagram size.
 
     On the server side this alone does not make aioquic ask for or verify client certificates: the server
-    in :mod:`http3.quic_server` installs :mod:`http3.quic_tls` on every connection for that.
+    in :mod:`quic.listener` installs :mod:`http3.quic_tls` on every connection for that.
     """
     config = QuicConfiguration(
         is_client=is_client,

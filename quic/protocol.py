@@ -1,9 +1,9 @@
 """One QUIC connection on asyncio, either side: what HTTP/3 and MOQT, servers and clients, share.
 
-:class:`KvspQuicProtocol` is aioquic's ``QuicConnectionProtocol`` on a :class:`~http3.quic_conn.KvspQuicConnection`,
+:class:`KvspQuicProtocol` is aioquic's ``QuicConnectionProtocol`` on a :class:`~quic.connection.KvspQuicConnection`,
 with
 
-* batched datagrams (:class:`~http3.udp.BatchedUdpTransport`): :meth:`~KvspQuicProtocol.datagram_received` only
+* batched datagrams (:class:`~quic.udp.BatchedUdpTransport`): :meth:`~KvspQuicProtocol.datagram_received` only
   takes a datagram in; :meth:`~KvspQuicProtocol.datagrams_done`, once per batch, processes the events and
   transmits once (one ACK for many packets);
 * :meth:`~KvspQuicProtocol.transmit_soon`: one transmit per event-loop iteration however many callers ask;
@@ -31,9 +31,9 @@ from typing import Any, ClassVar, TypeVar, cast
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.quic import events
 
-from .quic_conn import KvspQuicConnection
-from .tls import TlsFiles, TransportSettings, quic_configuration
-from .udp import BatchedUdpTransport, bind_udp
+from quic.connection import KvspQuicConnection
+from quic.tls import TlsFiles, TransportSettings, quic_configuration
+from quic.udp import BatchedUdpTransport, bind_udp
 
 
 class QuicConnectError(ConnectionError):

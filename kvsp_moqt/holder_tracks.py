@@ -1,5 +1,5 @@
 """The KVSP mapping over the asyncio adapter: a holder serving its replicas as MOQT tracks, and the client that
-fetches a replica's layers and verifies each as it arrives. Names and rules: :mod:`moqt.kvsp`; docs/moqt.md
+fetches a replica's layers and verifies each as it arrives. Names and rules: :mod:`kvsp_moqt.tracks`; docs/moqt.md
 ("KVSP over MOQT").
 
 Holder side (next to ``holder_app`` on the same RoleServer, hence the same UDP port and mutual TLS)::
@@ -19,18 +19,7 @@ import collections
 import logging
 from collections.abc import AsyncIterator, Sequence
 
-from http3.quic_server import HandlerFactory
-from kvsp_quic.auth import Policy, Role
-from kvsp_quic.compat import CompatDescriptor
-from kvsp_quic.container import DecodedLayer
-from kvsp_quic.keys import holder_id as uri_holder_id
-from kvsp_quic.problems import Incompatible, LayersUnavailable, NotFound, ScopeDenied
-from kvsp_quic.records import ReplicaRecord
-from kvsp_quic.roles.holder import Holder
-
-from .aio import MoqtApp, MoqtConnection, MoqtPool, moqt_handlers
-from .events import FetchRequested
-from .kvsp import (
+from kvsp_moqt.tracks import (
     InvalidRange,
     LayerAssembler,
     check_record,
@@ -43,8 +32,18 @@ from .kvsp import (
     served_range,
     unauthorized,
 )
-from .requests import SessionConfig
-from .types import Location, StandaloneFetch
+from kvsp_quic.auth import Policy, Role
+from kvsp_quic.compat import CompatDescriptor
+from kvsp_quic.container import DecodedLayer
+from kvsp_quic.keys import holder_id as uri_holder_id
+from kvsp_quic.problems import Incompatible, LayersUnavailable, NotFound, ScopeDenied
+from kvsp_quic.records import ReplicaRecord
+from kvsp_quic.roles.holder import Holder
+from moqt.aio import MoqtApp, MoqtConnection, MoqtPool, moqt_handlers
+from moqt.events import FetchRequested
+from moqt.requests import SessionConfig
+from moqt.types import Location, StandaloneFetch
+from quic.listener import HandlerFactory
 
 log = logging.getLogger("kvsp.moqt.holder")
 
@@ -141,7 +140,7 @@ async def fetch_layers(conn: MoqtConnection, record: ReplicaRecord, layers: tupl
 
     The namespace comes from the record's ``moqt_namespace``, the track name from its block key. K and V are split
     by *descriptor*'s section length, or in halves (codec raw) without one. Raises (and cancels the fetch):
-    :class:`~kvsp_quic.container.LayerDigestMismatch` on a mismatch, :class:`~moqt.kvsp.MalformedTrack` or
+    :class:`~kvsp_quic.container.LayerDigestMismatch` on a mismatch, :class:`~kvsp_moqt.tracks.MalformedTrack` or
     :class:`~kvsp_quic.container.Truncated` when the objects are not the layers asked for,
     :class:`~moqt.aio.MoqtRequestError` when the FETCH is refused, :class:`~moqt.aio.MoqtStalled` when nothing
     arrives for *stall_timeout* seconds, :class:`~moqt.aio.MoqtStreamError` / :class:`~moqt.aio.MoqtSessionClosed`

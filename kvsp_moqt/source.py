@@ -32,6 +32,17 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncGenerator, Iterable, Sequence
 
+from http3.retrieval import Lease, SourceBody
+from kvsp_moqt.tracks import (
+    LayerAssembler,
+    MalformedTrack,
+    check_record,
+    does_not_exist,
+    fetch_range,
+    invalid_range,
+    record_track,
+    unauthorized,
+)
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.container import ContainerHeader, Truncated
 from kvsp_quic.records import ReplicaRecord
@@ -46,19 +57,7 @@ from moqt.aio import (
     MoqtStreamError,
 )
 from moqt.errors import MoqtUsageError
-from moqt.kvsp import (
-    LayerAssembler,
-    MalformedTrack,
-    check_record,
-    does_not_exist,
-    fetch_range,
-    invalid_range,
-    record_track,
-    unauthorized,
-)
 from moqt.types import Draft
-
-from .retrieval import Lease, SourceBody
 
 
 class MoqtSource:

@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .compat import Codec, CompatDescriptor
-from .container import (
+from kvsp_quic import __version__
+from kvsp_quic.compat import Codec, CompatDescriptor
+from kvsp_quic.container import (
     ANY_TOKEN_COUNT,
     ContainerDecoder,
     ContainerError,
@@ -25,9 +25,9 @@ from .container import (
     encode,
     replica_digest,
 )
-from .fields import format_digest
-from .keys import BlockKeyer, parse_scope_key, scope_id
-from .problems import Problem
+from kvsp_quic.fields import format_digest
+from kvsp_quic.keys import BlockKeyer, parse_scope_key, scope_id
+from kvsp_quic.problems import Problem
 
 PROG = "kvsp-quic"
 
@@ -70,11 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _is_user_error(exc: Exception) -> bool:
     """Errors that are the user's to fix (bad input, configuration, files): one line, no traceback."""
-    from http3.pki import PkiError
-    from http3.tls import TlsConfigError
-
-    from .auth import PolicyError
-    from .config import ConfigError
+    from kvsp_quic.app.config import ConfigError
+    from kvsp_quic.auth import PolicyError
+    from quic.pki import PkiError
+    from quic.tls import TlsConfigError
 
     return isinstance(exc, CliError | Problem | ConfigError | PolicyError | PkiError | TlsConfigError)
 
@@ -140,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="an extra SAN IP address or DNS name for every role certificate (repeatable)")
     cinit.set_defaults(handler=cmd_certs_init)
 
-    from . import cli_model, cli_serve
+    from kvsp_quic.app import cli_model, cli_serve
 
     cli_model.add_commands(sub)
     cli_serve.add_commands(sub)
@@ -259,7 +258,7 @@ def cmd_container_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_container_pack(args: argparse.Namespace) -> int:
-    from .samples import random_sections, sections_from_npy
+    from kvsp_quic.samples import random_sections, sections_from_npy
 
     descriptor = CompatDescriptor.load(args.descriptor)
     first, last = args.layers
@@ -285,7 +284,7 @@ def cmd_container_pack(args: argparse.Namespace) -> int:
 
 
 def cmd_certs_init(args: argparse.Namespace) -> int:
-    from http3 import pki  # imported here: the other commands need no X.509
+    from quic import pki  # imported here: the other commands need no X.509
 
     try:
         principals = []

@@ -1,7 +1,7 @@
 """The server subcommands of ``kvsp-quic``: ``index``, ``holder`` and ``relay`` (later: ``controller``, ...).
 
-Each takes ``--config FILE`` (TOML, :mod:`kvsp_quic.config`) and flags for the usual overrides, or ``--dev DIR``
-for a quick start (:mod:`kvsp_quic.serve`). Flags win over the file; the file wins over the defaults.
+Each takes ``--config FILE`` (TOML, :mod:`kvsp_quic.app.config`) and flags for the usual overrides, or ``--dev DIR``
+for a quick start (:mod:`kvsp_quic.app.serve`). Flags win over the file; the file wins over the defaults.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .config import (
+from kvsp_quic.app.config import (
     ConfigError,
     FrontendFile,
     HolderFile,
@@ -149,7 +149,7 @@ def add_commands(sub: Any) -> None:
     demo.add_argument("--layers", type=int, default=8, metavar="N", help="model layers (8)")
     demo.add_argument("--hidden", type=int, default=512, metavar="N", help="model hidden size (512)")
     demo.set_defaults(handler=cmd_demo)
-    # Parsed by interop.runner itself (kvsp_quic.cli.main hands it the arguments); listed here for --help.
+    # Parsed by interop.runner itself (kvsp_quic.app.cli.main hands it the arguments); listed here for --help.
     sub.add_parser("interop", help="run the interop matrix (python -m interop; see kvsp-quic interop --help)")
 
 
@@ -170,7 +170,7 @@ def add_frontend(sub: Any) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import DemoOptions, render, run
+    from kvsp_quic.app.demo import DemoOptions, render, run
 
     try:
         import torch  # noqa: F401
@@ -188,7 +188,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_frontend(args: argparse.Namespace) -> int:
-    from .serve import run_frontend
+    from kvsp_quic.app.serve import run_frontend
 
     cfg = _file(FrontendFile, args)
     overrides: dict[str, Any] = {}
@@ -243,7 +243,7 @@ def _logging(level: str) -> None:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from .serve import run_index
+    from kvsp_quic.app.serve import run_index
 
     cfg = _file(IndexFile, args)
     section = cfg.index
@@ -271,7 +271,7 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 
 def cmd_holder(args: argparse.Namespace) -> int:
-    from .serve import run_holder
+    from kvsp_quic.app.serve import run_holder
 
     cfg = _file(HolderFile, args)
     section = cfg.holder
@@ -296,7 +296,7 @@ def cmd_holder(args: argparse.Namespace) -> int:
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
-    from .serve import run_relay
+    from kvsp_quic.app.serve import run_relay
 
     cfg = _file(RelayFile, args)
     section = cfg.relay
@@ -311,7 +311,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
 
 
 def cmd_instance(args: argparse.Namespace) -> int:
-    from .serve import check_device, run_instance
+    from kvsp_quic.app.serve import check_device, run_instance
 
     cfg = _file(InstanceFile, args)
     overrides: dict[str, Any] = {}

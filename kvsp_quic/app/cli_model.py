@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .cli import _nonneg_int, _positive_int, _usage
+from kvsp_quic.app.cli import _nonneg_int, _positive_int, _usage
 
 SUPPORTED_DTYPES = ("fp32", "bf16", "fp16")
 
@@ -173,7 +173,7 @@ def cmd_model_generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvsp_quic.cli_model model ...``: the same commands outside ``kvsp-quic``."""
+    """``python -m kvsp_quic.app.cli_model model ...``: the same commands outside ``kvsp-quic``."""
     parser = argparse.ArgumentParser(prog="kvsp-quic")
     add_commands(parser.add_subparsers(title="commands", metavar="COMMAND"))
     args = parser.parse_args(argv)
