@@ -25,39 +25,38 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
-import json
 import logging
 from collections.abc import Callable
 from typing import Any
 
-from http3.client import KvspClient
-from kvsp_moqt.tracks import KvspTrack
-from kvsp_quic import fields as f
-from kvsp_quic.fields import RecordError
+from http3.api import KvspApi
+from http3.client import KvspClient, TransportError
+from kvsp_moqt.tracks import KvspTrack, parse_track
+from kvsp_quic.fields import BlockKey, CompatId, ScopeId
 from kvsp_quic.keys import holder_id
+from kvsp_quic.problems import Problem
 from kvsp_quic.records import (
-    LookupResponse,
+    LookupRequest,
     ReplicaRecord,
     ResidencyEntry,
     decode_moqt_namespace,
     encode_moqt_namespace,
 )
 from moqt.aio import MoqtConnectError, MoqtConnection, MoqtPool
-from moqt.relay_cache import TrackFetch
+from moqt.relay.cache import TrackFetch
 from moqt.types import Namespace
 
 log = logging.getLogger("kvsp.relay.index")
-
-JSON = {"content-type": "application/kvsp+json"}
 
 
 class IndexLink:
     def __init__(self, client: KvspClient, index_base: str, pool: MoqtPool, *, moqt_uri: str,
                  publish: bool = True, ttl_ms: int = 60_000, timeout: float = 10.0) -> None:
         self.client = client
-        self.index_base = f.base_uri(index_base, "index base URI")
+        self.api = KvspApi(client)
+        self.index_base = KvspApi.base(index_base, "index base URI")
         self.pool = pool
-        self.moqt_uri = f.base_uri(moqt_uri, "relay moqt URI", schemes=("moqt",))
+        self.moqt_uri = KvspApi.base(moqt_uri, "relay moqt URI", schemes=("moqt",))
         self.holder_id = holder_id(self.moqt_uri)
         self.publish = publish
         self.ttl_ms = ttl_ms
@@ -72,19 +71,16 @@ class IndexLink:
     # -- upstreams -----------------------------------------------------------------------------------------------
 
     async def lookup(self, track: KvspTrack) -> list[ReplicaRecord]:
-        body = {"scope_id": track.scope_id.hex(), "compat_id": track.compat_id.hex(),
-                "block_keys": [track.block_key.hex()]}
-        response = await self.client.request("POST", f"{self.index_base}lookup", content=json.dumps(body).encode(),
-                                             headers=JSON, timeout=self.timeout)
-        if response.status != 200:
-            raise LookupError(f"lookup at {self.index_base}: HTTP {response.status}")
-        answer = LookupResponse.from_json(response.json())
+        """The replicas of *track*'s block (:class:`~http3.api.KvspApi` failure semantics: raises
+        :class:`~http3.api.RetryElsewhere` or the refusal's Problem)."""
+        request = LookupRequest(ScopeId(track.scope_id), CompatId(track.compat_id), (BlockKey(track.block_key),))
+        answer = await self.api.lookup(self.index_base, request, timeout=self.timeout)
         return [r for match in answer.blocks if match.block_key == track.block_key for r in match.replicas]
 
     async def resolve(self, track: KvspTrack, namespace: Namespace) -> tuple[MoqtConnection, ReplicaRecord] | None:
         try:
             records = await self.lookup(track)
-        except (LookupError, RecordError, ConnectionError, TimeoutError, OSError) as exc:
+        except (TransportError, Problem) as exc:
             log.warning("index lookup for %s failed: %s", track.block_key.hex(), exc)
             return None
         for record in records:
@@ -104,7 +100,7 @@ class IndexLink:
             self._spawn(self._publish(fetch))
 
     def evicted(self, fetch: TrackFetch) -> None:
-        track = fetch.kvsp
+        track = parse_track(fetch.namespace, fetch.track_name)
         if track is None:
             return
         record = self.published.pop((track.compat_id, track.scope_id, track.block_key), None)
@@ -112,7 +108,7 @@ class IndexLink:
             self._spawn(self._withdraw(track.block_key))
 
     def url(self, block_key: bytes) -> str:
-        return f"{self.index_base}replicas/{self.holder_id}/{block_key.hex()}"
+        return self.api.replica_url(self.index_base, self.moqt_uri, block_key)
 
     def relay_record(self, original: ReplicaRecord, namespace: Namespace) -> ReplicaRecord:
         assert original.layer_digests is not None
@@ -121,13 +117,13 @@ class IndexLink:
                                    residency=(ResidencyEntry("host", (0, last)),), ttl_ms=self.ttl_ms)
 
     async def _original(self, fetch: TrackFetch) -> ReplicaRecord | None:
-        if fetch.record is not None:
-            return fetch.record
-        track = fetch.kvsp
+        if isinstance(fetch.origin, ReplicaRecord):  # the record resolve() found the upstream by
+            return fetch.origin
+        track = parse_track(fetch.namespace, fetch.track_name)
         assert track is not None
         try:
             records = await self.lookup(track)
-        except (LookupError, RecordError, ConnectionError, TimeoutError, OSError) as exc:
+        except (TransportError, Problem) as exc:
             log.info("no record for %s: %s", track.block_key.hex(), exc)
             return None
         for record in records:
@@ -140,7 +136,7 @@ class IndexLink:
         return None
 
     async def _publish(self, fetch: TrackFetch) -> None:
-        track = fetch.kvsp
+        track = parse_track(fetch.namespace, fetch.track_name)
         assert track is not None
         original = await self._original(fetch)
         if original is None or original.layer_digests is None:
@@ -161,20 +157,21 @@ class IndexLink:
 
     async def _put(self, record: ReplicaRecord) -> bool:
         try:
-            response = await self.client.request("PUT", self.url(record.block_key), headers=JSON,
-                                                 content=json.dumps(record.to_json()).encode(), timeout=self.timeout)
-        except (ConnectionError, TimeoutError, OSError) as exc:
+            await self.api.publish(self.index_base, record, timeout=self.timeout)
+        except TransportError as exc:
             log.info("publishing %s: %s", record.block_key.hex(), exc)
             return False
-        if response.status == 403 and not self.refused:
-            self.refused = True
-            log.warning("the Index Service refuses the relay's records (403): give the relay's identity the holder "
-                        "role and %s in publish_for", self.moqt_uri)
-        return 200 <= response.status < 300
+        except Problem as exc:
+            if exc.status == 403 and not self.refused:
+                self.refused = True
+                log.warning("the Index Service refuses the relay's records (403): give the relay's identity the "
+                            "holder role and %s in publish_for", self.moqt_uri)
+            return False
+        return True
 
     async def _withdraw(self, block_key: bytes) -> None:
-        with contextlib.suppress(ConnectionError, TimeoutError, OSError):
-            await self.client.request("DELETE", self.url(block_key), timeout=self.timeout)
+        with contextlib.suppress(TransportError, Problem):
+            await self.api.withdraw(self.index_base, self.moqt_uri, block_key, timeout=self.timeout)
 
     def _ensure_refresher(self) -> None:
         if self._refresher is None or self._refresher.done():

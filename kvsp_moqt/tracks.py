@@ -21,7 +21,6 @@ turns the pieces of a fetch's objects (:class:`moqt.events.ObjectReceived`) into
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass
@@ -32,11 +31,11 @@ from kvsp_quic.compat import Codec, CompatDescriptor
 from kvsp_quic.container import ContainerError, DecodedLayer, LayerDigestMismatch, Truncated
 from kvsp_quic.keys import holder_id as uri_holder_id
 from kvsp_quic.records import (
-    NAMESPACE_TAG,
+    KvspNamespace,
     ReplicaRecord,
     decode_moqt_namespace,
-    encode_moqt_namespace,
     kvsp_track_namespace,
+    moqt_record,
 )
 from moqt.errors import FetchErrorCode14, RequestErrorCode14, RequestErrorCode18
 from moqt.events import ObjectReceived
@@ -45,9 +44,6 @@ from moqt.types import Draft, Location, Namespace, ObjectStatus, StandaloneFetch
 GROUP: Final = 0  # a block's layers are the objects of group 0
 MOQT_SCHEME: Final = "moqt"
 _HEX64 = re.compile(rb"[0-9a-f]{64}")
-_HEX32 = re.compile(rb"[0-9a-f]{32}")
-_HOLDER_ID = re.compile(rb"[A-Za-z0-9_-]{43}")
-_DECIMAL = re.compile(rb"0|[1-9][0-9]{0,4}")
 
 
 class MalformedTrack(ContainerError):
@@ -82,17 +78,13 @@ class KvspTrack:
 
 def parse_track(namespace: Namespace, name: bytes) -> KvspTrack | None:
     """The replica a (namespace, track name) names, or None when it is not a KVSP track name."""
-    if len(namespace) != 5 or namespace[0] != NAMESPACE_TAG:
+    fields = KvspNamespace.parse(namespace)
+    if fields is None or not _HEX64.fullmatch(name):
         return None
-    _tag, compat, scope, holder, codec = namespace
-    if not (_HEX64.fullmatch(compat) and _HEX32.fullmatch(scope) and _HOLDER_ID.fullmatch(holder)
-            and _DECIMAL.fullmatch(codec) and _HEX64.fullmatch(name)):
+    compat, scope, holder, codec = fields.compat_id, fields.scope_id, fields.holder_id, fields.codec
+    if compat is None or scope is None or holder is None or codec is None or codec > 0xFFFF:
         return None
-    code = int(codec)
-    if code > 0xFFFF:
-        return None
-    return KvspTrack(bytes.fromhex(compat.decode()), bytes.fromhex(scope.decode()), holder.decode("ascii"), code,
-                     bytes.fromhex(name.decode()))
+    return KvspTrack(compat, scope, holder, codec, bytes.fromhex(name.decode()))
 
 
 def moqt_uri_for(base_uri: str) -> str:
@@ -115,15 +107,6 @@ def moqt_address(uri: str) -> tuple[str, int]:
     if port is None:
         raise ValueError(f"{uri!r} names no port (MOQT has no default port)")
     return parts.hostname, port
-
-
-def moqt_record(record: ReplicaRecord, moqt_uri: str) -> ReplicaRecord:
-    """The MOQT twin of an ``https`` Replica Record: ``holder`` = *moqt_uri*, ``moqt_namespace`` = the track
-    namespace with the holder-id of the record's (``https``) holder, every other member the same."""
-    if not record.holder.startswith("https://"):
-        raise ValueError("the twin is made from the publisher's https record")
-    namespace = track_namespace(record.compat_id, record.scope_id, record.holder, record.codec)
-    return dataclasses.replace(record, holder=moqt_uri, moqt_namespace=encode_moqt_namespace(namespace))
 
 
 def record_track(record: ReplicaRecord) -> tuple[Namespace, bytes]:

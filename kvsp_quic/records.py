@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import enum
 import hashlib
 import itertools
@@ -23,6 +24,7 @@ from typing import Any, ClassVar, Self
 from kvsp_quic import fields as f
 from kvsp_quic.compat import STORAGE_TIERS, InstanceState, codec_known
 from kvsp_quic.fields import BlockKey, CompatId, RecordError, ScopeId
+from kvsp_quic.keys import holder_id
 
 TokenRange = tuple[int, int]
 
@@ -180,12 +182,77 @@ def _check_disjoint(ranges: list[tuple[int, int, str]], inclusive: bool, what: s
 
 NAMESPACE_TAG = b"kvsp-1"
 _HOLDER_ID_RE = re.compile(rb"[A-Za-z0-9_-]{43}")
+_NAMESPACE_FIELDS = (re.compile(rb"kvsp-1"), re.compile(rb"[0-9a-f]{64}"), re.compile(rb"[0-9a-f]{32}"), _HOLDER_ID_RE,
+                     re.compile(rb"0|[1-9][0-9]{0,4}"))
+
+
+@dataclass(frozen=True)
+class KvspNamespace:
+    """The five fields of a KVSP Track Namespace (DESIGN.md section 3), by name: the tag ``"kvsp-1"``, compat_id
+    (hex on the wire), scope_id (hex), the publisher's holder-id, the codec (decimal). A namespace *prefix* (what a
+    relay's PUBLISH_NAMESPACE or SUBSCRIBE_NAMESPACE may carry) stops after any field: the fields after it are
+    None. Namespaces here are plain ``tuple[bytes, ...]`` (this module knows nothing of MOQT)."""
+
+    tag: bytes = NAMESPACE_TAG
+    compat_id: bytes | None = None
+    scope_id: bytes | None = None
+    holder_id: str | None = None
+    codec: int | None = None
+
+    def __post_init__(self) -> None:
+        present = [v is not None for v in (self.compat_id, self.scope_id, self.holder_id, self.codec)]
+        if present != sorted(present, reverse=True):
+            raise RecordError("a KVSP namespace prefix stops after a field: no field follows a missing one")
+
+    @classmethod
+    def parse(cls, namespace: tuple[bytes, ...]) -> KvspNamespace | None:
+        """The fields of *namespace*, or None when it is no KVSP namespace (prefix): another first field, more than
+        five fields, or one that is malformed (compat 64 and scope 32 lowercase hex digits, a 43-character
+        holder-id, a decimal codec of at most five digits without leading zeros)."""
+        if not namespace or len(namespace) > len(_NAMESPACE_FIELDS):
+            return None
+        if not all(check.fullmatch(part) for check, part in zip(_NAMESPACE_FIELDS, namespace, strict=False)):
+            return None
+        padded = (*namespace, *(None,) * (len(_NAMESPACE_FIELDS) - len(namespace)))
+        tag, compat, scope, holder, codec = padded
+        assert tag is not None
+        return cls(tag, bytes.fromhex(compat.decode()) if compat is not None else None,
+                   bytes.fromhex(scope.decode()) if scope is not None else None,
+                   holder.decode("ascii") if holder is not None else None,
+                   int(codec) if codec is not None else None)
+
+    def unparse(self) -> tuple[bytes, ...]:
+        """The namespace fields (as many as are present)."""
+        parts = [self.tag]
+        if self.compat_id is not None:
+            parts.append(self.compat_id.hex().encode())
+        if self.scope_id is not None:
+            parts.append(self.scope_id.hex().encode())
+        if self.holder_id is not None:
+            parts.append(self.holder_id.encode("ascii"))
+        if self.codec is not None:
+            parts.append(str(self.codec).encode())
+        return tuple(parts)
+
+    @property
+    def complete(self) -> bool:
+        """All five fields: the namespace of a track (not a prefix)."""
+        return self.codec is not None
 
 
 def kvsp_track_namespace(compat_id: bytes, scope_id: bytes, holder_id: str, codec: int) -> tuple[bytes, ...]:
     """The five Track Namespace Fields of a replica: "kvsp-1", compat hex, scope hex, holder-id, codec."""
-    return (NAMESPACE_TAG, compat_id.hex().encode(), scope_id.hex().encode(), holder_id.encode("ascii"),
-            str(codec).encode())
+    return KvspNamespace(NAMESPACE_TAG, compat_id, scope_id, holder_id, codec).unparse()
+
+
+def moqt_record(record: ReplicaRecord, moqt_uri: str) -> ReplicaRecord:
+    """The MOQT twin of an ``https`` Replica Record: ``holder`` = *moqt_uri*, ``moqt_namespace`` = the track
+    namespace with the holder-id of the record's (``https``) holder, every other member the same."""
+    if not record.holder.startswith("https://"):
+        raise ValueError("the twin is made from the publisher's https record")
+    namespace = kvsp_track_namespace(bytes(record.compat_id), bytes(record.scope_id), holder_id(record.holder),
+                                     record.codec)
+    return dataclasses.replace(record, holder=moqt_uri, moqt_namespace=encode_moqt_namespace(namespace))
 
 
 def encode_moqt_namespace(namespace: tuple[bytes, ...]) -> str:
@@ -259,10 +326,10 @@ class ReplicaRecord(Record):
             fields_ = decode_moqt_namespace(self.moqt_namespace)
             if len(fields_) != 5 or fields_[0] != NAMESPACE_TAG:
                 raise RecordError("moqt_namespace: must hold five fields starting with 'kvsp-1'")
-            if not _HOLDER_ID_RE.fullmatch(fields_[3]):
+            _tag, _compat, _scope, holder, _codec = fields_
+            if not _HOLDER_ID_RE.fullmatch(holder):
                 raise RecordError("moqt_namespace: the fourth field must be a 43-character holder-id")
-            expected = kvsp_track_namespace(self.compat_id, self.scope_id, fields_[3].decode("ascii"),
-                                            self.codec)
+            expected = kvsp_track_namespace(self.compat_id, self.scope_id, holder.decode("ascii"), self.codec)
             if fields_ != expected:
                 raise RecordError("moqt_namespace: compat, scope or codec field disagrees with the record")
         elif self.moqt_namespace is not None:
@@ -293,6 +360,14 @@ class ReplicaRecord(Record):
     @property
     def namespace(self) -> tuple[bytes, ...] | None:
         return decode_moqt_namespace(self.moqt_namespace) if self.moqt_namespace else None
+
+    @property
+    def publisher_id(self) -> str | None:
+        """The holder-id field of ``moqt_namespace`` (the holder whose ``https`` base URI published this ``moqt://``
+        twin), or None for a record without one."""
+        namespace = self.namespace
+        fields = KvspNamespace.parse(namespace) if namespace is not None else None
+        return fields.holder_id if fields is not None else None
 
 
 # -- Instance status --------------------------------------------------------------------------------------------
@@ -565,7 +640,7 @@ class LeaseResponse(Record):
 
 
 __all__ = [
-    "CheckpointAck", "InstanceStatusRecord", "LeaseRenewal", "LeaseRequest", "LeaseResponse", "Link",
+    "CheckpointAck", "InstanceStatusRecord", "KvspNamespace", "LeaseRenewal", "LeaseRequest", "LeaseResponse", "Link",
     "LookupMatch", "LookupRequest", "LookupResponse", "PrefetchBlock", "PrefetchDirective", "PrefetchState",
     "PrefetchStatus", "Record", "ReplicaRecord", "ReshardAbort", "ReshardCommit", "ReshardFetch", "ReshardPlan",
     "ResidencyEntry", "ResumeRequest", "Sampler", "SessionCheckpoint", "Shard", "ShardMap", "StateMessage",

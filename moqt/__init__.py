@@ -1,7 +1,7 @@
 """Media over QUIC Transport, sans I/O: codecs and a session state machine for draft 14 (ALPN "moq-00") and
 draft 18 (ALPN "moqt-18"). See docs/moqt.md.
 
-    session = MoqtSession.for_alpn(alpn, Role.CLIENT, SessionConfig(path=b"/"))
+    session = session_for_alpn(alpn, Role.CLIENT, SessionConfig(path=b"/"))
     session.start()
     rid = session.fetch(namespace, track_name, Location(0, 0), Location(1, 0))
     for action in session.take_actions(): ...          # hand to the transport
@@ -24,6 +24,7 @@ from moqt.events import Event
 from moqt.messages18 import Params18, Redirect
 from moqt.requests import Role, SessionConfig
 from moqt.session import MoqtSession
+from moqt.sessions import new_session, session_for_alpn
 from moqt.types import (
     ALPNS,
     AuthToken,
@@ -43,10 +44,44 @@ from moqt.types import (
 from moqt.writers import FetchStreamWriter, SubgroupWriter
 
 __all__ = [
-    "ALPNS", "Action", "AuthToken", "CloseSession", "Draft", "Event", "FetchStreamWriter", "FetchType", "FilterType",
-    "GroupOrder", "JoiningFetch", "Location", "MoqtError", "MoqtSession", "MoqtUsageError", "Namespace",
-    "ObjectStatus", "OpenStream", "Params18", "PublishDoneCode14", "PublishDoneCode18", "Redirect",
-    "RequestErrorCode14", "RequestErrorCode18", "ResetStream", "Role", "SendDatagram", "SendStreamData",
-    "SessionConfig", "SessionErrorCode", "StandaloneFetch", "StopSending", "StreamResetCode", "SubgroupWriter",
-    "SubscriptionFilter", "events", "parse_name", "render_name",
+    "ALPNS",
+    "Action",
+    "AuthToken",
+    "CloseSession",
+    "Draft",
+    "Event",
+    "FetchStreamWriter",
+    "FetchType",
+    "FilterType",
+    "GroupOrder",
+    "JoiningFetch",
+    "Location",
+    "MoqtError",
+    "MoqtSession",
+    "MoqtUsageError",
+    "Namespace",
+    "ObjectStatus",
+    "OpenStream",
+    "Params18",
+    "PublishDoneCode14",
+    "PublishDoneCode18",
+    "Redirect",
+    "RequestErrorCode14",
+    "RequestErrorCode18",
+    "ResetStream",
+    "Role",
+    "SendDatagram",
+    "SendStreamData",
+    "SessionConfig",
+    "SessionErrorCode",
+    "StandaloneFetch",
+    "StopSending",
+    "StreamResetCode",
+    "SubgroupWriter",
+    "SubscriptionFilter",
+    "events",
+    "new_session",
+    "parse_name",
+    "render_name",
+    "session_for_alpn",
 ]

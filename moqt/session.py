@@ -90,18 +90,6 @@ class MoqtSession:
 
     # -- Construction ----------------------------------------------------------------------------------------
 
-    @staticmethod
-    def create(draft: Draft, role: Role, config: SessionConfig | None = None) -> MoqtSession:
-        from moqt.session14 import Session14
-        from moqt.session18 import Session18
-
-        return (Session14 if draft is Draft.D14 else Session18)(role, config)
-
-    @staticmethod
-    def for_alpn(alpn: str, role: Role, config: SessionConfig | None = None) -> MoqtSession:
-        """The session for the ALPN the handshake chose ("moq-00": draft 14, "moqt-18": draft 18)."""
-        return MoqtSession.create(Draft.from_alpn(alpn), role, config)
-
     def start(self) -> None:
         """Queue the opening actions (control stream(s) and SETUP). Call once, after the handshake."""
         if self._started:

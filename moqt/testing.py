@@ -16,6 +16,7 @@ from typing import TypeVar
 from moqt.actions import Action, CloseSession, ResetStream, SendDatagram, SendStreamData, StopSending
 from moqt.events import Event, ObjectReceived
 from moqt.session import MoqtSession, Role, SessionConfig
+from moqt.sessions import new_session
 from moqt.types import Draft
 
 E = TypeVar("E")
@@ -47,8 +48,8 @@ class SessionPair:
 
     def __init__(self, draft: Draft, client_config: SessionConfig | None = None,
                  server_config: SessionConfig | None = None, *, chunk: int | None = None) -> None:
-        self.client = MoqtSession.create(draft, Role.CLIENT, client_config)
-        self.server = MoqtSession.create(draft, Role.SERVER, server_config)
+        self.client = new_session(draft, Role.CLIENT, client_config)
+        self.server = new_session(draft, Role.SERVER, server_config)
         self.client_events = EventLog()
         self.server_events = EventLog()
         self.chunk = chunk

@@ -1,6 +1,6 @@
 """Our QUIC connection: aioquic's, plus mutual TLS on the server side and receive windows that slide.
 
-Two gaps of aioquic 1.7.2 (pinned; FACTS.md) are closed here, and nowhere else:
+The gaps of aioquic 1.7.2 (pinned; FACTS.md) are closed here, and nowhere else:
 
 1. A server never asks for a client certificate and would not verify one. :class:`MutualTlsContext` asks for
    it, refuses a handshake without one (TLS alert certificate_required), and verifies the chain against the
@@ -11,20 +11,30 @@ Two gaps of aioquic 1.7.2 (pinned; FACTS.md) are closed here, and nowhere else:
    has *consumed*: a stream may be at most ``stream_window`` octets ahead of its reader and a connection at most
    ``connection_window`` ahead of all its readers. Transports report unread octets with :meth:`hold` and
    :meth:`release`.
+3. aioquic grants the peer one more unidirectional stream for every one that *finished*, however much of it is
+   still unread. With a budget (``uni_streams``, :meth:`KvspQuicConnection.budget_uni_streams`) a peer may have at
+   most that many unidirectional streams open or holding octets the application has not read; the application
+   reports each one it is done with (:meth:`KvspQuicConnection.uni_stream_done`).
+4. aioquic parses the peer's ``max_udp_payload_size`` transport parameter and then ignores it
+   (:meth:`KvspQuicConnection.respect_peer_udp_payload`).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import ssl
 from typing import Any
 
 from aioquic import tls
 from aioquic.buffer import Buffer  # type: ignore[attr-defined]  # re-exported from aioquic._buffer
 from aioquic.quic.connection import QuicConnection
+from aioquic.quic.packet import pull_quic_transport_parameters
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 from cryptography.x509.oid import ExtendedKeyUsageOID
+
+log = logging.getLogger("kvsp.quic")
 
 
 class AlertCertificateRequired(tls.Alert):
@@ -108,17 +118,23 @@ def verify_client_certificate(cert: x509.Certificate | None, chain: list[x509.Ce
 
 
 class KvspQuicConnection(QuicConnection):
-    """aioquic's connection with mutual TLS (server side) and consumption-based receive windows."""
+    """aioquic's connection with mutual TLS (server side), consumption-based receive windows, an optional budget
+    of peer unidirectional streams, and the peer's UDP payload limit respected (see the module docstring)."""
 
     _kvsp_stream_window: int
     _kvsp_connection_window: int
     _kvsp_unread: dict[int, int]
     _kvsp_unread_total: int
+    _kvsp_uni_budget: int | None
+    _kvsp_uni_done: int
 
     def __init__(self, *args: Any, stream_window: int | None = None, connection_window: int | None = None,
-                 max_streams: int | None = None, **kwargs: Any) -> None:
+                 max_streams: int | None = None, uni_streams: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.kvsp_setup(stream_window, connection_window, max_streams)
+        if uni_streams is not None:  # before the handshake: the transport parameter grants this many too
+            self.budget_uni_streams(uni_streams)
+            self._local_max_streams_uni.value = self._local_max_streams_uni.sent = uni_streams
 
     @classmethod
     def adopt(cls, connection: QuicConnection, *, stream_window: int | None = None,
@@ -134,6 +150,8 @@ class KvspQuicConnection(QuicConnection):
         self._kvsp_connection_window = connection_window or self._local_max_data.value
         self._kvsp_unread = {}
         self._kvsp_unread_total = 0
+        self._kvsp_uni_budget = None
+        self._kvsp_uni_done = 0
         if max_streams is not None:
             self._local_max_streams_bidi.value = self._local_max_streams_bidi.sent = max_streams
 
@@ -194,7 +212,63 @@ class KvspQuicConnection(QuicConnection):
         """Drop the accounting of a stream that is gone."""
         self.release(stream_id, self._kvsp_unread.get(stream_id, 0))
 
+    def unread(self, stream_id: int) -> int:
+        """Octets of *stream_id* held (:meth:`hold`) and not yet released."""
+        return self._kvsp_unread.get(stream_id, 0)
+
+    # -- peer unidirectional streams ------------------------------------------------------------------------------
+
+    def budget_uni_streams(self, uni_streams: int) -> None:
+        """Admit peer unidirectional streams only while fewer than *uni_streams* are open or unread (MAX_STREAMS
+        grows by one per :meth:`uni_stream_done`, not aioquic's one per finished stream). On an accepted (server)
+        connection the handshake has already granted the listener's initial MAX_STREAMS (aioquic: 128), so the
+        budget bounds what is granted beyond that."""
+        if uni_streams < 1:
+            raise ValueError("the unidirectional stream budget is at least 1")
+        self._kvsp_uni_budget = uni_streams
+        self._kvsp_uni_done = 0
+
+    def uni_stream_done(self) -> bool:
+        """A peer unidirectional stream has ended and every octet of it was read: the peer may open another.
+        True when a budget is in force (then MAX_STREAMS may be due: the caller should transmit soon)."""
+        self._kvsp_uni_done += 1
+        return self._kvsp_uni_budget is not None
+
+    # -- the peer's UDP payload limit ------------------------------------------------------------------------------
+
+    def respect_peer_udp_payload(self) -> int | None:
+        """Send no datagram larger than the peer's ``max_udp_payload_size`` transport parameter (RFC 9000, 18.2).
+
+        aioquic 1.7.2 (pinned) parses the parameter but then ignores it, sending datagrams of the configured size
+        (16 KiB on loopback, FACTS.md): peers that take the parameter at its word (picoquic, so aiomoqt, advertises
+        1500 or so) drop them all and the connection stalls once packets grow past it. Call once the handshake is
+        complete; returns the peer's limit (None when it stated none)."""
+        extensions = getattr(self.tls, "received_extensions", None) or []
+        for ext_type, data in extensions:
+            if ext_type != tls.ExtensionType.QUIC_TRANSPORT_PARAMETERS:
+                continue
+            try:
+                params = pull_quic_transport_parameters(Buffer(data=data))
+            except Exception:  # aioquic already accepted these; be lenient here
+                return None
+            limit = params.max_udp_payload_size
+            if limit is not None and limit < self._max_datagram_size:
+                self._max_datagram_size = limit
+                loss = self._loss
+                loss._pacer._max_datagram_size = limit
+                if hasattr(loss._cc, "_max_datagram_size"):
+                    loss._cc._max_datagram_size = limit
+                log.debug("peer limits UDP payloads to %d octets", limit)
+            return limit
+        return None
+
+    # -- writing the limits ----------------------------------------------------------------------------------------
+
     def _write_connection_limits(self, builder: Any, space: Any) -> None:
+        budget = self._kvsp_uni_budget
+        if budget is not None:  # not aioquic's one more per finished stream: one more per stream ended and read
+            uni = self._local_max_streams_uni
+            uni.value = max(uni.sent, self._kvsp_uni_done + budget)
         limit = self._local_max_data
         window = self._kvsp_connection_window
         target = limit.used - self._kvsp_unread_total + window

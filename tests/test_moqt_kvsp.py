@@ -10,10 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
-import json
-import signal
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -58,6 +54,7 @@ from moqt.events import FetchRequested, ObjectReceived
 from moqt.types import Draft, ObjectStatus, StandaloneFetch
 from quic.tls import TlsFiles
 from tests.conftest import small_descriptor
+from tests.helpers import Process
 from tests.pki import TestPki, make_pki
 
 SCOPE = bytes.fromhex("6d1c6481cd428737da312c089db3832a")
@@ -411,36 +408,9 @@ def test_layer_assembler_checks_structure() -> None:
 # -- the real processes: `kvsp-quic holder --dev` serves and publishes MOQT next to HTTP ------------------------
 
 
-class Process:
-    """A ``kvsp-quic`` server subcommand; its one ready line parsed; stopped with SIGTERM (then SIGKILL)."""
-
-    def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvsp_quic", *args, "--log-level", "WARNING"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None and self.proc.stderr is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{args[0]} did not start: {self.proc.stderr.read()}")
-        self.ready: dict[str, Any] = json.loads(line)
-
-    def stop(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        assert self.proc.stdout is not None and self.proc.stderr is not None
-        self.proc.stdout.close()
-        err = self.proc.stderr.read()
-        self.proc.stderr.close()
-        return err
-
-
 async def test_dev_holder_serves_moqt_and_publishes_twins(tmp_path: Path) -> None:
-    from kvsp_quic.app.serve import example_descriptor
     from kvsp_quic.keys import BlockKeyer
+    from kvsp_quic.samples import example_descriptor
 
     d = example_descriptor()
     keyer = BlockKeyer(bytes(range(32)), d.compat_id, d.block_tokens)

@@ -30,11 +30,12 @@ from pathlib import Path
 import pytest
 
 from kvsp_moqt.holder_tracks import HolderTracks, fetch_layers
+from kvsp_moqt.relay_policy import kvsp_relay
+from kvsp_moqt.relay_rules import RelayRules
 from kvsp_moqt.tracks import moqt_record, track_name, track_namespace
 from kvsp_quic.auth import Policy
 from kvsp_quic.records import ReplicaRecord, ResidencyEntry, encode_moqt_namespace
 from kvsp_quic.roles.holder import Holder, HolderSettings
-from kvsp_quic.roles.relay import RelayRules
 from moqt.aio import MoqtConnectError, connect_moqt, moqt_handlers
 from moqt.relay import Relay, RelayConfig
 from quic.listener import QuicListener
@@ -157,7 +158,7 @@ async def our_relay(certs: TestPki, open_prefixes: tuple[str, ...] = ("moq-test"
         {"identity": HOLDER_URI, "roles": ["holder"], "scopes": "*"},
         {"identity": ALICE, "roles": ["instance"], "scopes": [SCOPE.hex()]},
     ]})
-    relay = Relay(RelayRules.of(policy, open_prefixes), RelayConfig())
+    relay = kvsp_relay(RelayRules.of(policy, open_prefixes), RelayConfig())
     listener = QuicListener(certs.files("relay"), moqt_handlers(relay, data_streams=8))
     await listener.start("127.0.0.1", 0)
     try:

@@ -1,4 +1,4 @@
-"""The MOQT relay (moqt/relay.py, moqt/relay_cache.py, kvsp_moqt/index_link.py, kvsp_quic/roles/relay.py): its rules
+"""The MOQT relay (moqt/relay/, kvsp_moqt/relay_policy.py, kvsp_moqt/index_link.py, kvsp_moqt/relay_rules.py): its rules
 sans I/O, then real sockets on 127.0.0.1 -- a Holder's tracks published to the relay by the holder's own session,
 subscribers fetching through it with every layer verified, across drafts; the cache, coalescing and cut-through;
 refusals; upstream failures; index-guided upstreams and the relay's Replica Records; SUBSCRIBE fan-out; and
@@ -25,6 +25,8 @@ from http3.index_app import index_app
 from http3.server import RoleServer
 from kvsp_moqt.holder_tracks import HolderTracks, fetch_layers
 from kvsp_moqt.index_link import IndexLink
+from kvsp_moqt.relay_policy import kvsp_relay
+from kvsp_moqt.relay_rules import RelayRules, Verdict, parse_prefix
 from kvsp_moqt.tracks import does_not_exist, invalid_range, moqt_record, track_name, track_namespace, unauthorized
 from kvsp_quic import container as c
 from kvsp_quic.app.config import ConfigError, RelayFile, RelaySection, build
@@ -34,7 +36,6 @@ from kvsp_quic.keys import holder_id
 from kvsp_quic.records import ReplicaRecord, decode_moqt_namespace
 from kvsp_quic.roles.holder import Holder, HolderSettings
 from kvsp_quic.roles.index import IndexService
-from kvsp_quic.roles.relay import RelayRules, Verdict, parse_prefix
 from kvsp_quic.samples import random_sections
 from kvsp_quic.storage.memory_index import MemoryIndexStore
 from moqt import events as ev
@@ -49,8 +50,17 @@ from moqt.aio import (
     moqt_handlers,
 )
 from moqt.errors import PublishDoneCode14
-from moqt.relay import Relay, RelayConfig, publish_done_code, request_code
-from moqt.relay_cache import WHOLE, RelayCache, TrackFetch, end_key, end_location
+from moqt.relay import (
+    WHOLE,
+    Relay,
+    RelayCache,
+    RelayConfig,
+    TrackFetch,
+    end_key,
+    end_location,
+    publish_done_code,
+    request_code,
+)
 from moqt.types import Draft, GroupOrder, Location, ObjectStatus
 from quic.listener import QuicListener
 from quic.tls import TransportSettings
@@ -245,7 +255,7 @@ class World:
 
 
 async def start_relay(certs: TestPki, config: RelayConfig = DEFAULTS, **kw: Any) -> tuple[Relay, QuicListener]:
-    relay = Relay(RelayRules(RELAY_POLICY, (OPEN,)), config, **kw)
+    relay = kvsp_relay(RelayRules(RELAY_POLICY, (OPEN,)), config, **kw)
     listener = QuicListener(certs.files("relay"), moqt_handlers(relay, data_streams=8))
     await listener.start("127.0.0.1", 0)
     return relay, listener
@@ -399,11 +409,11 @@ async def test_upstream_failures_reach_the_subscriber_and_nothing_is_cached(cert
 
 async def test_a_stuck_subscriber_does_not_hold_the_upstream(certs: TestPki) -> None:
     """Pacing credits the upstream as the fastest subscriber takes the octets; when every subscriber stops, the
-    relay stops pacing after upstream_timeout and the block still completes into the cache."""
+    relay stops pacing after upstream_timeout_ms and the block still completes into the cache."""
     d = small_descriptor(layers=32, block_tokens=1024)  # 32 KiB layers, 1 MiB block
     holder = Holder(HolderSettings(HOLDER_URI, (d,)))
     small = TransportSettings(stream_window=64 << 10, send_buffer=64 << 10)
-    relay = Relay(RelayRules(RELAY_POLICY, ()), RelayConfig(upstream_timeout=0.5))
+    relay = kvsp_relay(RelayRules(RELAY_POLICY, ()), RelayConfig(upstream_timeout_ms=500))
     listener = QuicListener(certs.files("relay"), moqt_handlers(relay), settings=small)
     await listener.start("127.0.0.1", 0)
     conns: list[MoqtConnection] = []
@@ -465,7 +475,7 @@ async def test_index_guided_upstream_and_the_relays_records(certs: TestPki) -> N
     async with KvspClient(certs.files("holder")) as as_holder, KvspClient(certs.files("relay")) as as_relay, \
             KvspClient(certs.files("alice")) as alice_http, MoqtPool(certs.files("relay")) as pool:
         link = IndexLink(as_relay, index_uri, pool, moqt_uri="moqt://127.0.0.1:1/", ttl_ms=30_000)
-        async with world(certs, RelayConfig(cache_bytes=12_000), resolver=link) as w:
+        async with world(certs, RelayConfig(cache_bytes=12_000), link=link) as w:
             link.moqt_uri = w.uri  # the relay's port is known now
             link.holder_id = holder_id(w.uri)
             records = [holder.store(WRITER, d.compat_id, SCOPE, key(n), block(d, n), "*") for n in (10, 11)]

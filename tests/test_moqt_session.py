@@ -53,6 +53,7 @@ from moqt.events import (
 )
 from moqt.message import Message
 from moqt.session import MoqtSession, Role, SessionConfig
+from moqt.sessions import new_session, session_for_alpn
 from moqt.testing import SessionPair
 from moqt.types import (
     AliasType,
@@ -97,10 +98,10 @@ def test_setup(draft: Draft) -> None:
 
 
 def test_alpn_selects_the_draft() -> None:
-    assert MoqtSession.for_alpn("moq-00", Role.CLIENT).draft is Draft.D14
-    assert MoqtSession.for_alpn("moqt-18", Role.SERVER).draft is Draft.D18
+    assert session_for_alpn("moq-00", Role.CLIENT).draft is Draft.D14
+    assert session_for_alpn("moqt-18", Role.SERVER).draft is Draft.D18
     with pytest.raises(ValueError):
-        MoqtSession.for_alpn("h3", Role.SERVER)
+        session_for_alpn("h3", Role.SERVER)
 
 
 def test_draft18_control_streams_are_unidirectional() -> None:
@@ -516,7 +517,7 @@ def test_draft18_peer_cancels_our_subscription() -> None:
 
 def _server(draft: Draft, config: SessionConfig | None = None) -> MoqtSession:
     """A server that has received the client's SETUP (control: stream 0 in draft 14, stream 2 in draft 18)."""
-    server = MoqtSession.create(draft, Role.SERVER, config)
+    server = new_session(draft, Role.SERVER, config)
     server.start()
     if draft is Draft.D14:
         setup = encode_message(m14.ClientSetup((draft.version,), ((2, 100),)), draft)
@@ -529,7 +530,7 @@ def _server(draft: Draft, config: SessionConfig | None = None) -> MoqtSession:
 
 
 def _client(draft: Draft) -> MoqtSession:
-    client = MoqtSession.create(draft, Role.CLIENT)
+    client = new_session(draft, Role.CLIENT)
     client.start()
     if draft is Draft.D14:
         client.receive_stream_data(0, encode_message(m14.ServerSetup(draft.version, ((2, 100),)), draft))
@@ -559,20 +560,20 @@ def _request(session: MoqtSession, stream_id: int, msg: Message) -> list[Event]:
 
 
 def test_message_before_setup() -> None:
-    server = MoqtSession.create(Draft.D14, Role.SERVER)
+    server = new_session(Draft.D14, Role.SERVER)
     server.start()
     assert _closed(server, _control(Draft.D14, server, m14.Subscribe(0, NS, TRACK))) == E.PROTOCOL_VIOLATION
 
 
 def test_version_negotiation_fails_without_a_common_version() -> None:
-    server = MoqtSession.create(Draft.D14, Role.SERVER)
+    server = new_session(Draft.D14, Role.SERVER)
     server.start()
     events = _control(Draft.D14, server, m14.ClientSetup((0xFF00000D, 0xFF000010)))
     assert _closed(server, events) == E.VERSION_NEGOTIATION_FAILED
 
 
 def test_version_negotiation_fails_on_a_version_not_offered() -> None:
-    client = MoqtSession.create(Draft.D14, Role.CLIENT)
+    client = new_session(Draft.D14, Role.CLIENT)
     client.start()
     events = _control(Draft.D14, client, m14.ServerSetup(0xFF00000D))
     assert _closed(client, events) == E.VERSION_NEGOTIATION_FAILED
@@ -581,7 +582,7 @@ def test_version_negotiation_fails_on_a_version_not_offered() -> None:
 @DRAFTS
 @pytest.mark.parametrize(("param", "code"), [(1, E.INVALID_PATH), (5, E.INVALID_AUTHORITY)])
 def test_server_sends_path_or_authority(draft: Draft, param: int, code: int) -> None:
-    client = MoqtSession.create(draft, Role.CLIENT)
+    client = new_session(draft, Role.CLIENT)
     client.start()
     msg: Message = m14.ServerSetup(draft.version, ((param, b"/x"),)) if draft is Draft.D14 \
         else m18.Setup(((param, b"/x"),))
@@ -594,7 +595,7 @@ def test_server_sends_path_or_authority(draft: Draft, param: int, code: int) -> 
     (5, b"", E.MALFORMED_AUTHORITY), (5, b":443", E.MALFORMED_AUTHORITY), (5, b"a/b", E.MALFORMED_AUTHORITY),
 ])
 def test_malformed_path_or_authority(draft: Draft, param: int, value: bytes, code: int) -> None:
-    server = MoqtSession.create(draft, Role.SERVER)
+    server = new_session(draft, Role.SERVER)
     server.start()
     msg: Message = m14.ClientSetup((draft.version,), ((param, value),)) if draft is Draft.D14 \
         else m18.Setup(((param, value),))
@@ -870,7 +871,7 @@ def test_usage_errors(draft: Draft) -> None:
         pair.client.unsubscribe(rid)  # not a subscription
     with pytest.raises(MoqtUsageError):
         pair.client.subscribe((), TRACK) if draft is Draft.D14 else pair.client.subscribe((b"",), TRACK)
-    started = MoqtSession.create(draft, Role.CLIENT)
+    started = new_session(draft, Role.CLIENT)
     with pytest.raises(MoqtUsageError):
         started.subscribe(NS, TRACK)
     started.start()

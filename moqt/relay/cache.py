@@ -20,18 +20,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvsp_moqt.tracks import KvspTrack, MalformedTrack
 from moqt import events as ev
 from moqt.types import KeyValuePairs, Location, Namespace, ObjectStatus
 
 if TYPE_CHECKING:
-    from kvsp_quic.records import ReplicaRecord
     from moqt.aio import FetchStream
     from moqt.types import Draft
 
 WHOLE = 1 << 64  # the object of an end key meaning "to the end of the group"
 Key = tuple[int, int]
 TrackKey = tuple[Namespace, bytes]
+
+
+class MalformedFetch(ValueError):
+    """The upstream's objects are not in order (a relay forwards no malformed track)."""
 
 
 def start_key(location: Location) -> Key:
@@ -75,19 +77,17 @@ class TrackFetch:
     """One upstream FETCH of ``[start, end)`` of a track and what it has brought so far (see the module docstring).
     The relay creates it, resolves its upstream and starts the FETCH with this object as the sink."""
 
-    def __init__(self, namespace: Namespace, track_name: bytes, start: Key, end: Key, *,
-                 kvsp: KvspTrack | None = None) -> None:
+    def __init__(self, namespace: Namespace, track_name: bytes, start: Key, end: Key) -> None:
         self.namespace = namespace
         self.track_name = track_name
         self.start = start
         self.end = end
-        self.kvsp = kvsp
         self.objects: list[RelayObject] = []
         self.accepted: ev.FetchAccepted | None = None
         self.ended = False  # the upstream data stream ended with FIN
         self.error: BaseException | None = None
         self.size = 0  # payload octets held
-        self.record: ReplicaRecord | None = None  # the publisher's Replica Record, when the Index Service named it
+        self.origin: object = None  # what the upstream directory said of its upstream (moqt.relay.Upstream.origin)
         self.stream: FetchStream | None = None
         self.upstream = ""  # who serves it, for logs and status
         self.upstream_draft: Draft | None = None
@@ -131,14 +131,14 @@ class TrackFetch:
         last = self.objects[-1] if self.objects else None
         if piece.offset == 0 and (last is None or last.complete):
             if last is not None and (piece.group, piece.object_id) <= last.key:
-                self.fetch_failed(MalformedTrack(f"object ({piece.group}, {piece.object_id}) after "
+                self.fetch_failed(MalformedFetch(f"object ({piece.group}, {piece.object_id}) after "
                                                  f"({last.group}, {last.object_id})"))
                 return False
             last = RelayObject(piece.group, piece.object_id, piece.subgroup, piece.priority, piece.status,
                                piece.extensions, piece.length, self.size)
             self.objects.append(last)
         elif last is None or last.complete or piece.object_id != last.object_id or piece.offset != last.received:
-            self.fetch_failed(MalformedTrack(f"piece of object ({piece.group}, {piece.object_id}) at offset "
+            self.fetch_failed(MalformedFetch(f"piece of object ({piece.group}, {piece.object_id}) at offset "
                                              f"{piece.offset} out of order"))
             return False
         n = len(piece.data)
@@ -280,4 +280,5 @@ class RelayCache:
         return list(self._entries.values())
 
 
-__all__ = ["WHOLE", "RelayCache", "RelayObject", "TrackFetch", "end_key", "end_location", "start_key"]
+__all__ = ["WHOLE", "Key", "MalformedFetch", "RelayCache", "RelayObject", "TrackFetch", "TrackKey", "end_key",
+           "end_location", "start_key"]

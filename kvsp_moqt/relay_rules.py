@@ -1,6 +1,7 @@
 """The MOQT relay's authorization rules, sans I/O: who may publish which namespace to the relay, and who may read
-(FETCH, SUBSCRIBE) or discover (SUBSCRIBE_NAMESPACE) what. The asyncio relay is :mod:`moqt.relay`; docs/moqt.md
-("Relay") records the decisions.
+(FETCH, SUBSCRIBE) or discover (SUBSCRIBE_NAMESPACE) what. The generic asyncio relay is :mod:`moqt.relay`; these
+rules are its :class:`~moqt.relay.interfaces.AccessRules` (:func:`kvsp_moqt.relay_policy.kvsp_relay`).
+docs/moqt.md ("Relay") records the decisions.
 
 Two kinds of namespace pass through a relay:
 
@@ -22,41 +23,19 @@ already happened: every identity here is a verified certificate's SAN URI.
 
 from __future__ import annotations
 
-import enum
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvsp_quic.auth import ALL, Policy, Principal, Role
 from kvsp_quic.keys import holder_id
-from kvsp_quic.records import NAMESPACE_TAG
-
-Namespace = tuple[bytes, ...]
+from kvsp_quic.records import NAMESPACE_TAG, KvspNamespace
+from moqt.relay.interfaces import ALLOWED, Decision, Verdict, under
+from moqt.types import Namespace
 
 READERS = (Role.CLIENT, Role.INSTANCE, Role.HOLDER)
-_HEX64 = re.compile(rb"[0-9a-f]{64}")
-_HEX32 = re.compile(rb"[0-9a-f]{32}")
-_HOLDER_ID = re.compile(rb"[A-Za-z0-9_-]{43}")
-_DECIMAL = re.compile(rb"0|[1-9][0-9]{0,4}")
 
 
-class Verdict(enum.Enum):
-    OK = "ok"
-    UNAUTHORIZED = "unauthorized"
-    DOES_NOT_EXIST = "does-not-exist"
-
-
-@dataclass(frozen=True)
-class Decision:
-    verdict: Verdict
-    reason: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.verdict is Verdict.OK
-
-
-_OK = Decision(Verdict.OK)
+_OK = ALLOWED
 
 
 def parse_prefix(text: str) -> Namespace:
@@ -68,19 +47,12 @@ def parse_prefix(text: str) -> Namespace:
 
 
 def is_kvsp(namespace: Namespace) -> bool:
-    return bool(namespace) and namespace[0] == NAMESPACE_TAG
+    return namespace[:1] == (NAMESPACE_TAG,)
 
 
 def kvsp_fields_ok(namespace: Namespace) -> bool:
     """The fields a KVSP namespace has are well formed (it may stop after any of them)."""
-    checks = (None, _HEX64, _HEX32, _HOLDER_ID, _DECIMAL)
-    if not is_kvsp(namespace) or len(namespace) > len(checks):
-        return False
-    return all(check is None or check.fullmatch(field) for check, field in zip(checks, namespace, strict=False))
-
-
-def under(namespace: Namespace, prefix: Namespace) -> bool:
-    return namespace[:len(prefix)] == prefix
+    return KvspNamespace.parse(namespace) is not None
 
 
 @dataclass(frozen=True)
@@ -108,19 +80,20 @@ class RelayRules:
         return Decision(Verdict.UNAUTHORIZED, "the relay carries KVSP namespaces and its open prefixes only")
 
     def _publish_kvsp(self, principal: Principal, namespace: Namespace) -> Decision:
-        if len(namespace) < 4 or not kvsp_fields_ok(namespace):
+        fields = KvspNamespace.parse(namespace)
+        if fields is None or fields.scope_id is None or fields.holder_id is None:
             return Decision(Verdict.UNAUTHORIZED, "a KVSP namespace published to a relay has its compat_id, scope_id "
                                                   "and holder-id fields (and at most the codec after them)")
         if Role.HOLDER not in principal.roles:
             return Decision(Verdict.UNAUTHORIZED, f"identity {principal.identity!r} is not a holder")
-        publisher = namespace[3].decode("ascii")
+        publisher = fields.holder_id
         if not (holder_id(principal.identity) == publisher or principal.publish_for is ALL
                 or any(holder_id(uri) == publisher for uri in principal.publish_for)):
             return Decision(Verdict.UNAUTHORIZED, f"identity {principal.identity!r} may not publish for holder-id "
                                                   f"{publisher}")
-        if not principal.has_scope(bytes.fromhex(namespace[2].decode("ascii"))):
+        if not principal.has_scope(fields.scope_id):
             return Decision(Verdict.UNAUTHORIZED, f"identity {principal.identity!r} is not authorized for scope "
-                                                  f"{namespace[2].decode('ascii')}")
+                                                  f"{fields.scope_id.hex()}")
         return _OK
 
     def read(self, identity: str | None, namespace: Namespace) -> Decision:
@@ -129,13 +102,14 @@ class RelayRules:
         if principal is None:
             return Decision(Verdict.UNAUTHORIZED, f"identity {identity!r} is not in the relay's policy")
         if is_kvsp(namespace):
-            if len(namespace) != 5 or not kvsp_fields_ok(namespace):
+            fields = KvspNamespace.parse(namespace)
+            if fields is None or not fields.complete or fields.scope_id is None:
                 return Decision(Verdict.DOES_NOT_EXIST, "not a KVSP track namespace")
             if not principal.has_role(*self.readers):
                 return Decision(Verdict.UNAUTHORIZED, f"identity {principal.identity!r} may not read blocks")
-            if not principal.has_scope(bytes.fromhex(namespace[2].decode("ascii"))):
+            if not principal.has_scope(fields.scope_id):
                 return Decision(Verdict.UNAUTHORIZED, f"identity {principal.identity!r} is not authorized for "
-                                                      f"scope {namespace[2].decode('ascii')}")
+                                                      f"scope {fields.scope_id.hex()}")
             return _OK
         if self.is_open(namespace):
             return _OK
@@ -154,8 +128,9 @@ class RelayRules:
         if principal is None:
             return False
         if is_kvsp(namespace):
-            return (len(namespace) >= 3 and kvsp_fields_ok(namespace) and principal.has_role(*self.readers)
-                    and principal.has_scope(bytes.fromhex(namespace[2].decode("ascii"))))
+            fields = KvspNamespace.parse(namespace)
+            return (fields is not None and fields.scope_id is not None and principal.has_role(*self.readers)
+                    and principal.has_scope(fields.scope_id))
         return self.is_open(namespace)
 
 

@@ -1,0 +1,192 @@
+"""Both ends of a MOQT connection on :mod:`quic`: the server side (:func:`moqt_handlers`, a handler per MOQT ALPN
+for :class:`quic.listener.QuicListener`), the client side (:func:`connect_moqt`) and a pool of client connections
+by ``moqt://`` URI (:class:`MoqtPool`).
+
+MOQT's flow-control policy lives here (the mechanisms are :class:`quic.connection.KvspQuicConnection`'s): on the
+client, peer unidirectional streams (MOQT data streams) are admitted only while fewer than ``data_streams`` + 1 are
+open or unread, and the connection window exceeds what they can hold unread by :data:`CONTROL_RESERVE`, so credit
+for control messages remains however slowly the consumer reads. A server that also fetches on accepted
+connections (a relay) budgets them the same way (``moqt_handlers(data_streams=)``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from aioquic.quic import events as qe
+
+from moqt.aio.connection import MoqtApp, MoqtConnection
+from moqt.aio.errors import MoqtConnectError, MoqtSessionClosed
+from moqt.requests import Role, SessionConfig
+from moqt.types import ALPNS, Draft
+from quic.connection import KvspQuicConnection
+from quic.listener import HandlerFactory, QuicConnectionContext
+from quic.protocol import KvspQuicProtocol, connect_quic
+from quic.tls import TLS_1_3, TlsFiles, TransportSettings, tls_extension
+
+CONTROL_RESERVE = 1 << 20  # connection credit kept free of data-stream octets, for control messages
+DEFAULT_DATA_STREAMS = 4  # client: peer data streams open (or unread) at once
+
+
+# -- server side: QuicListener handlers ------------------------------------------------------------------------
+
+
+class MoqtServerHandler:
+    """A :class:`quic.listener.ConnectionHandler` for one MOQT connection."""
+
+    def __init__(self, ctx: QuicConnectionContext, app: MoqtApp, config: SessionConfig | None = None, *,
+                 data_streams: int | None = None) -> None:
+        ctx.quic.respect_peer_udp_payload()
+        if data_streams is not None:  # a relay: the peer's data streams (our upstream fetches) are budgeted
+            ctx.quic.budget_uni_streams(data_streams + 1)
+        self.conn = MoqtConnection(ctx.protocol, ctx.alpn, Role.SERVER, config=config, tls=ctx.tls, app=app,
+                                   peer=ctx.client, send_buffer=ctx.settings.send_buffer)
+        self.conn.start()
+
+    def quic_event_received(self, event: qe.QuicEvent) -> None:
+        self.conn.quic_event_received(event)
+
+    def connection_terminated(self) -> None:
+        self.conn.connection_terminated()
+
+    async def drain(self) -> None:
+        await self.conn.drain()
+
+
+def moqt_handlers(app: MoqtApp, *, config: SessionConfig | None = None, alpns: Sequence[str] = ALPNS,
+                  data_streams: int | None = None) -> dict[str, HandlerFactory]:
+    """Handler factories for :class:`~quic.listener.QuicListener` / ``RoleServer(quic_handlers=...)``: every
+    MOQT connection gets a session of its ALPN's draft, served by *app*. *data_streams*: for a server that also
+    fetches on accepted connections (a relay), the peer data streams admitted at once beyond the handshake's
+    grant (see :meth:`quic.connection.KvspQuicConnection.budget_uni_streams`)."""
+    for alpn in alpns:
+        Draft.from_alpn(alpn)
+    if data_streams is not None and data_streams < 1:
+        raise ValueError("data_streams must be at least 1")
+
+    def factory(ctx: QuicConnectionContext) -> MoqtServerHandler:
+        return MoqtServerHandler(ctx, app, config, data_streams=data_streams)
+
+    return {alpn: factory for alpn in alpns}
+
+
+# -- client side ------------------------------------------------------------------------------------------------
+
+
+class _ClientProtocol(KvspQuicProtocol):
+    def __init__(self, quic: KvspQuicConnection, *, settings: TransportSettings,
+                 make: Callable[[_ClientProtocol, str], MoqtConnection], **kwargs: Any) -> None:
+        super().__init__(quic, settings=settings, **kwargs)
+        self._make = make
+        self.conn: MoqtConnection | None = None
+
+    def quic_event_received(self, event: qe.QuicEvent) -> None:
+        super().quic_event_received(event)
+        if isinstance(event, qe.HandshakeCompleted):
+            self.quic.respect_peer_udp_payload()
+            try:
+                self.conn = self._make(self, event.alpn_protocol or "")
+            except ValueError as exc:  # not a MOQT ALPN: cannot happen with the ALPNs we offer
+                self._quic.close(error_code=0x178, reason_phrase=str(exc))
+                return
+            self.conn.start()
+        elif isinstance(event, qe.ConnectionTerminated):
+            if self.conn is not None:
+                self.conn.connection_terminated(event.error_code, event.reason_phrase)
+        elif self.conn is not None:
+            self.conn.quic_event_received(event)
+
+    async def application_ready(self) -> None:
+        conn = self.conn
+        assert conn is not None
+        await conn.ready()
+
+    def failure_reason(self, exc: BaseException, timeout: float) -> str:
+        return str(exc) if isinstance(exc, MoqtSessionClosed) else super().failure_reason(exc, timeout)
+
+
+async def connect_moqt(host: str, port: int, files: TlsFiles, *, settings: TransportSettings = TransportSettings(),
+                       alpn: str | Sequence[str] = ALPNS, server_name: str | None = None, timeout: float = 10.0,
+                       config: SessionConfig | None = None, app: MoqtApp | None = None,
+                       data_streams: int = DEFAULT_DATA_STREAMS, path: bytes = b"/") -> MoqtConnection:
+    """A client MOQT session to *host*:*port* with mutual TLS, offering *alpn* (both drafts by default; the server
+    picks). Returns once HANDSHAKE_DONE has arrived (the server accepted our certificate) and SETUP is complete;
+    raises :class:`MoqtConnectError` otherwise (the server offers no MOQT ALPN, refuses the certificate, does not
+    answer within *timeout*). *data_streams*: peer data streams admitted at once (see the module docstring)."""
+    alpns = [alpn] if isinstance(alpn, str) else list(alpn)
+    if not alpns:
+        raise ValueError("offer at least one MOQT ALPN")
+    for name in alpns:
+        Draft.from_alpn(name)
+    if data_streams < 1:
+        raise ValueError("data_streams must be at least 1")
+    window = max(settings.connection_window, (data_streams + 1) * settings.stream_window + CONTROL_RESERVE)
+    tuned = dataclasses.replace(settings, connection_window=window)
+    authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    session_config = config or SessionConfig(path=path, authority=authority.encode("ascii"))
+
+    def make(protocol: _ClientProtocol, negotiated: str) -> MoqtConnection:
+        tls = tls_extension(protocol.quic.peer_chain_der, server_cert_pem=None, tls_version=TLS_1_3,
+                            cipher_suite=None)
+        return MoqtConnection(protocol, negotiated, Role.CLIENT, config=session_config, tls=tls, app=app,
+                              peer=(host, port), send_buffer=tuned.send_buffer, on_close=protocol.aclose)
+
+    protocol = await connect_quic(
+        host, port, files, alpn=alpns, settings=tuned, server_name=server_name, timeout=timeout,
+        protocol_factory=functools.partial(_ClientProtocol, make=make),
+        quic_factory=functools.partial(KvspQuicConnection, uni_streams=data_streams + 1),
+        error=lambda reason: MoqtConnectError(f"MOQT to {host}:{port} ({', '.join(alpns)}) failed: {reason}"))
+    assert protocol.conn is not None
+    return protocol.conn
+
+
+class MoqtPool:
+    """Client MOQT connections by ``moqt://host:port/``, shared by concurrent fetches; a closed one is replaced."""
+
+    def __init__(self, files: TlsFiles, *, settings: TransportSettings = TransportSettings(),
+                 alpn: str | Sequence[str] = ALPNS, connect_timeout: float = 10.0,
+                 data_streams: int = DEFAULT_DATA_STREAMS) -> None:
+        self.files = files
+        self.settings = settings
+        self.alpn = alpn
+        self.connect_timeout = connect_timeout
+        self.data_streams = data_streams
+        self._conns: dict[tuple[str, int], MoqtConnection] = {}
+        self._locks: dict[tuple[str, int], asyncio.Lock] = {}
+
+    async def get(self, uri: str) -> MoqtConnection:
+        parts = urlsplit(uri)
+        if parts.scheme != "moqt" or parts.hostname is None or parts.port is None:
+            raise ValueError(f"{uri!r} is not a moqt://host:port/ URI")
+        key = (parts.hostname, parts.port)
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            conn = self._conns.get(key)
+            if conn is not None and conn.closed is None and conn.goaway is None:
+                return conn
+            if conn is not None:
+                del self._conns[key]
+                await conn.aclose()
+            conn = await connect_moqt(key[0], key[1], self.files, settings=self.settings, alpn=self.alpn,
+                                      timeout=self.connect_timeout, data_streams=self.data_streams)
+            self._conns[key] = conn
+            return conn
+
+    async def aclose(self) -> None:
+        conns = list(self._conns.values())
+        self._conns.clear()
+        await asyncio.gather(*(c.aclose() for c in conns), return_exceptions=True)
+
+    async def __aenter__(self) -> MoqtPool:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+__all__ = ["CONTROL_RESERVE", "DEFAULT_DATA_STREAMS", "MoqtPool", "MoqtServerHandler", "connect_moqt",
+           "moqt_handlers"]

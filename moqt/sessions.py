@@ -1,0 +1,23 @@
+"""The MOQT session of a draft: the one place that knows both :class:`~moqt.session14.Session14` and
+:class:`~moqt.session18.Session18` (the base :class:`~moqt.session.MoqtSession` knows neither)."""
+
+from __future__ import annotations
+
+from moqt.requests import SessionConfig
+from moqt.session import MoqtSession, Role
+from moqt.session14 import Session14
+from moqt.session18 import Session18
+from moqt.types import Draft
+
+
+def new_session(draft: Draft, role: Role, config: SessionConfig | None = None) -> MoqtSession:
+    """A session speaking *draft* as *role* (not started: call :meth:`~moqt.session.MoqtSession.start`)."""
+    return (Session14 if draft is Draft.D14 else Session18)(role, config)
+
+
+def session_for_alpn(alpn: str, role: Role, config: SessionConfig | None = None) -> MoqtSession:
+    """The session for the ALPN the handshake chose ("moq-00": draft 14, "moqt-18": draft 18)."""
+    return new_session(Draft.from_alpn(alpn), role, config)
+
+
+__all__ = ["new_session", "session_for_alpn"]
