@@ -7,13 +7,19 @@
 
 The scrape is authorized like every other request (mutual TLS, a principal of the policy) with the ``"*"`` role
 rule, so any principal may read it: a Prometheus server gets a client certificate and an entry in the policy. The
-answer is the text exposition format 0.0.4 (``text/plain; version=0.0.4``) with ``Cache-Control: no-store``.
+answer is ``prometheus_client``'s ``generate_latest``: the text exposition format 0.0.4 (``text/plain;
+version=0.0.4``), or OpenMetrics 1.0.0 (``application/openmetrics-text; version=1.0.0``) when the ``Accept`` header
+prefers it (:func:`negotiate`, as Prometheus does by default), with ``Cache-Control: no-store`` and ``Vary: Accept``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from prometheus_client.exposition import generate_latest
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_CONTENT_TYPE
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.registry import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -29,9 +35,42 @@ METRICS_RULE = Rule("GET", METRICS_PATH, ANY_ROLE)
 _TRANSPORTS = {"3": "HTTP/3", "2": "HTTP/2", "1.1": "HTTP/1.1", "1.0": "HTTP/1.0"}
 
 
+Encoder = Callable[[CollectorRegistry], bytes]
+
+
+def _quality(params: list[str]) -> float:
+    for param in params:
+        key, _, value = param.partition("=")
+        if key.strip().lower() == "q":
+            try:
+                return float(value)
+            except ValueError:
+                return 0.0
+    return 1.0
+
+
+def negotiate(accept: str | None) -> tuple[Encoder, str]:
+    """The exposition for an ``Accept`` header: OpenMetrics when ``application/openmetrics-text`` (any version: the
+    answer is 1.0.0) has a quality above zero and no lower than the best of ``text/plain``, ``text/*`` and
+    ``*/*``; else the text format 0.0.4 (also without an ``Accept`` header). Returns the encoder and its
+    content type."""
+    openmetrics = text = 0.0
+    for item in (accept or "").split(","):
+        media, *params = item.split(";")
+        media = media.strip().lower()
+        if media == "application/openmetrics-text":
+            openmetrics = max(openmetrics, _quality(params))
+        elif media in ("text/plain", "text/*", "*/*"):
+            text = max(text, _quality(params))
+    if openmetrics > 0 and openmetrics >= text:
+        return generate_openmetrics, OPENMETRICS_CONTENT_TYPE
+    return generate_latest, CONTENT_TYPE
+
+
 def metrics_route(registry: Registry) -> Route:
     async def scrape(request: Request) -> Response:
-        return Response(registry.render().encode("utf-8"), headers={**NO_STORE, "content-type": CONTENT_TYPE})
+        encode, content_type = negotiate(request.headers.get("accept"))
+        return Response(encode(registry), headers={**NO_STORE, "content-type": content_type, "vary": "Accept"})
 
     return Route("/" + METRICS_PATH, scrape, methods=["GET"])
 
@@ -76,4 +115,7 @@ class TransferMetrics:
         await self.app(scope, counting_receive, counting_send)
 
 
-__all__ = ["METRICS_PATH", "METRICS_RULE", "TransferMetrics", "metrics_route", "mount_metrics"]
+__all__ = [
+    "METRICS_PATH", "METRICS_RULE", "OPENMETRICS_CONTENT_TYPE", "TransferMetrics", "metrics_route", "mount_metrics",
+    "negotiate",
+]

@@ -1,8 +1,10 @@
-"""Metrics in the Prometheus text exposition format 0.0.4, without a dependency.
+"""Metrics on ``prometheus_client``: one registry per role (and per test), families, scrape-time sources.
 
 Spec, Operational Considerations: "Implementations SHOULD report lookup hit ratio, fetched versus recomputed
-tokens, lease rejections, digest failures, and migrations." Every role keeps a :class:`Registry`; its HTTP app
-serves :meth:`Registry.render` at ``GET {base}metrics`` (:mod:`http3.metrics_app`).
+tokens, lease rejections, digest failures, and migrations." Every role keeps a :class:`Registry` (a
+``prometheus_client.CollectorRegistry``, never the library's global default one); its HTTP app serves it at
+``GET {base}metrics`` (:mod:`http3.metrics_app`: ``generate_latest``, text format 0.0.4, or OpenMetrics 1.0.0 when
+the scraper's ``Accept`` asks for it).
 
     registry = Registry()
     kvsp = KvspMetrics(registry)                      # the families every role shares (names below)
@@ -11,15 +13,29 @@ serves :meth:`Registry.render` at ``GET {base}metrics`` (:mod:`http3.metrics_app
     seconds.observe(0.004)
     registry.counter("kvsp_holder_events_total", "...", ("event",)).collect(
         lambda: [({"event": k}, v) for k, v in holder.metrics.items()])   # read at scrape time
-    text = registry.render()
+    text = registry.render()                          # == generate_latest(registry).decode()
 
-Why no ``prometheus_client``: the registry is ~250 lines, typed for ``mypy --strict``, has no global state (each
-role, and each test, owns its registry), and reads existing counters (``Holder.metrics``, ``RetrievalMetrics``)
-through collectors at scrape time instead of mirroring them. Only what the roles use is here: counters, gauges and
-fixed-bucket histograms (no summaries, no timestamps, no exemplars, no OpenMetrics).
+A family (:class:`Counter`, :class:`Gauge`, :class:`Histogram`) is a ``prometheus_client`` metric of the same type,
+created with ``registry=None`` (the family registers itself, see below), that counts in place -- ``labels(...)``
+returns the library's own child, with its locking, validation and value storage -- plus *sources*: callables read at
+every scrape that yield ``[(labels, value), ...]``, so existing counters (``Holder.metrics``, ``RetrievalMetrics``,
+the controller's session table) are read, not mirrored. Each family is registered in its registry as one
+``prometheus_client`` collector (:class:`FamilyCollector`) that yields one ``Metric`` with the series and the
+sources merged: counter samples with equal labels are **summed** (two sources can feed one series), gauges take the
+source's value (the last wins).
 
-Families with several sources: a family's series and its collectors may yield the same label set; counter samples
-with equal labels are **summed** (so two sources can feed one series), gauges keep the last value.
+Exposed names are today's names: a counter is asked for with its full name (``kvsp_lookups_total``; the library's
+family name drops the suffix, the text format writes it back on ``HELP``/``TYPE`` and the samples). The library's
+``_created`` samples (counters, histograms) are left out, per registry (no global
+``disable_created_metrics()``): no scrape had them, and a role restarts its counters with the process anyway.
+Names and label names are checked against the classic charset (``[a-zA-Z_:][a-zA-Z0-9_:]*``), which the text
+format 0.0.4 needs; the library alone would accept UTF-8 names.
+
+Multiprocess aggregation (issue 14, not done): with ``PROMETHEUS_MULTIPROC_DIR`` set before ``prometheus_client``
+is imported, the families' metrics keep their values in the library's per-process files unchanged. The scraping
+process would then register ``prometheus_client.multiprocess.MultiProcessCollector`` in the role's registry and let
+the families yield only their sources' samples, merged with the aggregated series by family name (gauges choose a
+``multiprocess_mode``): the families are the one place samples are merged, so nothing at the call sites changes.
 
 The shared KVSP families (:class:`KvspMetrics`), each with a ``component`` label naming who counted
 (``index``, ``controller``, ``holder``, ``instance``, ``retrieval``, ...):
@@ -41,11 +57,16 @@ The shared KVSP families (:class:`KvspMetrics`), each with a ``component`` label
 
 from __future__ import annotations
 
-import math
 import re
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
+
+import prometheus_client as prom
+from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.samples import Sample
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DEFAULT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -54,91 +75,165 @@ _NAME_RE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _LABEL_RE = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 Labels = tuple[tuple[str, str], ...]
+"""A series' label values, in the family's label-name order: ``(("component", "index"),)``."""
 Collected = Iterable[tuple[Mapping[str, str], float]]
+"""What a source yields at a scrape: ``[(labels, value), ...]``, labels a mapping of the family's label names."""
+Source = Callable[[], Collected]
+
+M = TypeVar("M", prom.Counter, prom.Gauge, prom.Histogram)
 
 
-def format_value(value: float) -> str:
-    """A sample value as the format writes it: integers without a fraction, ``+Inf``, ``-Inf``, ``NaN``."""
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if float(value).is_integer() and abs(value) < 1e15:
-        return str(int(value))
-    return repr(float(value))
+class Family(Generic[M]):
+    """A metric family: a name, a help text, label names, a ``prometheus_client`` metric holding the series counted
+    in place, and sources read at every scrape."""
 
+    kind: ClassVar[str]
 
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+    def __init__(self, name: str, help: str, labelnames: Sequence[str], metric: M) -> None:
+        self.name = name
+        self.help = help
+        self.labelnames = tuple(labelnames)
+        self.metric: M = metric
+        self._sources: list[Source] = []
+        self._lock = threading.Lock()
 
+    def _key(self, values: Mapping[str, str]) -> Labels:
+        if set(values) != set(self.labelnames):
+            raise ValueError(f"metric {self.name}: labels {sorted(values)} are not {sorted(self.labelnames)}")
+        return tuple((name, str(values[name])) for name in self.labelnames)
 
-def _escape_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
+    def labels(self, **values: str) -> M:
+        """The series with these label values (created at zero on first use): the library's child metric."""
+        self._key(values)
+        if not self.labelnames:
+            return self.metric
+        child: M = self.metric.labels(**values)
+        return child
 
-
-def _label_text(labels: Labels) -> str:
-    if not labels:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape_label(v)}"' for k, v in labels) + "}"
-
-
-class _Child:
-    """One series of a counter or gauge (one set of label values)."""
-
-    def __init__(self, lock: threading.Lock) -> None:
-        self._lock = lock
-        self.value = 0.0
-
-
-class CounterChild(_Child):
-    def inc(self, amount: float = 1.0) -> None:
-        if amount < 0:
-            raise ValueError("a counter only goes up")
+    def collect(self, fn: Source) -> None:
+        """Read samples from *fn* at every scrape: ``[(labels, value), ...]``, labels as a mapping of this
+        family's label names (for histograms: not supported)."""
         with self._lock:
-            self.value += amount
+            self._sources.append(fn)
+
+    def _merge(self, old: float | None, new: float) -> float:
+        return new if old is None else old + new
+
+    def _series(self) -> dict[Labels, Sample]:
+        """The metric's own samples (not ``_created``) by label set."""
+        return {self._key(s.labels): s for m in self.metric.collect() for s in m.samples if s.name == self.name}
+
+    def _merged(self) -> dict[Labels, Sample]:
+        samples = self._series()
+        with self._lock:
+            sources = list(self._sources)
+        for fn in sources:
+            for labels, value in fn():
+                key = self._key(labels)
+                old = samples.get(key)
+                if old is None:
+                    samples[key] = Sample(self.name, dict(key), self._merge(None, float(value)))
+                else:
+                    samples[key] = old._replace(value=self._merge(old.value, float(value)))
+        return samples
+
+    def values(self) -> dict[Labels, float]:
+        """The current samples: the series' values merged with what the sources yield."""
+        return {key: s.value for key, s in self._merged().items()}
+
+    @property
+    def family_name(self) -> str:
+        """The name of the family in the library's (OpenMetrics) model: a counter's without ``_total``."""
+        return self.name
+
+    def exposed(self) -> Metric:
+        """This family as the library exposes it: one ``Metric``, its samples in label order."""
+        metric = Metric(self.family_name, self.help, self.kind)
+        metric.samples = [s for _, s in sorted(self._merged().items(), key=lambda item: item[0])]
+        return metric
 
 
-class GaugeChild(_Child):
+class Counter(Family[prom.Counter]):
+    """A counter family; its name ends with ``_total`` and is exposed as given."""
+
+    kind = "counter"
+
+    @property
+    def family_name(self) -> str:
+        return self.name.removesuffix("_total")
+
+    def inc(self, amount: float = 1.0) -> None:
+        """Increment the unlabelled series (a family without label names)."""
+        self.labels().inc(amount)
+
+
+class Gauge(Family[prom.Gauge]):
+    """A gauge family; a source's value replaces the series' value for the same labels."""
+
+    kind = "gauge"
+
+    def _merge(self, old: float | None, new: float) -> float:
+        return new
+
     def set(self, value: float) -> None:
-        with self._lock:
-            self.value = float(value)
-
-    def inc(self, amount: float = 1.0) -> None:
-        with self._lock:
-            self.value += amount
-
-    def dec(self, amount: float = 1.0) -> None:
-        with self._lock:
-            self.value -= amount
+        """Set the unlabelled series (a family without label names)."""
+        self.labels().set(value)
 
 
-class HistogramChild:
-    def __init__(self, lock: threading.Lock, buckets: tuple[float, ...]) -> None:
-        self._lock = lock
-        self.buckets = buckets
-        self.counts = [0] * len(buckets)  # per bucket, not cumulative
-        self.sum = 0.0
-        self.count = 0
+class Histogram(Family[prom.Histogram]):
+    """A fixed-bucket histogram family (``_bucket`` with ``le``, ``_sum``, ``_count``); observations only."""
+
+    kind = "histogram"
 
     def observe(self, value: float) -> None:
-        with self._lock:
-            for i, bound in enumerate(self.buckets):
-                if value <= bound:
-                    self.counts[i] += 1
-                    break
-            self.sum += value
-            self.count += 1
+        """Observe into the unlabelled series (a family without label names)."""
+        self.labels().observe(value)
+
+    def collect(self, fn: Source) -> None:
+        raise TypeError("histograms take observations, not collectors")
+
+    def values(self) -> dict[Labels, float]:
+        raise TypeError("a histogram has no single value per series")
+
+    def exposed(self) -> Metric:
+        metric = Metric(self.family_name, self.help, self.kind)
+        created = self.name + "_created"
+        metric.samples = [s for m in self.metric.collect() for s in m.samples if s.name != created]
+        return metric
 
 
-C = TypeVar("C", CounterChild, GaugeChild, HistogramChild)
+class FamilyCollector(Collector):
+    """The ``prometheus_client`` collector of one family: describes its name (so the registry refuses a clashing
+    collector) and yields the family, series and sources merged, at every scrape."""
+
+    def __init__(self, family: Counter | Gauge | Histogram) -> None:
+        self.family = family
+
+    def describe(self) -> Iterable[Metric]:
+        return [Metric(self.family.family_name, self.family.help, self.family.kind)]
+
+    def collect(self) -> Iterable[Metric]:
+        return [self.family.exposed()]
 
 
-class Family(Generic[C]):
-    """A metric family: a name, a help text, label names, its series, and collectors read at scrape time."""
+F = TypeVar("F", Counter, Gauge, Histogram)
 
-    kind = "untyped"
 
-    def __init__(self, name: str, help: str, labelnames: Sequence[str], lock: threading.Lock) -> None:
+class Registry(CollectorRegistry):
+    """The metric families of one role: a ``prometheus_client`` registry of its own (anything the library can
+    expose or register works with it) that creates families once and hands them out by name.
+
+    Asking again for an existing name returns the same family when the kind and label names agree (so several
+    components can share ``kvsp_*`` families), and raises ``ValueError`` otherwise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._families_lock = threading.Lock()
+        self._families: dict[str, Counter | Gauge | Histogram] = {}
+        self._markers: set[str] = set()
+
+    def _family(self, cls: type[F], name: str, help: str, labelnames: Sequence[str],
+                metric: Callable[[], Any]) -> F:
         if not _NAME_RE.fullmatch(name):
             raise ValueError(f"bad metric name {name!r}")
         for label in labelnames:
@@ -146,182 +241,48 @@ class Family(Generic[C]):
                 raise ValueError(f"metric {name}: bad label name {label!r}")
         if len(set(labelnames)) != len(labelnames):
             raise ValueError(f"metric {name}: duplicate label names")
-        self.name = name
-        self.help = help
-        self.labelnames = tuple(labelnames)
-        self._lock = lock
-        self._children: dict[Labels, C] = {}
-        self._collectors: list[Callable[[], Collected]] = []
-
-    def _new_child(self) -> C:
-        raise NotImplementedError
-
-    def _key(self, values: Mapping[str, str]) -> Labels:
-        if set(values) != set(self.labelnames):
-            raise ValueError(f"metric {self.name}: labels {sorted(values)} are not {sorted(self.labelnames)}")
-        return tuple((name, str(values[name])) for name in self.labelnames)
-
-    def labels(self, **values: str) -> C:
-        """The series with these label values (created at zero on first use)."""
-        key = self._key(values)
-        with self._lock:
-            child = self._children.get(key)
-            if child is None:
-                child = self._children[key] = self._new_child()
-        return child
-
-    def collect(self, fn: Callable[[], Collected]) -> None:
-        """Read samples from *fn* at every scrape: ``[(labels, value), ...]``, labels as a mapping of this
-        family's label names (for histograms: not supported)."""
-        self._collectors.append(fn)
-
-    def _collected(self) -> dict[Labels, float]:
-        out: dict[Labels, float] = {}
-        for fn in self._collectors:
-            for labels, value in fn():
-                key = self._key(labels)
-                out[key] = self._merge(out.get(key), float(value))
-        return out
-
-    def _merge(self, old: float | None, new: float) -> float:
-        return new if old is None else old + new
-
-    def render(self, out: list[str]) -> None:
-        out.append(f"# HELP {self.name} {_escape_help(self.help)}")
-        out.append(f"# TYPE {self.name} {self.kind}")
-        self._render_samples(out)
-
-    def values(self) -> dict[Labels, float]:
-        """The current samples: the series' values merged with what the collectors yield."""
-        with self._lock:
-            values: dict[Labels, float] = {k: c.value for k, c in self._children.items() if isinstance(c, _Child)}
-        for key, value in self._collected().items():
-            values[key] = self._merge(values.get(key), value)
-        return values
-
-    def _render_samples(self, out: list[str]) -> None:
-        values = self.values()
-        for key in sorted(values):
-            out.append(f"{self.name}{_label_text(key)} {format_value(values[key])}")
-
-
-class Counter(Family[CounterChild]):
-    kind = "counter"
-
-    def _new_child(self) -> CounterChild:
-        return CounterChild(self._lock)
-
-    def inc(self, amount: float = 1.0) -> None:
-        """Increment the unlabelled series (a family without label names)."""
-        self.labels().inc(amount)
-
-
-class Gauge(Family[GaugeChild]):
-    kind = "gauge"
-
-    def _new_child(self) -> GaugeChild:
-        return GaugeChild(self._lock)
-
-    def _merge(self, old: float | None, new: float) -> float:
-        return new
-
-    def set(self, value: float) -> None:
-        self.labels().set(value)
-
-
-class Histogram(Family[HistogramChild]):
-    kind = "histogram"
-
-    def __init__(self, name: str, help: str, labelnames: Sequence[str], lock: threading.Lock,
-                 buckets: Sequence[float]) -> None:
-        super().__init__(name, help, labelnames, lock)
-        bounds = tuple(float(b) for b in buckets if not math.isinf(b))
-        if not bounds or list(bounds) != sorted(set(bounds)):
-            raise ValueError(f"metric {name}: buckets must be increasing and non-empty")
-        self.buckets = bounds
-
-    def _new_child(self) -> HistogramChild:
-        return HistogramChild(self._lock, self.buckets)
-
-    def observe(self, value: float) -> None:
-        self.labels().observe(value)
-
-    def collect(self, fn: Callable[[], Collected]) -> None:
-        raise TypeError("histograms take observations, not collectors")
-
-    def _render_samples(self, out: list[str]) -> None:
-        with self._lock:
-            snapshot = [(k, list(c.counts), c.sum, c.count) for k, c in self._children.items()]
-        for key, counts, total, count in sorted(snapshot, key=lambda s: s[0]):
-            running = 0
-            for bound, n in zip(self.buckets, counts, strict=True):
-                running += n
-                out.append(f"{self.name}_bucket{_label_text((*key, ('le', format_value(bound))))} {running}")
-            out.append(f"{self.name}_bucket{_label_text((*key, ('le', '+Inf')))} {count}")
-            out.append(f"{self.name}_sum{_label_text(key)} {format_value(total)}")
-            out.append(f"{self.name}_count{_label_text(key)} {count}")
-
-
-F = TypeVar("F", Counter, Gauge, Histogram)
-
-
-class Registry:
-    """The metric families of one process (or one role): create them once, render them at every scrape.
-
-    Asking again for an existing name returns the same family when the kind and label names agree (so several
-    components can share ``kvsp_*`` families), and raises ``ValueError`` otherwise."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._families: dict[str, Counter | Gauge | Histogram] = {}
-        self._markers: set[str] = set()
-
-    def _get(self, cls: type[F], name: str, help: str, labelnames: Sequence[str], **extra: Any) -> F:
-        with self._lock:
+        with self._families_lock:
             found = self._families.get(name)
             if found is not None:
                 if not isinstance(found, cls) or found.labelnames != tuple(labelnames):
                     raise ValueError(f"metric {name} exists as a {found.kind} with labels {found.labelnames}")
                 return found
-            family = cls(name, help, labelnames, threading.Lock(), **extra)
+            family = cls(name, help, labelnames, metric())
+            self.register(FamilyCollector(family))  # raises ValueError when another collector has the name
             self._families[name] = family
             return family
 
     def counter(self, name: str, help: str, labelnames: Sequence[str] = ()) -> Counter:
         if not name.endswith("_total"):
             raise ValueError(f"counter {name!r}: counter names end with _total")
-        return self._get(Counter, name, help, labelnames)
+        return self._family(Counter, name, help, labelnames,
+                            lambda: prom.Counter(name, help, labelnames, registry=None))
 
     def gauge(self, name: str, help: str, labelnames: Sequence[str] = ()) -> Gauge:
-        return self._get(Gauge, name, help, labelnames)
+        return self._family(Gauge, name, help, labelnames, lambda: prom.Gauge(name, help, labelnames, registry=None))
 
     def histogram(self, name: str, help: str, labelnames: Sequence[str] = (),
                   buckets: Sequence[float] = DEFAULT_BUCKETS) -> Histogram:
-        return self._get(Histogram, name, help, labelnames, buckets=buckets)
+        return self._family(Histogram, name, help, labelnames,
+                            lambda: prom.Histogram(name, help, labelnames, registry=None, buckets=buckets))
 
     def __contains__(self, name: object) -> bool:
         return name in self._families
 
     def render(self) -> str:
-        """The text exposition (format 0.0.4) of every family, in name order, ending with a newline."""
-        out: list[str] = []
-        with self._lock:
-            families = sorted(self._families.values(), key=lambda fam: fam.name)
-        for family in families:
-            family.render(out)
-        return "\n".join(out) + "\n" if out else ""
+        """The text exposition (format 0.0.4, ``generate_latest``) of everything registered."""
+        return generate_latest(self).decode("utf-8")
 
     def samples(self, name: str) -> dict[Labels, float]:
-        """The current samples of a counter or gauge family (series and collectors), for derived gauges and
-        tests."""
+        """The current samples of a counter or gauge family (series and sources), for derived gauges and tests."""
         family = self._families.get(name)
         if family is None or isinstance(family, Histogram):
             raise KeyError(name)
         return family.values()
 
     def once(self, marker: str) -> bool:
-        """True the first time *marker* is asked for (installing a derived collector once per registry)."""
-        with self._lock:
+        """True the first time *marker* is asked for (installing a derived source once per registry)."""
+        with self._families_lock:
             if marker in self._markers:
                 return False
             self._markers.add(marker)
@@ -404,6 +365,6 @@ def retrieval_collectors(registry: Registry, metrics: Any, *, block_tokens: int 
 
 
 __all__ = [
-    "CONTENT_TYPE", "DEFAULT_BUCKETS", "Counter", "CounterChild", "Family", "Gauge", "GaugeChild", "Histogram",
-    "HistogramChild", "KvspMetrics", "Registry", "format_value", "holder_collectors", "retrieval_collectors",
+    "CONTENT_TYPE", "DEFAULT_BUCKETS", "Collected", "Counter", "Family", "FamilyCollector", "Gauge", "Histogram",
+    "KvspMetrics", "Labels", "Registry", "Source", "holder_collectors", "retrieval_collectors",
 ]

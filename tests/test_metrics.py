@@ -1,25 +1,29 @@
-"""kvsp_quic.metrics: the Prometheus text format 0.0.4, families, collectors, the shared KVSP families; and the
-``/metrics`` route helper with transfer counting (http3.metrics_app), driven as a plain ASGI app."""
+"""kvsp_quic.metrics: families on prometheus_client, scrape-time sources, the shared KVSP families, one registry per
+role; and the ``/metrics`` route (text format 0.0.4 or OpenMetrics by ``Accept``) with transfer counting
+(http3.metrics_app), driven as a plain ASGI app. Outcomes are read back from real scrapes with the library's parsers."""
 
 from __future__ import annotations
 
 import collections
-import math
 import re
 from pathlib import Path
+from typing import Any
 
+import prometheus_client as prom
 import pytest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 
 from http3.app_kit import role_app
 from http3.authz import Rule
-from http3.metrics_app import TransferMetrics, mount_metrics
+from http3.metrics_app import OPENMETRICS_CONTENT_TYPE, TransferMetrics, mount_metrics, negotiate
 from kvsp_quic.auth import Policy
 from kvsp_quic.metrics import (
     CONTENT_TYPE,
     KvspMetrics,
     Registry,
-    format_value,
     holder_collectors,
     retrieval_collectors,
 )
@@ -27,28 +31,44 @@ from kvsp_quic.retrieval_plan import RetrievalMetrics
 from quic import pki
 from tests.asgi import call, http_scope
 
-# One line of the text format: name, optional labels, value (no timestamps are written).
+# One sample line of the text format: a classic name, optional labels, a value (no timestamps are written).
 _SAMPLE = re.compile(r'[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_][a-zA-Z0-9_]*="(\\.|[^"\\])*",?)*\})? \S+')
 
 
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def series_key(name: str, labels: dict[str, str]) -> str:
+    """A series as the text format writes it: ``name{a="x",b="y"}``, label names in sorted order."""
+    if not labels:
+        return name
+    return name + "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items())) + "}"
+
+
+def families(text: str) -> dict[str, Metric]:
+    """The families of a text-format (0.0.4) scrape, parsed by ``prometheus_client``, by family name."""
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
 def check_format(text: str) -> dict[str, float]:
-    """Validate *text* line by line and return ``{series: value}``."""
-    assert text.endswith("\n")
-    out: dict[str, float] = {}
-    typed: set[str] = set()
-    for line in text.splitlines():
-        if line.startswith("# HELP "):
-            continue
-        if line.startswith("# TYPE "):
-            name, kind = line[7:].split(" ")
-            assert kind in ("counter", "gauge", "histogram", "untyped")
-            assert name not in typed
-            typed.add(name)
-            continue
+    """Validate a text-format (0.0.4) scrape and return ``{series: value}`` (keys as :func:`series_key` writes
+    them); every sample line must be parsed back, none twice, no ``_created`` samples."""
+    assert text.endswith("\n") or text == ""
+    lines = [line for line in text.splitlines() if line and not line.startswith("#")]
+    for line in lines:
         assert _SAMPLE.fullmatch(line), line
-        series, value = line.rsplit(" ", 1)
-        assert series not in out, f"duplicate series {series}"
-        out[series] = float(value.replace("+Inf", "inf"))
+    typed = [line.split(" ")[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+    assert len(typed) == len(set(typed)), "a family typed twice"
+    out: dict[str, float] = {}
+    for family in families(text).values():
+        assert family.type in ("counter", "gauge", "histogram", "unknown")
+        for sample in family.samples:
+            key = series_key(sample.name, sample.labels)
+            assert key not in out, f"duplicate series {key}"
+            assert not sample.name.endswith("_created"), key
+            out[key] = sample.value
+    assert len(out) == len(lines)  # every sample line round-trips
     return out
 
 
@@ -64,16 +84,22 @@ def test_counter_gauge_histogram_render() -> None:
         h.observe(v)
     text = reg.render()
     samples = check_format(text)
-    assert "# HELP kvsp_things_total Things\\ncounted \\\\ here" in text
+    assert "# HELP kvsp_things_total Things\\ncounted \\\\ here\n# TYPE kvsp_things_total counter\n" in text
     assert samples['kvsp_things_total{kind="a\\"b\\\\c\\nd"}'] == 2
     assert samples['kvsp_things_total{kind="plain"}'] == 1
     assert samples["kvsp_level"] == 0.25
     assert samples['kvsp_seconds_bucket{le="0.1"}'] == 1
-    assert samples['kvsp_seconds_bucket{le="1"}'] == 3
+    assert samples['kvsp_seconds_bucket{le="1.0"}'] == 3
     assert samples['kvsp_seconds_bucket{le="+Inf"}'] == 4
     assert samples["kvsp_seconds_count"] == 4
     assert samples["kvsp_seconds_sum"] == pytest.approx(4.05)
-    assert text.index("kvsp_level") < text.index("kvsp_seconds") < text.index("kvsp_things_total")
+    parsed = families(text)
+    assert {name: (f.type, f.documentation) for name, f in parsed.items()} == {
+        "kvsp_things": ("counter", "Things\ncounted \\ here"),  # the library's family name of kvsp_things_total
+        "kvsp_level": ("gauge", "A level"),
+        "kvsp_seconds": ("histogram", "Durations"),
+    }
+    assert {s.labels["kind"] for s in parsed["kvsp_things"].samples} == {'a"b\\c\nd', "plain"}  # round trip
 
 
 def test_registry_rules() -> None:
@@ -81,6 +107,7 @@ def test_registry_rules() -> None:
     assert reg.render() == ""
     c = reg.counter("a_total", "x", ("l",))
     assert reg.counter("a_total", "x", ("l",)) is c  # shared by name
+    assert "a_total" in reg and "b_total" not in reg
     with pytest.raises(ValueError):
         reg.gauge("a_total", "x", ("l",))
     with pytest.raises(ValueError):
@@ -88,9 +115,13 @@ def test_registry_rules() -> None:
     with pytest.raises(ValueError):
         reg.counter("no_suffix", "x")
     with pytest.raises(ValueError):
-        reg.counter("bad-name_total", "x")
+        reg.counter("bad-name_total", "x")  # the library alone would take UTF-8 names; format 0.0.4 does not
     with pytest.raises(ValueError):
         reg.counter("b_total", "x", ("__reserved",))
+    with pytest.raises(ValueError):
+        reg.gauge("a_created", "x")  # the library's registry: the name is the counter a_total's
+    with pytest.raises(ValueError):
+        prom.Gauge("a", "x", registry=reg)  # any collector of the library is checked against the families
     with pytest.raises(ValueError):
         c.labels(wrong="1")
     with pytest.raises(ValueError):
@@ -99,6 +130,10 @@ def test_registry_rules() -> None:
         reg.histogram("h", "x").collect(lambda: [])
     with pytest.raises(ValueError):
         reg.histogram("h2", "x", buckets=(2.0, 1.0))
+    assert check_format(reg.render()) == {'a_total{l="1"}': 0, "h_count": 0, "h_sum": 0,
+                                          **{f'h_bucket{{le="{le}"}}': 0 for le in (
+                                              "0.001", "0.0025", "0.005", "0.01", "0.025", "0.05", "0.1", "0.25",
+                                              "0.5", "1.0", "2.5", "5.0", "10.0", "+Inf")}}
 
 
 def test_collectors_sum_with_series() -> None:
@@ -113,29 +148,50 @@ def test_collectors_sum_with_series() -> None:
     assert samples['x_total{component="a"}'] == 3
     assert samples['x_total{component="b"}'] == 5
     assert samples['y{component="a"}'] == 7  # gauges: the last value wins
+    assert reg.samples("x_total") == {(("component", "a"),): 3, (("component", "b"),): 5}
+    assert reg.get_sample_value("x_total", {"component": "b"}) == 5  # the library's own reader agrees
+    with pytest.raises(KeyError):
+        reg.samples("nothing_total")
 
 
-def test_format_value() -> None:
-    assert format_value(3.0) == "3"
-    assert format_value(0.5) == "0.5"
-    assert format_value(math.inf) == "+Inf"
-    assert format_value(-math.inf) == "-Inf"
-    assert format_value(math.nan) == "NaN"
+def test_registries_are_independent() -> None:
+    one, two = Registry(), Registry()
+    KvspMetrics(one).migrations.labels(component="controller").inc(3)
+    KvspMetrics(two).migrations.labels(component="controller").inc()
+    holder_collectors(two, {"stored": 4})
+    assert check_format(one.render())['kvsp_migrations_total{component="controller"}'] == 3
+    scraped = check_format(two.render())
+    assert scraped['kvsp_migrations_total{component="controller"}'] == 1
+    assert scraped['kvsp_holder_events_total{event="stored"}'] == 4
+    assert "kvsp_holder_events_total" not in one
+    # nothing lands in the library's global default registry
+    assert prom.REGISTRY.get_sample_value("kvsp_migrations_total", {"component": "controller"}) is None
+    assert "kvsp_migrations" not in families(prom.generate_latest(prom.REGISTRY).decode())
 
 
 def test_kvsp_families_hit_ratio() -> None:
     reg = Registry()
     kvsp = KvspMetrics(reg)
-    KvspMetrics(reg)  # a second view of the same families does not add a second ratio collector
+    KvspMetrics(reg)  # a second view of the same families does not add a second ratio source
     kvsp.lookup("index", 10, 7)
     kvsp.lookup("index", 10, 3)
     kvsp.lookup("controller", 4, 4)
     kvsp.migrations.labels(component="controller").inc()
-    samples = check_format(reg.render())
+    text = reg.render()
+    samples = check_format(text)
     assert samples['kvsp_lookup_hit_ratio{component="index"}'] == 0.5
     assert samples['kvsp_lookup_hit_ratio{component="controller"}'] == 1.0
     assert samples['kvsp_lookups_total{component="index"}'] == 2
     assert samples['kvsp_migrations_total{component="controller"}'] == 1
+    # every shared family, with its type and HELP, whether it has samples yet or not
+    types = {f"# TYPE {name} {kind}" for name, kind in [
+        ("kvsp_lookups_total", "counter"), ("kvsp_lookup_keys_total", "counter"),
+        ("kvsp_lookup_matched_keys_total", "counter"), ("kvsp_lookup_hit_ratio", "gauge"),
+        ("kvsp_fetched_tokens_total", "counter"), ("kvsp_recomputed_tokens_total", "counter"),
+        ("kvsp_lease_rejections_total", "counter"), ("kvsp_digest_failures_total", "counter"),
+        ("kvsp_migrations_total", "counter"), ("kvsp_transfer_bytes_total", "counter")]}
+    assert {line for line in text.splitlines() if line.startswith("# TYPE")} == types
+    assert "# HELP kvsp_transfer_bytes_total Body octets by transport and direction\n" in text
 
 
 def test_holder_and_retrieval_collectors() -> None:
@@ -157,28 +213,72 @@ def test_holder_and_retrieval_collectors() -> None:
     assert samples['kvsp_fetched_tokens_total{component="retrieval"}'] == 80
     assert samples['kvsp_recomputed_tokens_total{component="retrieval"}'] == 48
     assert samples['kvsp_lookup_hit_ratio{component="retrieval"}'] == 0.75
-    assert samples['kvsp_transfer_bytes_total{component="retrieval",transport="HTTP/3",direction="in"}'] == 1000
+    assert samples['kvsp_transfer_bytes_total{component="retrieval",direction="in",transport="HTTP/3"}'] == 1000
     assert samples['kvsp_retrieval_blocks_total{component="retrieval",outcome="miss"}'] == 3
+    m.hits += 1
+    assert check_format(reg.render())['kvsp_retrieval_blocks_total{component="retrieval",outcome="hit"}'] == 6
 
 
-async def test_metrics_route_authorized_for_any_principal(tmp_path: Path) -> None:
-    root = tmp_path
-    pki.init(root, [pki.client("scraper"), pki.client("stranger")])
-    pem = (root / "scraper.pem").read_text()
-    stranger = (root / "stranger.pem").read_text()
+@pytest.mark.parametrize(("accept", "openmetrics"), [
+    (None, False),
+    ("*/*", False),
+    ("text/plain; version=0.0.4", False),
+    ("application/openmetrics-text", True),
+    # Prometheus 2 and 3 by default
+    ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+     "text/plain;version=0.0.4;q=0.5,*/*;q=0.1", True),
+    ("application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,application/openmetrics-text;"
+     "version=0.0.1;q=0.5,text/plain;version=1.0.0;escaping=allow-utf-8;q=0.4,text/plain;version=0.0.4;q=0.3,"
+     "*/*;q=0.2", True),
+    ("text/plain;version=0.0.4;q=1,application/openmetrics-text;q=0.5", False),
+    ("application/openmetrics-text;q=0", False),
+])
+def test_negotiate(accept: str | None, openmetrics: bool) -> None:
+    assert negotiate(accept)[1] == (OPENMETRICS_CONTENT_TYPE if openmetrics else CONTENT_TYPE)
+
+
+def _app(tmp_path: Path) -> tuple[Any, Registry, str, str]:
+    pki.init(tmp_path, [pki.client("scraper"), pki.client("stranger")])
     policy = Policy.from_dict({"principal": [{"identity": "urn:kvsp:client:scraper", "roles": ["client"]}]})
     reg = Registry()
     KvspMetrics(reg).migrations.labels(component="controller").inc()
     app = Starlette(routes=[])
     rules = mount_metrics(app, reg, (Rule("GET", "other", ["holder"]),))
     asgi = TransferMetrics(role_app(app, policy, rules, "/kvsp/"), reg, component="test")
+    return asgi, reg, (tmp_path / "scraper.pem").read_text(), (tmp_path / "stranger.pem").read_text()
+
+
+async def test_metrics_route_authorized_for_any_principal(tmp_path: Path) -> None:
+    asgi, _, pem, stranger = _app(tmp_path)
     sent = await call(asgi, http_scope("GET", "/kvsp/metrics", pem=pem))
     assert sent.status == 200
     assert sent.headers["content-type"] == CONTENT_TYPE
     assert sent.headers["cache-control"] == "no-store"
-    assert 'kvsp_migrations_total{component="controller"} 1' in sent.body.decode()
+    assert sent.headers["vary"] == "Accept"
+    assert check_format(sent.body.decode())['kvsp_migrations_total{component="controller"}'] == 1
     again = await call(asgi, http_scope("GET", "/kvsp/metrics", pem=pem))
     samples = check_format(again.body.decode())
-    assert samples['kvsp_transfer_bytes_total{component="test",transport="HTTP/2",direction="out"}'] == len(sent.body)
+    assert samples['kvsp_transfer_bytes_total{component="test",direction="out",transport="HTTP/2"}'] == len(sent.body)
     assert (await call(asgi, http_scope("GET", "/kvsp/metrics", pem=stranger))).status == 403  # not in the policy
     assert (await call(asgi, http_scope("GET", "/kvsp/metrics"))).status == 403  # no certificate
+
+
+async def test_metrics_route_openmetrics(tmp_path: Path) -> None:
+    asgi, reg, pem, _ = _app(tmp_path)
+    reg.histogram("kvsp_seconds", "Durations", buckets=(0.1, 1.0)).observe(0.5)
+    scope = http_scope("GET", "/kvsp/metrics", pem=pem)
+    scope["headers"].append((b"accept", b"application/openmetrics-text;version=1.0.0,text/plain;q=0.5"))
+    sent = await call(asgi, scope)
+    assert sent.status == 200 and sent.headers["content-type"] == OPENMETRICS_CONTENT_TYPE
+    text = sent.body.decode()
+    assert text.endswith("# EOF\n")
+    parsed = {f.name: f for f in parse_openmetrics(text)}  # the strict OpenMetrics parser
+    assert parsed["kvsp_migrations"].type == "counter"
+    migrations = parsed["kvsp_migrations"].samples
+    assert [(s.name, s.labels, s.value) for s in migrations] == [
+        ("kvsp_migrations_total", {"component": "controller"}, 1.0)]  # no _created sample
+    assert parsed["kvsp_lookup_hit_ratio"].type == "gauge"
+    assert {s.name: s.value for s in parsed["kvsp_seconds"].samples if "le" not in s.labels} == {
+        "kvsp_seconds_count": 1.0, "kvsp_seconds_sum": 0.5}
+    # the same families as the text format
+    assert set(parsed) == set(families(reg.render()))
