@@ -48,6 +48,7 @@ from gpu.kvcache import PagedKVCache
 from gpu.model import LlamaModel
 from gpu.modelfiles import ModelConfig, write_random_model
 from gpu.prefill import PrefillTrace, prefill, preloaded
+from http3.api import KvspApi
 from http3.client import KvspClient
 from http3.holder_app import holder_app
 from http3.index_app import index_app
@@ -56,7 +57,7 @@ from http3.server import RoleServer
 from kvsp_quic import container as c
 from kvsp_quic.auth import Policy
 from kvsp_quic.compat import CompatDescriptor
-from kvsp_quic.keys import BlockKeyer, holder_id, scope_id
+from kvsp_quic.keys import BlockKeyer, scope_id
 from kvsp_quic.roles.holder import Holder, HolderSettings
 from kvsp_quic.roles.index import IndexService
 from kvsp_quic.storage.memory_index import MemoryIndexStore
@@ -199,20 +200,15 @@ async def bench(args: argparse.Namespace, tmp: Path) -> list[tuple[str, float, s
     servers = [start_servers(str(cert_dir), d, mbit) for mbit in links]
     try:
         async with KvspClient(TlsFiles.in_dir(str(cert_dir), "alice"), settings=SETTINGS, timeout=120) as client:
+            api = KvspApi(client)
             fetchers = []
             for _proc, port in servers:  # the producer stores its blocks at each holder and publishes them
                 base = f"https://127.0.0.1:{port}/"
                 for key, page in zip(keys, full.sequence.pages, strict=False):
                     body = c.encode(full.sequence.cache.export_block(page), first_layer=0, token_count=b,
                                     descriptor=d).tobytes()
-                    put = await client.request("PUT", f"{base}h1/blocks/{d.compat_id.hex()}/{scope.hex()}/{key.hex()}",
-                                               content=body, headers={"content-type": "application/kvsp-block",
-                                                                      "if-none-match": "*"})
-                    assert put.status == 201, put.content
-                    record = await client.request("PUT", f"{base}is/replicas/{holder_id(base + 'h1/')}/{key.hex()}",
-                                                  content=put.content,
-                                                  headers={"content-type": "application/kvsp+json"})
-                    assert record.status in (200, 201), record.content
+                    record = await api.put_block(base + "h1/", d.compat_id, scope, key, body)
+                    await api.publish(base + "is/", record)
                 fetchers.append(BlockFetcher(client, base + "is/", descriptors=[d]))
 
             async def streamed(fetcher: BlockFetcher, tokens: list[int], block_keys: list[bytes]

@@ -43,12 +43,16 @@ from typing import Any
 from benchmarks.bench_h3 import SETTINGS
 from benchmarks.bench_prefill import model_config
 from gpu.modelfiles import derive_descriptor, write_random_model
+from http3.api import KvspApi
 from http3.client import KvspClient
 from kvsp_quic.app.serve import read_scope_key
+from kvsp_quic.fields import BlockKey, CompatId, ScopeId
 from kvsp_quic.keys import BlockKeyer, scope_id
+from kvsp_quic.records import LookupRequest, PrefetchBlock, PrefetchDirective, PrefetchState, Sampler
+from kvsp_quic.roles.controller_records import SessionStart
 from quic.tls import TlsFiles
 
-JSON = {"content-type": "application/kvsp+json"}
+GREEDY = Sampler("greedy", 0, 0, True)
 
 
 class Proc:
@@ -82,62 +86,49 @@ class Proc:
                 self.proc.wait()
 
 
-async def first_token(client: KvspClient, inst: Proc, prompt: list[int], d: dict[str, Any], scope: bytes,
-                      blocks: list[dict[str, Any]] | None) -> tuple[float, int, dict[str, Any]]:
+async def first_token(api: KvspApi, inst: Proc, prompt: list[int], d: dict[str, Any], scope: bytes,
+                      blocks: list[PrefetchBlock]) -> tuple[float, int, dict[str, Any]]:
     """TTFT of a session with *prompt* at *inst* (seconds from POST start to the first token line)."""
     sid = uuid.uuid4()
-    body: dict[str, Any] = {"session": str(sid), "epoch": 1, "scope_id": scope.hex(), "compat_id": d["compat_id"],
-                            "prompt": prompt, "max_tokens": 1,
-                            "sampler": {"method": "greedy", "seed": 0, "step": 0, "deterministic": True}}
-    if blocks is not None:
-        body["blocks"] = blocks
-    data = json.dumps(body).encode()
+    start = SessionStart(sid, 1, ScopeId(scope), CompatId(bytes.fromhex(d["compat_id"])), tuple(prompt), 1, GREEDY,
+                         blocks=tuple(blocks))
     t0 = time.perf_counter()
-    r = await client.request("POST", f"{inst.base}sessions/{sid}/start", content=data, headers=JSON)
-    assert r.status == 201, r.content
+    await api.start_session(inst.base, start)
     token = -1
-    async with client.stream("GET", f"{inst.base}sessions/{sid}/tokens?from=0") as response:
-        assert response.status == 200
-        buffer = b""
-        async for chunk in response.aiter_bytes():
-            buffer += chunk
-            if b"\n" in buffer:
-                token = int(json.loads(buffer.split(b"\n", 1)[0])["token"])
-                break
+    async with api.tokens(inst.base, sid, 0) as lines:
+        async for line in lines:
+            token = line.token if line.token is not None else -1
+            break
     elapsed = time.perf_counter() - t0
-    info = await client.request("GET", f"{inst.base}sessions/{sid}")
-    return elapsed, token, info.json()
+    return elapsed, token, await api.session_run(inst.base, sid)
 
 
-async def published(client: KvspClient, index: str, d: dict[str, Any], scope: bytes, keys: list[bytes],
+async def published(api: KvspApi, index: str, d: dict[str, Any], scope: bytes, keys: list[bytes],
                     holder: str) -> None:
-    body = json.dumps({"scope_id": scope.hex(), "compat_id": d["compat_id"], "block_keys": [k.hex() for k in keys]})
+    request = LookupRequest(ScopeId(scope), CompatId(bytes.fromhex(d["compat_id"])), tuple(BlockKey(k) for k in keys))
     for _ in range(1000):
-        r = await client.request("POST", f"{index}lookup", content=body.encode(), headers=JSON)
-        found = r.json()
+        found = await api.lookup(index, request)
         moqt_twin = holder.replace("https://", "moqt://")
-        if found["matched"] == len(keys) and all({holder, moqt_twin} <= {x["holder"] for x in m["replicas"]}
-                                                 for m in found["blocks"]):
+        if found.matched == len(keys) and all({holder, moqt_twin} <= {x.holder for x in m.replicas}
+                                              for m in found.blocks):
             return
         await asyncio.sleep(0.02)
     raise RuntimeError("the producer's blocks were not published")
 
 
-async def prefetch(client: KvspClient, inst: Proc, d: dict[str, Any], scope: bytes, keys: list[bytes],
+async def prefetch(api: KvspApi, inst: Proc, d: dict[str, Any], scope: bytes, keys: list[bytes],
                    source: str) -> float:
     directive = uuid.uuid4()
-    body = {"directive": str(directive), "scope_id": scope.hex(), "compat_id": d["compat_id"],
-            "blocks": [{"block_key": k.hex(), "sources": [source]} for k in keys], "deadline_ms": 60_000,
-            "lease_ms": 30_000}
+    record = PrefetchDirective(directive, ScopeId(scope), CompatId(bytes.fromhex(d["compat_id"])),
+                               tuple(PrefetchBlock(BlockKey(k), (source,)) for k in keys), 60_000, 30_000)
     t0 = time.perf_counter()
-    r = await client.request("POST", f"{inst.base}prefetch", content=json.dumps(body).encode(), headers=JSON)
-    assert r.status == 202, r.content
+    state = await api.prefetch(inst.base, record)
     while True:
-        state = (await client.request("GET", f"{inst.base}prefetch/{directive}")).json()
-        if state["state"] != "pending":
+        state = await api.prefetch_status(inst.base, directive)
+        if state.state is not PrefetchState.PENDING:
             break
         await asyncio.sleep(0.005)
-    assert state["state"] == "complete", state
+    assert state.state is PrefetchState.COMPLETE, state
     return time.perf_counter() - t0
 
 
@@ -173,6 +164,7 @@ async def bench(args: argparse.Namespace, tmp: Path) -> list[tuple[str, float | 
         inner: dict[str, list[float]] = {}
         notes: dict[str, str] = {}
         async with KvspClient(files, settings=SETTINGS, timeout=300) as client:
+            api = KvspApi(client)
             rng = random.Random(1)
             for rep in range(args.reps + 1):
                 warm = rep == 0  # a short prompt first: connections, first requests
@@ -180,15 +172,15 @@ async def bench(args: argparse.Namespace, tmp: Path) -> list[tuple[str, float | 
                 prompt = [rng.randrange(32000) for _ in range(n)]
                 keys = [bytes(k) for k in keyer.keys(prompt)]
                 usable = keys[:(n - 1) // b]
-                listed = [{"block_key": k.hex(), "sources": [a.base]} for k in usable]
+                listed = [PrefetchBlock(BlockKey(k), (a.base,)) for k in usable]
                 runs: dict[str, tuple[float, int, dict[str, Any]]] = {}
-                runs["recompute"] = await first_token(client, a, prompt, d, scope, [])
-                await published(client, index.base, d, scope, keys, a.base)
-                runs["http"] = await first_token(client, procs["HTTP"], prompt, d, scope, listed)
-                runs["moqt"] = await first_token(client, procs["MOQT"], prompt, d, scope, listed)
-                load = await prefetch(client, procs["PRE"], d, scope, usable, a.base)
-                runs["prefetched"] = await first_token(client, procs["PRE"], prompt, d, scope, listed)
-                runs["resident"] = await first_token(client, procs["HTTP"], prompt, d, scope, listed)
+                runs["recompute"] = await first_token(api, a, prompt, d, scope, [])
+                await published(api, index.base, d, scope, keys, a.base)
+                runs["http"] = await first_token(api, procs["HTTP"], prompt, d, scope, listed)
+                runs["moqt"] = await first_token(api, procs["MOQT"], prompt, d, scope, listed)
+                load = await prefetch(api, procs["PRE"], d, scope, usable, a.base)
+                runs["prefetched"] = await first_token(api, procs["PRE"], prompt, d, scope, listed)
+                runs["resident"] = await first_token(api, procs["HTTP"], prompt, d, scope, listed)
                 reference = runs["recompute"][1]
                 for label, (_t, token, info) in runs.items():
                     assert token == reference, (label, token, reference)

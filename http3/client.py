@@ -4,7 +4,11 @@ HTTP/3 first (pooled connections, concurrent streams, streamed bodies under flow
 origin cannot be reached over QUIC (UDP blocked, no answer, h3 refused) the client falls back to HTTP/1.1 (or,
 with ``fallback_http2``, HTTP/2) over TLS on the same port and remembers that for ``fallback_ttl`` seconds.
 Requests time out; only idempotent requests with a replayable body are retried, and only after a transport
-failure, never after an HTTP answer.
+failure, never after an HTTP answer. A pooled HTTP/3 connection on which a request timed out or the connection
+failed is dropped from the pool at once (its other streams may finish; it closes after the last), so a dead peer
+is not handed out again until QUIC's idle timeout notices it.
+
+The typed KVSP operations and their failure semantics (miss / retry elsewhere / refused) are :mod:`http3.api`'s.
 
     async with KvspClient(TlsFiles.in_dir("certs", "alice")) as client:
         response = await client.request("GET", "https://127.0.0.1:8443/blocks/...")
@@ -24,7 +28,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from http3.h3_client import H3ConnectError, H3Pool, H3Response, H3StreamError
+from http3.h3_client import H3ClientConnection, H3ConnectError, H3Pool, H3Response, H3StreamError
 from kvsp_quic.problems import Problem, problem_from_json
 from quic.tls import TlsFiles, TransportSettings, ssl_client_context
 
@@ -67,13 +71,15 @@ class Response:
     """A response; the body is read with :meth:`aread` or streamed with :meth:`aiter_bytes`."""
 
     def __init__(self, status: int, headers: Headers, http_version: str, chunks: AsyncIterator[bytes],
-                 closer: Callable[[], Any], read_timeout: float | None) -> None:
+                 closer: Callable[[], Any], read_timeout: float | None,
+                 on_timeout: Callable[[], None] | None = None) -> None:
         self.status = status
         self.headers = headers
         self.http_version = http_version
         self._chunks = chunks
         self._closer = closer
         self._read_timeout = read_timeout
+        self._on_timeout = on_timeout  # the connection went silent: the pool drops it
         self.content: bytes | None = None
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
@@ -84,6 +90,8 @@ class Response:
             except StopAsyncIteration:
                 return
             except TimeoutError:
+                if self._on_timeout is not None:
+                    self._on_timeout()
                 raise RequestTimeout(f"no response data for {self._read_timeout} s") from None
             except (H3StreamError, httpx.TransportError) as exc:
                 raise TransportError(f"response body broken: {exc}") from None
@@ -151,6 +159,10 @@ class KvspClient:
         await self._pool.aclose()
         await self._tcp.aclose()
 
+    def pooled(self, url: str) -> int:
+        """How many pooled HTTP/3 connections to *url*'s origin could take the next request."""
+        return self._pool.pooled(*_origin(url))
+
     def transport_for(self, url: str) -> str:
         """"h3" or "tcp": what the next request to *url*'s origin will try first."""
         origin = _origin(url)
@@ -159,43 +171,56 @@ class KvspClient:
         return "h3"
 
     async def request(self, method: str, url: str, *, headers: Mapping[str, str] | None = None,
-                      content: Body = None, timeout: float | None = None) -> Response:
+                      content: Body = None, timeout: float | None = None,
+                      idempotent: bool | None = None) -> Response:
         """Send a request and read the whole response."""
-        async with self.stream(method, url, headers=headers, content=content, timeout=timeout) as response:
+        async with self.stream(method, url, headers=headers, content=content, timeout=timeout,
+                               idempotent=idempotent) as response:
             await response.aread()
         return response
 
     @contextlib.asynccontextmanager
     async def stream(self, method: str, url: str, *, headers: Mapping[str, str] | None = None,
-                     content: Body = None, timeout: float | None = None) -> AsyncIterator[Response]:
-        response = await self.send(method, url, headers=headers, content=content, timeout=timeout)
+                     content: Body = None, timeout: float | None = None,
+                     idempotent: bool | None = None) -> AsyncIterator[Response]:
+        response = await self.send(method, url, headers=headers, content=content, timeout=timeout,
+                                   idempotent=idempotent)
         try:
             yield response
         finally:
             await response.aclose()
 
     async def send(self, method: str, url: str, *, headers: Mapping[str, str] | None = None,
-                   content: Body = None, timeout: float | None = None) -> Response:
-        """Send a request; the caller reads or closes the returned response."""
+                   content: Body = None, timeout: float | None = None,
+                   idempotent: bool | None = None) -> Response:
+        """Send a request; the caller reads or closes the returned response.
+
+        *idempotent* says whether the request may be sent again after a transport failure (default: by its
+        method, :data:`IDEMPOTENT`); a streamed body is never sent twice."""
         method = method.upper()
         timeout = self.timeout if timeout is None else timeout
         replayable = content is None or isinstance(content, bytes | bytearray | memoryview)
-        attempts = 1 + (self.retries if method in IDEMPOTENT and replayable else 0)
+        retry = method in IDEMPOTENT if idempotent is None else idempotent
+        attempts = 1 + (self.retries if retry and replayable else 0)
         for attempt in range(attempts):
+            used: list[H3ClientConnection] = []  # the pooled connection this attempt went out on
             try:
                 async with asyncio.timeout(timeout):
-                    return await self._send_once(method, url, headers or {}, content, timeout)
+                    return await self._send_once(method, url, headers or {}, content, timeout, used)
             except TimeoutError:
                 error: TransportError = RequestTimeout(f"{method} {url}: no response within {timeout} s")
             except TransportError as exc:
                 error = exc
+            for conn in used:  # a timeout or a broken connection: never hand this connection out again
+                if isinstance(error, RequestTimeout) or conn.closed:
+                    self._pool.discard(conn)
             if attempt + 1 < attempts:
                 log.info("%s %s failed (%s); retrying", method, url, error)
                 await asyncio.sleep(0.05 * (attempt + 1))
         raise error
 
     async def _send_once(self, method: str, url: str, headers: Mapping[str, str], content: Body,
-                         timeout: float) -> Response:
+                         timeout: float, used: list[H3ClientConnection]) -> Response:
         parts = urlsplit(url)
         if parts.scheme != "https" or not parts.hostname:
             raise ValueError(f"KVSP URLs are https://host[:port]/...; got {url!r}")
@@ -209,11 +234,12 @@ class KvspClient:
                 log.warning("%s; using HTTP/2 or HTTP/1.1 for %s:%d for %.0f s", exc, *origin, self.fallback_ttl)
                 self._no_h3[origin] = self._clock() + self.fallback_ttl
             else:
+                used.append(conn)
                 return await self._send_h3(conn, method, parts, headers, content, timeout)
         return await self._send_tcp(method, url, headers, content, timeout)
 
-    async def _send_h3(self, conn: Any, method: str, parts: Any, headers: Mapping[str, str], content: Body,
-                       timeout: float) -> Response:
+    async def _send_h3(self, conn: H3ClientConnection, method: str, parts: Any, headers: Mapping[str, str],
+                       content: Body, timeout: float) -> Response:
         authority = parts.netloc.rsplit("@", 1)[-1]
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         fields = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
@@ -223,7 +249,8 @@ class KvspClient:
             h3: H3Response = await conn.request(method, authority, path, fields, content)
         except H3StreamError as exc:
             raise TransportError(f"{method} {parts.geturl()}: {exc}") from None
-        return Response(h3.status, Headers(h3.headers), "HTTP/3", h3.aiter_bytes(), h3.aclose, timeout)
+        return Response(h3.status, Headers(h3.headers), "HTTP/3", h3.aiter_bytes(), h3.aclose, timeout,
+                        on_timeout=lambda: self._pool.discard(conn))
 
     async def _send_tcp(self, method: str, url: str, headers: Mapping[str, str], content: Body,
                         timeout: float) -> Response:

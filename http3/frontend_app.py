@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from http3.api import KvspApi, RetryElsewhere
 from http3.app_kit import check_declared_length, role_app
 from http3.asgi_types import ASGIApp
 from http3.authz import Rule
@@ -32,14 +33,14 @@ from http3.client import KvspClient, TransportError
 from http3.metrics_app import mount_metrics
 from http3.problem_response import install
 from kvsp_quic.auth import Policy
-from kvsp_quic.frontend import SamplingRequest, TokenRelay
+from kvsp_quic.frontend import FrontendOptions, SamplingRequest, TokenRelay
 from kvsp_quic.keys import BlockKeyer
 from kvsp_quic.metrics import Registry
 from kvsp_quic.problems import BadRequest, Problem, Unavailable
+from kvsp_quic.roles.controller_records import SessionRequest, SessionState, TokenLine
 
 log = logging.getLogger("kvsp.frontend")
 
-JSON = {"content-type": "application/kvsp+json"}
 RULES = (Rule("POST", "v1/completions", ["client"]), Rule("GET", "v1/models", ["client"]))
 
 
@@ -74,13 +75,15 @@ class Completion:
     async def tokens(self) -> AsyncIterator[tuple[int, int]]:
         fe = self.frontend
         keys = fe.keyer.keys(self.prompt)
-        body = {"session": str(self.session), "scope_id": fe.keyer.scope_id.hex(),
-                "compat_id": fe.keyer.compat_id.hex(), "prompt": self.prompt, "block_keys": [k.hex() for k in keys],
-                "max_tokens": self.max_tokens, "sampler": self.sampling.to_json()}
-        r = await fe.client.request("POST", f"{fe.pc}sessions", content=json.dumps(body).encode(), headers=JSON)
-        r.raise_for_problem()
-        assigned = r.json()
-        self.instance, epoch = assigned["instance"], int(assigned["epoch"])
+        request = SessionRequest(self.session, fe.keyer.scope_id, fe.keyer.compat_id, tuple(self.prompt),
+                                 self.max_tokens, self.sampling.sampler(), tuple(keys))
+        try:
+            assigned = await fe.api.create_session(fe.pc, request)
+        except RetryElsewhere as exc:  # the PC is unreachable or busy: the client may try again
+            raise exc.problem or Unavailable(f"the Placement Controller: {exc}") from None
+        if assigned.instance is None:
+            raise Unavailable(f"the Placement Controller placed session {self.session} nowhere")
+        self.instance, epoch = assigned.instance, assigned.epoch
         self.relay.new_epoch(epoch)
         fe.stats.sessions += 1
         try:
@@ -102,7 +105,7 @@ class Completion:
             try:
                 while moved is None:
                     try:
-                        kind, value = await asyncio.wait_for(queue.get(), fe.stall_check)
+                        kind, value = await asyncio.wait_for(queue.get(), fe.options.stall_check_s)
                     except TimeoutError:
                         moved = await self._peek()  # silence: has the PC moved the session meanwhile?
                         continue
@@ -123,7 +126,7 @@ class Completion:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await reader
             if moved is None:
-                deadline = deadline or time.monotonic() + fe.failover_timeout
+                deadline = deadline or time.monotonic() + fe.options.failover_timeout_s
                 moved = await self._moved(deadline)
             self.instance = moved
             fe.stats.failovers += 1
@@ -141,44 +144,31 @@ class Completion:
 
     async def _read(self, instance: str) -> AsyncIterator[tuple[int, int, str | None]]:
         fe = self.frontend
-        url = f"{instance}sessions/{self.session}/tokens?from={self.relay.next_index}"
-        async with fe.client.stream("GET", url, timeout=fe.read_timeout) as response:
-            if response.status != 200:
-                await response.aread()
-                problem = response.problem()
-                raise TransportError(f"GET tokens: {problem or response.status}")
-            buffer = b""
-            async for chunk in response.aiter_bytes():
-                buffer += chunk
-                *lines, buffer = buffer.split(b"\n")
-                for line in lines:
-                    if not line.strip():
+        async with fe.api.tokens(instance, self.session, self.relay.next_index,
+                                 timeout=fe.options.read_timeout_s) as lines:
+            async for line in lines:
+                if line.done:
+                    if line.epoch < self.relay.epoch:
                         continue
-                    item = json.loads(line)
-                    if item.get("done"):
-                        if int(item["epoch"]) < self.relay.epoch:
-                            continue
-                        if item.get("reason") == "error":
-                            raise Unavailable(f"the instance could not complete the session: "
-                                              f"{item.get('detail', 'no detail')}")
-                        yield int(item["index"]), -1, str(item.get("reason", "length"))
-                        return
-                    if self.relay.offer(int(item["index"]), int(item["epoch"]), int(item["token"])):
-                        fe.stats.tokens += 1
-                        yield int(item["index"]), int(item["token"]), None
+                    if line.failed:
+                        raise Unavailable(f"the instance could not complete the session: "
+                                          f"{line.detail or 'no detail'}")
+                    yield line.index, -1, line.reason or "length"
+                    return
+                assert line.token is not None
+                if self.relay.offer(line.index, line.epoch, line.token):
+                    fe.stats.tokens += 1
+                    yield line.index, line.token, None
 
     async def _peek(self) -> str | None:
         """The session's new instance when the PC has moved it to a newer epoch, else None."""
         try:
-            r = await self.frontend.client.request("GET", f"{self.frontend.pc}sessions/{self.session}")
-        except TransportError:
+            info = await self.frontend.api.session_info(self.frontend.pc, self.session)
+        except (TransportError, Problem):
             return None
-        if r.status != 200:
-            return None
-        state = r.json()
-        if int(state["epoch"]) > self.relay.epoch and state.get("instance"):
-            self.relay.new_epoch(int(state["epoch"]))
-            return str(state["instance"])
+        if info.epoch > self.relay.epoch and info.instance:
+            self.relay.new_epoch(info.epoch)
+            return info.instance
         return None
 
     async def _moved(self, deadline: float) -> str:
@@ -186,19 +176,15 @@ class Completion:
         fe = self.frontend
         while time.monotonic() < deadline:
             try:
-                r = await fe.client.request("GET", f"{fe.pc}sessions/{self.session}")
-            except TransportError as exc:
+                info = await fe.api.session_info(fe.pc, self.session)
+            except TransportError as exc:  # RetryElsewhere: unreachable, 5xx
                 log.warning("session %s: the PC is unreachable (%s)", self.session, exc)
             else:
-                if r.status == 200:
-                    state = r.json()
-                    if int(state["epoch"]) > self.relay.epoch or state.get("done"):
-                        self.relay.new_epoch(int(state["epoch"]))
-                        return str(state["instance"])
-                elif r.status >= 400:
-                    r.raise_for_problem()
-            await asyncio.sleep(fe.poll_interval)
-        raise Unavailable(f"session {self.session} was not resumed within {fe.failover_timeout} s")
+                if info.epoch > self.relay.epoch or info.state is SessionState.DONE:
+                    self.relay.new_epoch(info.epoch)
+                    return info.instance or self.instance
+            await asyncio.sleep(fe.options.poll_interval_s)
+        raise Unavailable(f"session {self.session} was not resumed within {fe.options.failover_timeout_s} s")
 
 
 @dataclass
@@ -208,13 +194,13 @@ class Frontend:
     keyer: BlockKeyer
     tokenizer: Tokenizer
     model_name: str
-    max_tokens_limit: int = 4096
-    failover_timeout: float = 30.0
-    read_timeout: float = 60.0
-    poll_interval: float = 0.1
-    stall_check: float = 1.0  # seconds without a token before asking the PC whether the session moved
+    options: FrontendOptions = field(default_factory=FrontendOptions)
     random_seed: Callable[[], int] = lambda: secrets.randbelow(1 << 63)
     stats: FrontendStats = field(default_factory=FrontendStats)
+    api: KvspApi = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.api = KvspApi(self.client)
 
     def completion(self, body: dict[str, Any]) -> Completion:
         prompt = body.get("prompt")
@@ -227,8 +213,8 @@ class Frontend:
             raise BadRequest("prompt: a non-empty string or array of token ids is required")
         max_tokens = body.get("max_tokens", 16)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= \
-                self.max_tokens_limit:
-            raise BadRequest(f"max_tokens: an integer in [1, {self.max_tokens_limit}]")
+                self.options.max_tokens:
+            raise BadRequest(f"max_tokens: an integer in [1, {self.options.max_tokens}]")
         sampling = SamplingRequest.from_openai(_number(body, "temperature"), _number(body, "top_p"),
                                                _integer(body, "seed"), self.random_seed())
         return Completion(self, tokens, max_tokens, sampling)
@@ -298,7 +284,7 @@ async def _sse(run: Completion, frontend: Frontend, ident: str, created: int) ->
             chunk = {"id": ident, "object": "text_completion", "created": created, "model": frontend.model_name,
                      "choices": [{"text": frontend.tokenizer.decode([token]), "index": 0, "logprobs": None,
                                   "finish_reason": None}],
-                     "kvsp": {"index": index, "epoch": run.relay.epoch, "token": token}}
+                     "kvsp": TokenLine(index, run.relay.epoch, token).to_json()}
             yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
         final = {"id": ident, "object": "text_completion", "created": created, "model": frontend.model_name,
                  "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": run.reason or "length"}]}

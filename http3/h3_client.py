@@ -151,6 +151,9 @@ class H3ClientConnection(KvspQuicProtocol):
         self._responses: dict[int, H3Response] = {}
         self.active = 0
         self.opened = 0
+        self.origin: tuple[str, int] = ("", 0)  # (host, port) in its pool
+        self.retired = False  # dropped from its pool: takes no new requests, closes after its last stream
+        self._closing: asyncio.Task[None] | None = None
 
     def quic_event_received(self, event: events.QuicEvent) -> None:
         super().quic_event_received(event)
@@ -178,15 +181,27 @@ class H3ClientConnection(KvspQuicProtocol):
 
     @property
     def available(self) -> bool:
-        return not self.closed and self.active < self.settings.max_streams
+        return not self.closed and not self.retired and self.active < self.settings.max_streams
 
     def stream_done(self, stream_id: int) -> None:
         self.h3.head_streams.discard(stream_id)
         if self._responses.pop(stream_id, None) is not None:
             self.active -= 1
+        if self.retired and self.active == 0:
+            self._close_soon()
+
+    def retire(self) -> None:
+        """Take no new requests; close once the streams in flight are done (at once when there are none)."""
+        self.retired = True
+        if self.active == 0:
+            self._close_soon()
+
+    def _close_soon(self) -> None:
+        if self._closing is None:
+            self._closing = asyncio.get_running_loop().create_task(self.aclose())
 
     async def request(self, method: str, authority: str, path: str, headers: list[tuple[bytes, bytes]],
-                      body: bytes | AsyncIterable[bytes] | None) -> H3Response:
+                      body: bytes | bytearray | memoryview | AsyncIterable[bytes] | None) -> H3Response:
         """Send a request and return once the response headers are in; the body streams afterwards."""
         if self.closed:
             raise self.connection_closed_error()
@@ -217,7 +232,8 @@ class H3ClientConnection(KvspQuicProtocol):
             self.stream_done(stream_id)
         return response
 
-    async def _send_body(self, stream_id: int, body: bytes | AsyncIterable[bytes], response: H3Response) -> None:
+    async def _send_body(self, stream_id: int, body: bytes | bytearray | memoryview | AsyncIterable[bytes],
+                         response: H3Response) -> None:
         step = max(self.settings.send_buffer // 2, 16384)
         if isinstance(body, bytes | bytearray | memoryview):
             view = memoryview(body)
@@ -266,22 +282,40 @@ class H3Pool:
         self.connect_timeout = connect_timeout
         self._conns: dict[tuple[str, int], list[H3ClientConnection]] = {}
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
+        self._retired: set[H3ClientConnection] = set()  # dropped, closing after their last stream
 
     async def get(self, host: str, port: int) -> H3ClientConnection:
         key = (host, port)
         async with self._locks.setdefault(key, asyncio.Lock()):
-            conns = [c for c in self._conns.get(key, []) if not c.closed]
+            conns = [c for c in self._conns.get(key, []) if not c.closed and not c.retired]
             self._conns[key] = conns
             for conn in conns:
                 if conn.available and conn.opened < _STREAM_ID_BUDGET:
                     return conn
             conn = await connect_h3(host, port, self.files, settings=self.settings, timeout=self.connect_timeout)
+            conn.origin = key
             conns.append(conn)
             return conn
 
+    def discard(self, conn: H3ClientConnection) -> None:
+        """Drop *conn* from the pool after a timeout or a connection error on it: the next request to its origin
+        opens a fresh connection (and fails fast when the peer is gone) instead of waiting on a dead one."""
+        group = self._conns.get(conn.origin)
+        if group is not None and conn in group:
+            group.remove(conn)
+        if not conn.retired:
+            conn.retire()
+        self._retired = {c for c in self._retired if not c.closed}
+        self._retired.add(conn)
+
+    def pooled(self, host: str, port: int) -> int:
+        """The connections to (*host*, *port*) that may take new requests."""
+        return sum(1 for c in self._conns.get((host, port), []) if not c.closed and not c.retired)
+
     async def aclose(self) -> None:
-        conns = [c for group in self._conns.values() for c in group]
+        conns = [c for group in self._conns.values() for c in group] + list(self._retired)
         self._conns.clear()
+        self._retired.clear()
         await asyncio.gather(*(c.aclose() for c in conns), return_exceptions=True)
 
 

@@ -6,13 +6,14 @@
     PUT    {index-base}replicas/{holder-id}/{block_key}   body: the Replica Record (application/kvsp+json)
     DELETE {index-base}replicas/{holder-id}/{block_key}
 
-A 2xx answers a publish; a 2xx or 404 answers a withdraw (the record is gone either way). Anything else, and
-every transport failure, is reported as failed and the holder retries it with backoff. Requests run in their
+The requests are :class:`http3.api.KvspApi`'s (its failure semantics): a publish is done when the Index Service
+stores the record; a withdrawal when the record is gone (withdrawn, or already gone). A refusal, a 5xx and every
+transport failure are reported as failed, and the holder retries with backoff. Requests run in their
 own tasks, at most *concurrency* at a time, so request handling never waits for the Index Service. The loop
 also drives the holder's timers (:meth:`Holder.tick`).
 
 With *moqt_uri* (the holder's ``moqt://host:port/``, whose UDP port serves MOQT next to HTTP/3) every record is
-also published as its MOQT twin (:func:`kvsp_moqt.tracks.moqt_record`: ``holder`` = *moqt_uri*, ``moqt_namespace``) at
+also published as its MOQT twin (:func:`kvsp_quic.records.moqt_record`: ``holder`` = *moqt_uri*, ``moqt_namespace``) at
 ``replicas/{holder-id of moqt_uri}/{block_key}``, and withdrawn with it. The Index Service accepts the twin only
 from a holder whose policy entry lists *moqt_uri* in ``publish_for``; a 403 for it is logged once and not retried
 (the ``https`` record is what counts).
@@ -27,19 +28,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 
+from http3.api import KvspApi
 from http3.client import KvspClient
-from kvsp_moqt.tracks import moqt_record
-from kvsp_quic import fields as f
 from kvsp_quic.keys import uri_id
-from kvsp_quic.records import ReplicaRecord
+from kvsp_quic.problems import Problem
+from kvsp_quic.records import ReplicaRecord, moqt_record
 from kvsp_quic.roles.holder import Holder, Intent, IntentKind
 
 log = logging.getLogger("kvsp.publisher")
-
-JSON_MEDIA_TYPE = "application/kvsp+json"
 
 
 class ReplicaPublisher:
@@ -47,9 +45,10 @@ class ReplicaPublisher:
                  max_sleep: float = 1.0, timeout: float = 10.0, moqt_uri: str | None = None) -> None:
         self.holder = holder
         self.client = client
-        self.index_base = f.base_uri(index_base, "index base URI")
+        self.api = KvspApi(client)
+        self.index_base = KvspApi.base(index_base, "index base URI")
         self.holder_id = uri_id(holder.base_uri)
-        self.moqt_uri = f.base_uri(moqt_uri, "moqt URI", schemes=("moqt",)) if moqt_uri is not None else None
+        self.moqt_uri = KvspApi.base(moqt_uri, "moqt URI", schemes=("moqt",)) if moqt_uri is not None else None
         self._moqt_refused = False  # the Index Service answered 403 for a MOQT twin (logged once)
         self.concurrency = concurrency
         self.max_sleep = max_sleep
@@ -60,8 +59,7 @@ class ReplicaPublisher:
         self._stopping = False
 
     def url(self, block_key_hex: str, holder: str | None = None) -> str:
-        holder_id = self.holder_id if holder is None else uri_id(holder)
-        return f"{self.index_base}replicas/{holder_id}/{block_key_hex}"
+        return self.api.replica_url(self.index_base, holder or self.holder.base_uri, bytes.fromhex(block_key_hex))
 
     @property
     def running(self) -> bool:
@@ -138,21 +136,25 @@ class ReplicaPublisher:
         self._wake.set()
 
     async def _one(self, intent: Intent, url: str, record: ReplicaRecord | None, *, twin: bool = False) -> bool:
-        if intent.kind is IntentKind.PUBLISH:
-            assert record is not None
-            body = json.dumps(record.to_json(), separators=(",", ":")).encode()
-            response = await self.client.request("PUT", url, headers={"content-type": JSON_MEDIA_TYPE},
-                                                 content=body, timeout=self.timeout)
-            ok = 200 <= response.status < 300
-        else:
-            response = await self.client.request("DELETE", url, timeout=self.timeout)
-            ok = 200 <= response.status < 300 or response.status == 404
-        if not ok and twin and response.status == 403:  # the policy lacks publish_for: not worth retrying
-            if not self._moqt_refused:
-                self._moqt_refused = True
-                log.warning("the Index Service refuses MOQT records for %s (add it to this holder's publish_for): "
-                            "%s", self.moqt_uri, response.problem() or response.status)
+        """One publish or withdrawal through :class:`~http3.api.KvspApi`: True when done (a withdrawal of a record
+        already gone is done too). A 4xx refusal is False (retried with backoff), except a 403 for a MOQT twin
+        (the policy lacks publish_for: not worth retrying); a transport failure or 5xx raises (retried too)."""
+        try:
+            if intent.kind is IntentKind.PUBLISH:
+                assert record is not None
+                await self.api.publish(self.index_base, record, timeout=self.timeout)
+            else:
+                holder = self.holder.base_uri if not twin else self.moqt_uri
+                assert holder is not None
+                await self.api.withdraw(self.index_base, holder, bytes.fromhex(intent.block_key),
+                                        timeout=self.timeout)
             return True
-        if not ok:
-            log.warning("%s %s: %s", intent.kind.value, url, response.problem() or response.status)
-        return ok
+        except Problem as problem:
+            if twin and problem.status == 403:
+                if not self._moqt_refused:
+                    self._moqt_refused = True
+                    log.warning("the Index Service refuses MOQT records for %s (add it to this holder's "
+                                "publish_for): %s", self.moqt_uri, problem)
+                return True
+            log.warning("%s %s: %s", intent.kind.value, url, problem)
+            return False

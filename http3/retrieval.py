@@ -28,10 +28,11 @@ withdraws the replica on the holder's behalf (``DELETE {is}replicas/{holder-id}/
 A block no replica delivers is reported missing -- a miss is never an exception; only misuse raises.
 
 Source kinds: an attempt talks to a :class:`BlockSource` chosen by the replica's holder URI.
-:class:`HttpSource` serves ``https`` holders; :class:`kvsp_moqt.source.MoqtSource` serves ``moqt://`` holders the
-same way: its ``open`` returns the container octets (a header built from the descriptor, then each object's
-K || V payload, which is the layer digest's input) with ``repr_digest=None``, and the same decoder verifies the
-layer digests.
+:class:`HttpSource` serves ``https`` holders through :class:`http3.api.KvspApi`, whose failure classes (miss,
+retry elsewhere, refused) it maps onto :class:`~kvsp_quic.retrieval_plan.Failure`;
+:class:`kvsp_moqt.source.MoqtSource` serves ``moqt://`` holders the same way: its ``open`` returns the container
+octets (a header built from the descriptor, then each object's K || V payload, which is the layer digest's input)
+with ``repr_digest=None``, and the same decoder verifies the layer digests.
 
 Concurrency: streams are independent; bound them with a semaphore::
 
@@ -46,15 +47,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
-from urllib.parse import urljoin
 
-from http3.client import KvspClient, Response, TransportError
-from kvsp_quic import fields as f
+from http3.api import BadResponse, KvspApi, Lease, Miss, RetryElsewhere
+from http3.client import KvspClient, TransportError
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.container import (
     ContainerDecoder,
@@ -65,9 +64,9 @@ from kvsp_quic.container import (
     encode,
 )
 from kvsp_quic.cost import block_layer_count
-from kvsp_quic.keys import holder_id
-from kvsp_quic.problems import DigestMismatch, LeaseQuota, Problem, problem_from_json
-from kvsp_quic.records import LeaseResponse, Link, LookupMatch, LookupResponse, ReplicaRecord
+from kvsp_quic.fields import BlockKey, CompatId, ScopeId
+from kvsp_quic.problems import DigestMismatch, LeaseQuota, Problem
+from kvsp_quic.records import LeaseRequest, Link, LookupMatch, LookupRequest, LookupResponse, ReplicaRecord
 from kvsp_quic.retrieval_plan import (
     AttemptError,
     DefaultRanking,
@@ -75,19 +74,14 @@ from kvsp_quic.retrieval_plan import (
     FailureMemory,
     LayerRange,
     Ranking,
-    ReprDigestError,
     RetrievalMetrics,
     covers,
     failure_for_status,
-    parse_repr_digest,
 )
 
 log = logging.getLogger("kvsp.retrieval")
 
-JSON_MEDIA_TYPE = "application/kvsp+json"
-BLOCK_MEDIA_TYPE = "application/kvsp-block"
 DEFAULT_MAX_LOOKUP_KEYS = 8192  # the Index Service's default limit; longer lookups are sent in parts
-_ERROR_BODY_LIMIT = 64 << 10
 
 
 # -- source kinds -----------------------------------------------------------------------------------------------
@@ -101,15 +95,6 @@ class SourceBody:
     repr_digest: bytes | None  # SHA-256 of the whole body as the source states it; None: this kind states none
     transport: str  # "HTTP/3", "HTTP/2", "HTTP/1.1", "moqt", ...: the key of RetrievalMetrics.bytes_by_transport
     close: Callable[[], Awaitable[None]]
-
-
-@dataclass(frozen=True)
-class Lease:
-    """A lease taken at a holder (spec: "Leases")."""
-
-    lease: str
-    url: str
-    ttl_ms: int
 
 
 class BlockSource(Protocol):
@@ -136,105 +121,71 @@ class BlockSource(Protocol):
 
 
 class HttpSource:
-    """``https`` holders, through :class:`~http3.client.KvspClient` (HTTP/3, falling back to HTTP/1.1 or 2)."""
+    """``https`` holders, through :class:`~http3.api.KvspApi` (HTTP/3, falling back to HTTP/1.1 or 2): its
+    failure classes become :class:`~kvsp_quic.retrieval_plan.Failure` kinds here."""
 
     kind = "https"
 
     def __init__(self, client: KvspClient, *, timeout: float | None = None) -> None:
         self.client = client
         self.timeout = timeout
+        self.api = KvspApi(client, timeout=timeout)
 
     def handles(self, record: ReplicaRecord) -> bool:
         return record.holder.startswith("https://")
 
-    @staticmethod
-    def block_url(record: ReplicaRecord, layers: LayerRange | None = None, codec: int | None = None) -> str:
-        url = (f"{record.holder}blocks/{record.compat_id.hex()}/{record.scope_id.hex()}/"
-               f"{record.block_key.hex()}")
-        query = ([f"layers={layers[0]}-{layers[1]}"] if layers is not None else []) + \
-                ([f"codec={codec}"] if codec is not None else [])
-        return url + ("?" + "&".join(query) if query else "")
-
     async def lease(self, record: ReplicaRecord, ttl_ms: int) -> Lease | None:
-        body = json.dumps({"compat_id": record.compat_id.hex(), "scope_id": record.scope_id.hex(),
-                           "block_keys": [record.block_key.hex()], "ttl_ms": ttl_ms}).encode()
-        url = f"{record.holder}leases"
+        request = LeaseRequest(record.compat_id, record.scope_id, (record.block_key,), ttl_ms)
+        what = f"POST {record.holder}leases"
         try:
-            response = await self.client.request("POST", url, headers={"content-type": JSON_MEDIA_TYPE},
-                                                 content=body, timeout=self.timeout)
-        except TransportError as exc:
-            raise AttemptError(Failure.TRANSPORT, f"POST {url}: {exc}") from None
-        if response.status != 201:
-            problem = response.problem()
-            failure = failure_for_status(response.status)
-            if isinstance(problem, LeaseQuota) or response.status == 429:
+            granted = await self.api.create_lease(record.holder, request)
+        except BadResponse as exc:  # an unreadable grant; any other unexpected answer: no lease there
+            raise AttemptError(Failure.BAD_RESPONSE if exc.status == 201 else Failure.LEASE_REFUSED,
+                               str(exc)) from None
+        except RetryElsewhere as exc:
+            failure = _failure(exc)
+            if isinstance(exc.problem, LeaseQuota) or exc.status == 429:
                 failure = Failure.LEASE_REFUSED
-            elif failure is not Failure.MISS and failure is not Failure.SERVER_ERROR:
-                failure = Failure.LEASE_REFUSED  # 403 and friends: this client gets no lease there
-            raise AttemptError(failure, f"POST {url}: {problem or response.status}")
-        try:
-            granted = LeaseResponse.loads(response.content or b"")
-        except Problem as exc:
-            raise AttemptError(Failure.BAD_RESPONSE, f"POST {url}: {exc}") from None
-        location = urljoin(url, response.headers.get("location") or "")
-        if not location.startswith(record.holder + "leases/"):  # never send a DELETE elsewhere
-            location = f"{record.holder}leases/{granted.lease}"
-        return Lease(str(granted.lease), location, granted.ttl_ms)
+            raise AttemptError(failure, str(exc)) from None
+        except Problem as exc:  # 403 and friends: this client gets no lease there
+            raise AttemptError(Failure.LEASE_REFUSED, f"{what}: {exc}") from None
+        if isinstance(granted, Miss):
+            raise AttemptError(Failure.MISS, str(granted))
+        return granted
 
     async def release(self, lease: Lease) -> bool:
         try:
-            response = await self.client.request("DELETE", lease.url, timeout=self.timeout)
-        except TransportError as exc:
+            return await self.api.release_lease(lease)  # False: expired meanwhile
+        except (TransportError, Problem) as exc:
             log.info("releasing lease %s failed: %s", lease.url, exc)
             return False
-        if response.status not in (204, 404):  # 404: expired meanwhile
-            log.info("releasing lease %s: %s", lease.url, response.problem() or response.status)
-        return response.status == 204
 
     async def open(self, record: ReplicaRecord, layers: LayerRange | None, codec: int | None) -> SourceBody:
-        url = self.block_url(record, layers, codec)
         try:
-            response = await self.client.send("GET", url, timeout=self.timeout)
-        except TransportError as exc:
-            raise AttemptError(Failure.TRANSPORT, f"GET {url}: {exc}") from None
-        try:
-            if response.status != 200:
-                body = await _read_limited(response)
-                problem = problem_from_json(response.status, body) if response.status >= 400 else None
-                raise AttemptError(failure_for_status(response.status), f"GET {url}: {problem or response.status}")
-            media = (response.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
-            if media != BLOCK_MEDIA_TYPE:
-                raise AttemptError(Failure.BAD_RESPONSE, f"GET {url}: content-type {media or 'missing'!r}")
-            try:
-                digest = parse_repr_digest(response.headers.get("repr-digest"))
-            except ReprDigestError as exc:
-                raise AttemptError(Failure.BAD_RESPONSE, f"GET {url}: {exc}") from None
-        except BaseException:
-            await response.aclose()
-            raise
-        chunks = response.aiter_bytes()
+            body = await self.api.get_block(record.holder, record.compat_id, record.scope_id, record.block_key,
+                                            layers=layers, codec=codec)
+        except RetryElsewhere as exc:
+            raise AttemptError(_failure(exc), str(exc)) from None
+        except Problem as exc:
+            raise AttemptError(failure_for_status(exc.status), f"GET {record.holder}: {exc}") from None
+        if isinstance(body, Miss):
+            raise AttemptError(Failure.MISS, f"GET {body}")
+        chunks = body.aiter_bytes()
 
         async def close() -> None:
             await chunks.aclose()  # type: ignore[attr-defined]  # an async generator
-            await response.aclose()
+            await body.aclose()
 
-        return SourceBody(chunks, digest, response.http_version, close)
+        return SourceBody(chunks, body.repr_digest, body.http_version, close)
 
 
-async def _read_limited(response: Response, limit: int = _ERROR_BODY_LIMIT) -> bytes:
-    """Up to *limit* octets of an error body; the rest is not read."""
-    body = bytearray()
-    chunks = response.aiter_bytes()
-    try:
-        async for chunk in chunks:
-            body += chunk
-            if len(body) >= limit:
-                break
-    except TransportError:
-        pass
-    finally:
-        await chunks.aclose()  # type: ignore[attr-defined]  # an async generator
-    return bytes(body[:limit])
+def _failure(exc: RetryElsewhere) -> Failure:
+    """The retrieval failure kind of a "retry elsewhere" answer."""
+    if isinstance(exc, BadResponse):
+        return Failure.BAD_RESPONSE
+    if exc.status is None:
+        return Failure.TRANSPORT
+    return failure_for_status(exc.status)
 
 
 # -- results ----------------------------------------------------------------------------------------------------
@@ -465,10 +416,8 @@ class BlockFetcher:
         if ranking is not None and links is not None:
             raise ValueError("links feed the default ranking; give them to your ranking instead")
         self.client = client
-        try:
-            self.index_uri = f.base_uri(index_uri, "index URI")
-        except f.RecordError as exc:
-            raise ValueError(exc.detail) from None
+        self.api = KvspApi(client, timeout=timeout)
+        self.index_uri = KvspApi.base(index_uri, "index URI")
         self.lease_ms = lease_ms
         self.metrics = metrics if metrics is not None else RetrievalMetrics()
         self.ranking: Ranking = ranking if ranking is not None else DefaultRanking(links)
@@ -523,28 +472,12 @@ class BlockFetcher:
 
     async def _lookup_part(self, compat: bytes, scope: bytes, keys: list[bytes],
                            targets: list[str] | None) -> LookupResponse | None:
-        request: dict[str, Any] = {"scope_id": scope.hex(), "compat_id": compat.hex(),
-                                   "block_keys": [key.hex() for key in keys]}
-        if targets is not None:
-            request["targets"] = targets
-        url = f"{self.index_uri}lookup"
+        request = LookupRequest(ScopeId(scope), CompatId(compat), tuple(BlockKey(k) for k in keys),
+                                tuple(targets) if targets is not None else None)
         try:
-            response = await self.client.request("POST", url, headers={"content-type": JSON_MEDIA_TYPE},
-                                                 content=json.dumps(request).encode(), timeout=self.timeout)
-        except TransportError as exc:
-            log.warning("lookup at %s failed: %s", url, exc)
-            return None
-        if response.status >= 500 or response.status == 429:
-            log.warning("lookup at %s: %s", url, response.problem() or response.status)
-            return None
-        response.raise_for_problem()
-        if response.status != 200:
-            log.warning("lookup at %s answered %d", url, response.status)
-            return None
-        try:
-            return LookupResponse.loads(response.content or b"")
-        except Problem as exc:
-            log.warning("lookup at %s: unreadable answer: %s", url, exc)
+            return await self.api.lookup(self.index_uri, request)
+        except RetryElsewhere as exc:  # unreachable, 5xx, 429, unreadable: the caller recomputes
+            log.warning("lookup at %s failed: %s", self.index_uri, exc)
             return None
 
     # -- retrieval ----------------------------------------------------------------------------------------------
@@ -673,26 +606,25 @@ class BlockFetcher:
         if record.holder in self._withdraw_denied:
             self.metrics.withdrawals_denied += 1
             return False
-        url = f"{self.index_uri}replicas/{holder_id(record.holder)}/{record.block_key.hex()}"
+        url = self.api.replica_url(self.index_uri, record.holder, record.block_key)
         try:
-            response = await self.client.request("DELETE", url, timeout=self.timeout)
+            await self.api.withdraw(self.index_uri, record.holder, record.block_key)  # False: already gone
+        except Problem as exc:
+            if exc.status != 403:
+                self.metrics.withdrawal_errors += 1
+                log.info("withdrawing %s: %s", url, exc)
+                return False
+            self.metrics.withdrawals_denied += 1
+            self._withdraw_denied.add(record.holder)
+            log.info("not authorized to withdraw replicas of %s: %s", record.holder, exc)
+            return False
         except TransportError as exc:
             self.metrics.withdrawal_errors += 1
             log.info("withdrawing %s failed: %s", url, exc)
             return False
-        if response.status in (204, 404) or 200 <= response.status < 300:
-            self.metrics.withdrawals += 1
-            log.warning("withdrew the replica of %s at %s on its holder's behalf", record.block_key.hex(),
-                        record.holder)
-            return True
-        if response.status == 403:
-            self.metrics.withdrawals_denied += 1
-            self._withdraw_denied.add(record.holder)
-            log.info("not authorized to withdraw replicas of %s: %s", record.holder, response.problem())
-        else:
-            self.metrics.withdrawal_errors += 1
-            log.info("withdrawing %s: %s", url, response.problem() or response.status)
-        return False
+        self.metrics.withdrawals += 1
+        log.warning("withdrew the replica of %s at %s on its holder's behalf", record.block_key.hex(), record.holder)
+        return True
 
 
 # -- helpers ----------------------------------------------------------------------------------------------------

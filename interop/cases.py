@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hashlib
 import json
 import uuid
@@ -25,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from http3.api import KvspApi
 from http3.client import KvspClient
 from http3.retrieval import BlockFetcher, HttpSource
 from interop.drivers import NO_HEADERS, Driver, Refused, Reply, Request, Unsupported
@@ -33,9 +35,37 @@ from interop.servers import DEV_IDENTITY
 from kvsp_moqt.source import MoqtSource, PreferMoqt
 from kvsp_moqt.tracks import moqt_record, track_name, track_namespace
 from kvsp_quic import container
-from kvsp_quic.compat import CompatDescriptor
+from kvsp_quic.compat import CompatDescriptor, InstanceState
+from kvsp_quic.fields import BlockKey, CompatId
 from kvsp_quic.keys import BlockKeyer, holder_id, instance_id
-from kvsp_quic.records import LookupMatch, ReplicaRecord
+from kvsp_quic.records import (
+    CheckpointAck,
+    InstanceStatusRecord,
+    LeaseRenewal,
+    LeaseRequest,
+    LeaseResponse,
+    Link,
+    LookupMatch,
+    LookupRequest,
+    LookupResponse,
+    PrefetchBlock,
+    PrefetchDirective,
+    PrefetchState,
+    PrefetchStatus,
+    ReplicaRecord,
+    ResidencyEntry,
+    Sampler,
+    SessionCheckpoint,
+    StateMessage,
+)
+from kvsp_quic.roles.controller_records import (
+    SessionInfo,
+    SessionRequest,
+    SessionResume,
+    SessionStart,
+    SessionState,
+    TokenLine,
+)
 from kvsp_quic.samples import random_sections
 from moqt.aio import MoqtPool
 from quic.tls import TlsFiles
@@ -75,9 +105,14 @@ class Env:
     ii_missing: str = "the inference instance was not started for this run"  # why not (its cases: unsupported)
     ii_error: str = ""  # it was to start and did not (its cases fail)
 
-    async def setup_as_instance(self, method: str, url: str, body: bytes) -> int:
-        r = await self.instance_client.request(method, url, content=body, headers=JSON)
-        return r.status
+    @property
+    def api(self) -> KvspApi:
+        """The typed client over ``setup`` (setup steps: not what a case tests)."""
+        return KvspApi(self.setup)
+
+    async def report_status(self, record: InstanceStatusRecord) -> InstanceState:
+        """A status report to the PC as the (fake) instance principal."""
+        return await KvspApi(self.instance_client).put_status(self.index, record)
 
     def fresh(self) -> int:
         """A number no other cell has used: every cell works on its own keys."""
@@ -125,19 +160,17 @@ def block_url(env: Env, key: bytes, query: str = "", compat_id: bytes | None = N
     return f"{env.holder}blocks/{compat}/{env.keyer.scope_id.hex()}/{key.hex()}" + (f"?{query}" if query else "")
 
 
-def replica_record(env: Env, key: bytes, holder: str, ttl_ms: int = 60_000) -> dict[str, Any]:
-    digests = [hashlib.sha256(key + bytes([i])).digest() for i in range(env.descriptor.layers)]
-    return {"block_key": key.hex(), "compat_id": env.descriptor.compat_id.hex(), "scope_id": env.keyer.scope_id.hex(),
-            "holder": holder, "codec": 1, "size": 1 << 20,
-            "digest": "sha-256:" + hashlib.sha256(b"".join(digests)).hexdigest(),
-            "layer_digests": [d.hex() for d in digests],
-            "residency": [{"tier": "host", "layers": [0, env.descriptor.layers - 1]}], "ttl_ms": ttl_ms}
+def replica_record(env: Env, key: bytes, holder: str, ttl_ms: int = 60_000) -> ReplicaRecord:
+    digests = tuple(hashlib.sha256(key + bytes([i])).digest() for i in range(env.descriptor.layers))
+    return ReplicaRecord(BlockKey(key), env.descriptor.compat_id, env.keyer.scope_id, holder, 1, 1 << 20,
+                         hashlib.sha256(b"".join(digests)).digest(),
+                         (ResidencyEntry("host", (0, env.descriptor.layers - 1)),), ttl_ms, digests)
 
 
 async def stored(env: Env, n: int) -> tuple[bytes, bytes, Any]:
     key, body, enc = block_of(env, n)
-    r = await env.setup.request("PUT", block_url(env, key), content=body, headers=BLOCK)
-    assert r.status == 201, f"setup: storing block {n} gave {r.status}"
+    record = await env.api.put_block(env.holder, env.descriptor.compat_id, env.keyer.scope_id, key, body)
+    assert record.block_key == key, f"setup: storing block {n} gave the record of {record.block_key.hex()}"
     return key, body, enc
 
 
@@ -163,9 +196,9 @@ async def replica_publish_refresh_withdraw(env: Env, driver: Driver) -> None:
     key = hashlib.sha256(b"replica %d" % env.fresh()).digest()
     holder = "https://h-interop.example/kvsp/"
     url = f"{env.index}replicas/{holder_id(holder)}/{key.hex()}"
-    body = json.dumps(replica_record(env, key, holder)).encode()
+    body = dumps(replica_record(env, key, holder).to_json())
     created = expect(await call("PUT", url, body, JSON), 201, "publish")
-    assert json.loads(created.body)["block_key"] == key.hex()
+    assert ReplicaRecord.loads(created.body).block_key == key
     expect(await call("PUT", url, body, JSON), 200, "refresh")
     expect(await call("DELETE", url), 204, "withdraw")
     expect_problem(await call("DELETE", url), 404, "kvsp-not-found", "withdraw again")
@@ -175,40 +208,39 @@ async def lookup_with_estimates(env: Env, driver: Driver) -> None:
     call = send(driver, env)
     n = env.fresh()
     key, _, _ = await stored(env, 10_000 + n)  # the holder publishes it to the index
-    status = {"instance": env.instance_uri, "epoch": 1000 + n, "state": "active", "ttl_ms": 30_000,
-              "prefill_tokens_per_s": 10_000, "links": [{"holder": env.holder, "mbit_per_s": 10_000, "rtt_us": 50}]}
-    r = await env.setup_as_instance("PUT", f"{env.index}instances/{instance_id(env.instance_uri)}/status",
-                                    json.dumps(status).encode())
-    assert r == 200, f"setup: status report gave {r}"
-    request = {"scope_id": env.keyer.scope_id.hex(), "compat_id": env.descriptor.compat_id.hex(),
-               "block_keys": [key.hex(), hashlib.sha256(b"absent").hexdigest()], "targets": [env.instance_uri]}
+    status = InstanceStatusRecord(env.instance_uri, 1000 + n, InstanceState.ACTIVE, 30_000, prefill_tokens_per_s=10_000,
+                                  links=(Link(env.holder, 10_000, 50),))
+    await env.report_status(status)
+    request = LookupRequest(env.keyer.scope_id, env.descriptor.compat_id,
+                            (BlockKey(key), BlockKey(hashlib.sha256(b"absent").digest())), (env.instance_uri,))
     for _ in range(100):  # the holder publishes asynchronously
-        reply = expect(await call("POST", f"{env.index}lookup", json.dumps(request).encode(), JSON), 200, "lookup")
-        answer = json.loads(reply.body)
-        if answer["matched"] == 1:
+        reply = expect(await call("POST", f"{env.index}lookup", dumps(request.to_json()), JSON), 200, "lookup")
+        answer = LookupResponse.loads(reply.body)
+        if answer.matched == 1:
             break
         await asyncio.sleep(0.05)
-    assert answer["matched"] == 1 and answer["blocks"][0]["replicas"][0]["holder"] == env.holder, answer
-    target = answer["targets"][0]
-    assert target["instance"] == env.instance_uri and target["fetch_us"] > 0 and target["recompute_us"] > 0, target
+    assert answer.matched == 1 and answer.blocks[0].replicas[0].holder == env.holder, answer
+    assert answer.targets, answer
+    target = answer.targets[0]
+    assert target.instance == env.instance_uri and target.fetch_us > 0 and target.recompute_us > 0, target
 
 
 async def instance_status(env: Env, driver: Driver) -> None:
     call = send(driver, env, "instance")
     url = f"{env.index}instances/{instance_id(env.instance_uri)}/status"
     epoch = 10**9 + env.fresh() * 10
-    record = {"instance": env.instance_uri, "epoch": epoch, "state": "active", "ttl_ms": 30_000}
-    reply = expect(await call("PUT", url, json.dumps(record).encode(), JSON), 200, "status")
-    assert json.loads(reply.body) == {"state": "active"}
-    stale = dict(record, epoch=epoch - 1)
-    expect_problem(await call("PUT", url, json.dumps(stale).encode(), JSON), 409, "kvsp-stale-epoch", "stale epoch")
+    record = InstanceStatusRecord(env.instance_uri, epoch, InstanceState.ACTIVE, 30_000)
+    reply = expect(await call("PUT", url, dumps(record.to_json()), JSON), 200, "status")
+    assert StateMessage.loads(reply.body) == StateMessage(InstanceState.ACTIVE), reply.body
+    stale = dataclasses.replace(record, epoch=epoch - 1)
+    expect_problem(await call("PUT", url, dumps(stale.to_json()), JSON), 409, "kvsp-stale-epoch", "stale epoch")
 
 
 async def block_put_and_412(env: Env, driver: Driver) -> None:
     call = send(driver, env)
     key, body, _ = block_of(env, 20_000 + env.fresh())
     created = expect(await call("PUT", block_url(env, key), body, BLOCK), 201, "store")
-    assert json.loads(created.body)["block_key"] == key.hex()
+    assert ReplicaRecord.loads(created.body).block_key == key
     expect(await call("PUT", block_url(env, key), body, BLOCK), 412, "store again")
 
 
@@ -243,23 +275,22 @@ async def block_not_found(env: Env, driver: Driver) -> None:
 async def lease_lifecycle(env: Env, driver: Driver) -> None:
     call = send(driver, env)
     key, _, _ = await stored(env, 50_000 + env.fresh())
-    request = {"compat_id": env.descriptor.compat_id.hex(), "scope_id": env.keyer.scope_id.hex(),
-               "block_keys": [key.hex()], "ttl_ms": 5000}
-    created = expect(await call("POST", f"{env.holder}leases", json.dumps(request).encode(), JSON), 201, "lease")
-    lease = json.loads(created.body)
-    assert created.headers.get("location") == f"leases/{lease['lease']}" and lease["block_keys"] == [key.hex()]
-    url = f"{env.holder}leases/{lease['lease']}"
-    renewed = expect(await call("PUT", url, json.dumps({"ttl_ms": 4000}).encode(), JSON), 200, "renew")
-    assert json.loads(renewed.body)["ttl_ms"] == 4000
+    request = LeaseRequest(env.descriptor.compat_id, env.keyer.scope_id, (BlockKey(key),), 5000)
+    created = expect(await call("POST", f"{env.holder}leases", dumps(request.to_json()), JSON), 201, "lease")
+    lease = LeaseResponse.loads(created.body)
+    assert created.headers.get("location") == f"leases/{lease.lease}" and lease.block_keys == (key,)
+    url = f"{env.holder}leases/{lease.lease}"
+    renewed = expect(await call("PUT", url, dumps(LeaseRenewal(4000).to_json()), JSON), 200, "renew")
+    assert LeaseResponse.loads(renewed.body).ttl_ms == 4000
     expect(await call("DELETE", url), 204, "release")
     expect_problem(await call("DELETE", url), 404, "kvsp-not-found", "release again")
 
 
 async def lease_quota(env: Env, driver: Driver) -> None:
     key, _, _ = await stored(env, 60_000 + env.fresh())
-    request = {"compat_id": env.descriptor.compat_id.hex(), "scope_id": env.keyer.scope_id.hex(),
-               "block_keys": [key.hex()], "ttl_ms": 10**9}  # far above the holder's maximum lease TTL
-    reply = await send(driver, env)("POST", f"{env.holder}leases", json.dumps(request).encode(), JSON)
+    request = LeaseRequest(env.descriptor.compat_id, env.keyer.scope_id, (BlockKey(key),),
+                           10**9)  # far above the holder's maximum lease TTL
+    reply = await send(driver, env)("POST", f"{env.holder}leases", dumps(request.to_json()), JSON)
     expect_problem(reply, 429, "kvsp-lease-quota", "lease over quota")
 
 
@@ -276,19 +307,17 @@ def block_track(env: Env, key: bytes, holder: str) -> tuple[tuple[bytes, ...], b
     return track_namespace(env.descriptor.compat_id, env.keyer.scope_id, holder, 1), track_name(key)
 
 
-async def lookup(env: Env, key: bytes, compat_id: bytes | None = None) -> list[dict[str, Any]]:
-    body = {"scope_id": env.keyer.scope_id.hex(), "compat_id": (compat_id or env.descriptor.compat_id).hex(),
-            "block_keys": [key.hex()]}
-    r = await env.setup.request("POST", f"{env.index}lookup", content=json.dumps(body).encode(), headers=JSON)
-    answer = json.loads(r.content or b"{}")
-    return [rec for block in answer.get("blocks", []) for rec in block["replicas"]]
+async def lookup(env: Env, key: bytes, compat_id: bytes | None = None) -> list[ReplicaRecord]:
+    request = LookupRequest(env.keyer.scope_id, CompatId(compat_id or env.descriptor.compat_id), (BlockKey(key),))
+    answer = await env.api.lookup(env.index, request)
+    return [rec for block in answer.blocks for rec in block.replicas]
 
 
-async def until_published(env: Env, key: bytes, holder: str, compat_id: bytes | None = None) -> dict[str, Any]:
+async def until_published(env: Env, key: bytes, holder: str, compat_id: bytes | None = None) -> ReplicaRecord:
     """The record of *key* with *holder* at the Index Service (holders and relays publish asynchronously)."""
     for _ in range(200):
         for record in await lookup(env, key, compat_id):
-            if record["holder"] == holder:
+            if record.holder == holder:
                 return record
         await asyncio.sleep(0.05)
     raise AssertionError(f"no record of {key.hex()[:16]}... with holder {holder} at the Index Service")
@@ -332,7 +361,7 @@ async def moqt_relay_fan_out(env: Env, driver: Driver) -> None:
     upstream = after.get("upstream_fetches", 0) - before.get("upstream_fetches", 0)
     assert upstream == 1, f"4 concurrent FETCHes made {upstream} upstream FETCHes (expected 1: coalesced)"
     record = await until_published(env, key, env.relay_moqt)  # and the relay advertises its copy
-    assert record["layer_digests"] == [x.hex() for x in enc.layer_digests], "the relay's record differs"
+    assert record.layer_digests == tuple(enc.layer_digests), "the relay's record differs"
 
 
 async def relay_metrics(env: Env) -> dict[str, int]:
@@ -347,7 +376,7 @@ async def moqt_http_fallback(env: Env, driver: Driver) -> None:
     if not isinstance(d, OursMoqt):
         raise Unsupported("aiomoqt is a MOQT library: it has no HTTP fallback")
     key, body, _ = await stored(env, 90_000 + env.fresh())
-    https = ReplicaRecord.from_json(await until_published(env, key, env.holder))
+    https = await until_published(env, key, env.holder)
     async with MoqtPool(env.tls("dev"), alpn=ALPN[d.draft], connect_timeout=3) as pool:
 
         async def fetch(twin: ReplicaRecord) -> tuple[Any, BlockFetcher]:
@@ -367,7 +396,7 @@ async def moqt_http_fallback(env: Env, driver: Driver) -> None:
 
 # -- the inference instance and the Placement Controller (issues #6, #7) ------------------------------------------
 
-GREEDY = {"method": "greedy", "seed": 0, "step": 0, "deterministic": True, "params": {}}
+GREEDY = Sampler("greedy", 0, 0, True)
 WAIT_S = 10.0  # how long a case waits for something asynchronous (a load, a session's end) before failing
 
 
@@ -408,9 +437,7 @@ async def stored_context(env: Env, ii: Inference, n: int, count: int) -> list[by
     for i, key in enumerate(keys):
         enc = container.encode(random_sections(d, d.block_tokens, 0, d.layers - 1, seed=n * 64 + i), first_layer=0,
                                token_count=d.block_tokens, descriptor=d)
-        r = await env.setup.request("PUT", block_url(env, key, compat_id=d.compat_id), content=enc.tobytes(),
-                                    headers=BLOCK)
-        assert r.status == 201, f"setup: storing block {i} of context {n} gave {r.status}"
+        await env.api.put_block(env.holder, d.compat_id, ii.keyer.scope_id, key, enc.tobytes())
     for key in keys:
         await until_published(env, key, env.holder, d.compat_id)
     return keys
@@ -431,7 +458,8 @@ async def until_active_at_pc(env: Env, ii: Inference) -> None:
         if entry.get("state") == "active" and entry.get("reported_state") == "active":
             return
         if entry.get("state") in ("sleeping", "draining"):
-            await setup_call(env, "PUT", f"{env.index}instances/{ii.instance_id}/state", {"state": "active"})
+            await setup_call(env, "PUT", f"{env.index}instances/{ii.instance_id}/state",
+                             StateMessage(InstanceState.ACTIVE).to_json())
         await asyncio.sleep(0.05)
     raise AssertionError(f"the PC does not hold the instance active: {entry}")
 
@@ -442,10 +470,7 @@ async def retire_fake_instance(env: Env) -> None:
     candidate."""
     for entry in await pc_instances(env):
         if entry["instance"] == env.instance_uri and entry["state"] != "failed":
-            record = {"instance": env.instance_uri, "epoch": entry["epoch"], "state": "failed", "ttl_ms": 1000}
-            status = await env.setup_as_instance(
-                "PUT", f"{env.index}instances/{instance_id(env.instance_uri)}/status", dumps(record))
-            assert status == 200, f"setup: reporting the fake instance failed gave {status}"
+            await env.report_status(InstanceStatusRecord(env.instance_uri, entry["epoch"], InstanceState.FAILED, 1000))
 
 
 def prompt_of(n: int, length: int) -> list[int]:
@@ -453,19 +478,17 @@ def prompt_of(n: int, length: int) -> list[int]:
 
 
 def checkpoint_of(ii: Inference, session: uuid.UUID, epoch: int, prompt: list[int], generated: list[int],
-                  offset: int) -> dict[str, Any]:
+                  offset: int) -> SessionCheckpoint:
     keys = ii.keyer.keys(prompt)
-    return {"session": str(session), "epoch": epoch, "compat_id": ii.descriptor.compat_id.hex(),
-            "scope_id": ii.keyer.scope_id.hex(), "prompt_blocks": [k.hex() for k in keys],
-            "prompt_tail": prompt[len(keys) * ii.descriptor.block_tokens:], "generated": generated[:offset],
-            "output_offset": offset, "sampler": dict(GREEDY, step=offset)}
+    return SessionCheckpoint(session, epoch, ii.descriptor.compat_id, ii.keyer.scope_id, tuple(keys),
+                             tuple(prompt[len(keys) * ii.descriptor.block_tokens:]), tuple(generated[:offset]), offset,
+                             dataclasses.replace(GREEDY, step=offset))
 
 
-async def token_lines(env: Env, ii: Inference, session: uuid.UUID) -> list[dict[str, Any]]:
+async def token_lines(env: Env, ii: Inference, session: uuid.UUID) -> list[TokenLine]:
     """``GET {ii}sessions/{id}/tokens?from=0`` to its end (the run finished, or was fenced: no final line)."""
-    r = await env.setup.request("GET", f"{ii.uri}sessions/{session}/tokens?from=0")
-    assert r.status == 200, f"setup: the token stream of {session} gave {r.status}"
-    return [json.loads(line) for line in (r.content or b"").splitlines() if line.strip()]
+    async with env.api.tokens(ii.uri, session, 0) as lines:
+        return [line async for line in lines]
 
 
 async def prefetch(env: Env, driver: Driver) -> None:
@@ -475,25 +498,27 @@ async def prefetch(env: Env, driver: Driver) -> None:
     n = env.fresh()
     keys = await stored_context(env, ii, 100_000 + n, 2)
     directive = uuid.uuid4()
-    body = {"directive": str(directive), "scope_id": ii.keyer.scope_id.hex(),
-            "compat_id": ii.descriptor.compat_id.hex(),
-            "blocks": [{"block_key": k.hex(), "sources": [env.holder]} for k in keys],
-            "deadline_ms": 5000, "lease_ms": 5000, "request_ref": f"interop-{n}"}
+    record = PrefetchDirective(directive, ii.keyer.scope_id, ii.descriptor.compat_id,
+                               tuple(PrefetchBlock(BlockKey(k), (env.holder,)) for k in keys), 5000, 5000,
+                               request_ref=f"interop-{n}")
+    body = record.to_json()
     accepted = expect(await call("POST", f"{ii.uri}prefetch", dumps(body), JSON), 202, "prefetch")
     assert accepted.headers.get("location") == f"prefetch/{directive}", f"Location: {accepted.headers}"
-    status = body_of(accepted)
-    assert status["directive"] == str(directive) and status["state"] in ("pending", "partial", "complete"), status
+    status = PrefetchStatus.loads(accepted.body)
+    running = (PrefetchState.PENDING, PrefetchState.PARTIAL, PrefetchState.COMPLETE)
+    assert status.directive == directive and status.state in running, status
     deadline = asyncio.get_running_loop().time() + WAIT_S
     while True:
-        status = body_of(expect(await call("GET", f"{ii.uri}prefetch/{directive}"), 200, "GET prefetch/{id}"))
-        assert status["state"] in ("pending", "partial", "complete"), status
-        if status["state"] != "pending" or asyncio.get_running_loop().time() > deadline:
+        reply = expect(await call("GET", f"{ii.uri}prefetch/{directive}"), 200, "GET prefetch/{id}")
+        status = PrefetchStatus.loads(reply.body)
+        assert status.state in running, status
+        if status.state is not PrefetchState.PENDING or asyncio.get_running_loop().time() > deadline:
             break
         await asyncio.sleep(0.05)
-    assert status["state"] == "complete" and status["loaded"] == [k.hex() for k in keys], status
+    assert status.state is PrefetchState.COMPLETE and status.loaded == tuple(keys), status
     again = expect(await call("POST", f"{ii.uri}prefetch", dumps(body), JSON), 202, "the same directive again")
-    assert body_of(again) == status, "a re-sent directive is answered with its current status"
-    other = dict(body, deadline_ms=4000)
+    assert PrefetchStatus.loads(again.body) == status, "a re-sent directive is answered with its current status"
+    other = dataclasses.replace(record, deadline_ms=4000).to_json()
     expect_problem(await call("POST", f"{ii.uri}prefetch", dumps(other), JSON), 409, None,
                    "the directive's id with other contents")
     await until_published(env, keys[0], ii.uri, ii.descriptor.compat_id)  # a loaded block is the instance's replica
@@ -504,23 +529,26 @@ async def instance_state(env: Env, driver: Driver) -> None:
     call = send(driver, env, "controller")
     await until_active_at_pc(env, ii)
     try:
-        drained = expect(await call("PUT", f"{ii.uri}state", dumps({"state": "draining"}), JSON), 200, "draining")
+        asleep = (InstanceState.DRAINING, InstanceState.SLEEPING)
+        draining = dumps(StateMessage(InstanceState.DRAINING).to_json())
+        drained = expect(await call("PUT", f"{ii.uri}state", draining, JSON), 200, "draining")
         # with no session in flight a draining instance is sleeping at once
-        assert body_of(drained)["state"] in ("draining", "sleeping"), drained.body
+        assert StateMessage.loads(drained.body).state in asleep, drained.body
         sid = uuid.uuid4()
-        start = {"session": str(sid), "epoch": 1, "scope_id": ii.keyer.scope_id.hex(),
-                 "compat_id": ii.descriptor.compat_id.hex(), "prompt": prompt_of(env.fresh(), 6), "max_tokens": 4,
-                 "sampler": GREEDY}
-        expect_problem(await call("POST", f"{ii.uri}sessions/{sid}/start", dumps(start), JSON), 409,
+        start = SessionStart(sid, 1, ii.keyer.scope_id, ii.descriptor.compat_id, tuple(prompt_of(env.fresh(), 6)),
+                             4, GREEDY)
+        expect_problem(await call("POST", f"{ii.uri}sessions/{sid}/start", dumps(start.to_json()), JSON), 409,
                        "kvsp-invalid-state", "a session start while draining")
-        status = body_of(expect(await call("GET", f"{ii.uri}status"), 200, "GET status"))
-        assert status["state"] in ("draining", "sleeping") and status["instance"] == ii.uri, status
-        woken = expect(await call("PUT", f"{ii.uri}state", dumps({"state": "active"}), JSON), 200, "active")
-        assert body_of(woken) == {"state": "active"}, woken.body
-        expect_problem(await call("PUT", f"{ii.uri}state", dumps({"state": "failed"}), JSON), 409,
-                       "kvsp-invalid-state", "PUT state failed")
+        status = InstanceStatusRecord.loads(expect(await call("GET", f"{ii.uri}status"), 200, "GET status").body)
+        assert status.state in asleep and status.instance == ii.uri, status
+        active = dumps(StateMessage(InstanceState.ACTIVE).to_json())
+        woken = expect(await call("PUT", f"{ii.uri}state", active, JSON), 200, "active")
+        assert StateMessage.loads(woken.body) == StateMessage(InstanceState.ACTIVE), woken.body
+        failed = dumps(StateMessage(InstanceState.FAILED).to_json())
+        expect_problem(await call("PUT", f"{ii.uri}state", failed, JSON), 409, "kvsp-invalid-state",
+                       "PUT state failed")
     finally:  # whatever happened, the instance serves again, and the PC knows it
-        await setup_call(env, "PUT", f"{ii.uri}state", {"state": "active"})
+        await env.api.set_state(ii.uri, InstanceState.ACTIVE)
         await until_active_at_pc(env, ii)
 
 
@@ -531,47 +559,48 @@ async def checkpoint_resume(env: Env, driver: Driver) -> None:
     await until_active_at_pc(env, ii)
     # setup: a session through the PC (as the front end would), run to its end by the instance
     sid, prompt, max_tokens = uuid.uuid4(), prompt_of(n, 6), 8
-    request = {"session": str(sid), "scope_id": ii.keyer.scope_id.hex(), "compat_id": ii.descriptor.compat_id.hex(),
-               "prompt": prompt, "max_tokens": max_tokens, "sampler": GREEDY}
-    info = await setup_call(env, "POST", f"{env.index}sessions", request)
-    assert info["instance"] == ii.uri, f"setup: the PC placed the session on {info.get('instance')}"
-    epoch = info["epoch"]
+    request = SessionRequest(sid, ii.keyer.scope_id, ii.descriptor.compat_id, tuple(prompt), max_tokens, GREEDY)
+    info = await env.api.create_session(env.index, request)
+    assert info.instance == ii.uri, f"setup: the PC placed the session on {info.instance}"
+    epoch = info.epoch
     lines = await token_lines(env, ii, sid)
-    tokens = [x["token"] for x in lines if "token" in x]
-    assert len(tokens) == max_tokens and lines[-1].get("done"), f"setup: the session's stream: {lines}"
+    tokens = [x.token for x in lines if x.token is not None]
+    assert len(tokens) == max_tokens and lines[-1].done, f"setup: the session's stream: {lines}"
     session_url = f"{env.index}sessions/{sid}"
     deadline = asyncio.get_running_loop().time() + WAIT_S
-    while (await setup_call(env, "GET", session_url))["state"] != "done":  # the instance's last checkpoint
+    while (await env.api.session_info(env.index, sid)).state is not SessionState.DONE:  # the last checkpoint
         assert asyncio.get_running_loop().time() < deadline, "setup: the PC never saw the session's last checkpoint"
         await asyncio.sleep(0.05)
     # PUT sessions/{id}/checkpoint, as the instance serving the session
     as_ii = send(driver, env, "ii")
     url = f"{session_url}/checkpoint"
     cp = checkpoint_of(ii, sid, epoch, prompt, tokens, 4)
-    expect_problem(await as_ii("PUT", url, dumps(dict(cp, epoch=epoch - 1)), JSON), 409, "kvsp-stale-epoch",
+    older = dataclasses.replace(cp, epoch=epoch - 1)
+    expect_problem(await as_ii("PUT", url, dumps(older.to_json()), JSON), 409, "kvsp-stale-epoch",
                    "a checkpoint of an older epoch")
-    ack = body_of(expect(await as_ii("PUT", url, dumps(cp), JSON), 200, "checkpoint"))
-    assert ack == {"session": str(sid), "epoch": epoch, "output_offset": max_tokens}, \
-        f"the PC keeps the highest offset it acknowledged: {ack}"
-    expect_problem(await send(driver, env)("PUT", url, dumps(cp), JSON), 403, None,
+    ack = CheckpointAck.loads(expect(await as_ii("PUT", url, dumps(cp.to_json()), JSON), 200, "checkpoint").body)
+    assert ack == CheckpointAck(sid, epoch, max_tokens), f"the PC keeps the highest offset it acknowledged: {ack}"
+    expect_problem(await send(driver, env)("PUT", url, dumps(cp.to_json()), JSON), 403, None,
                    "a checkpoint from a principal that does not serve the session")
-    seen = body_of(expect(await send(driver, env)("GET", session_url), 200, "GET sessions/{id}"))
-    assert seen["output_offset"] == max_tokens and seen["state"] == "done" and seen.get("done") is True, seen
+    reply = expect(await send(driver, env)("GET", session_url), 200, "GET sessions/{id}")
+    seen = SessionInfo.loads(reply.body)
+    assert seen.output_offset == max_tokens and seen.state is SessionState.DONE, reply.body
+    assert body_of(reply).get("done") is True, reply.body
     # POST sessions/{id}/resume, as the PC, with that checkpoint under a session id the PC does not know: the
     # resumed run's own checkpoints are then refused with 404, which ends it (as for a session moved elsewhere)
     as_pc = send(driver, env, "controller")
     other = uuid.uuid4()
-    resume = {"epoch": epoch + 1, "checkpoint": checkpoint_of(ii, other, epoch, prompt, tokens, 4),
-              "max_tokens": max_tokens, "prompt": prompt}
-    admitted = expect(await as_pc("POST", f"{ii.uri}sessions/{other}/resume", dumps(resume), JSON), 200, "resume")
-    assert body_of(admitted) == {"session": str(other), "epoch": epoch + 1, "output_offset": 4}, admitted.body
-    stale = dict(resume, epoch=epoch, checkpoint=dict(resume["checkpoint"], epoch=epoch - 1))
-    expect_problem(await as_pc("POST", f"{ii.uri}sessions/{other}/resume", dumps(stale), JSON), 409,
+    resume = SessionResume(epoch + 1, checkpoint_of(ii, other, epoch, prompt, tokens, 4), max_tokens, tuple(prompt))
+    admitted = expect(await as_pc("POST", f"{ii.uri}sessions/{other}/resume", dumps(resume.to_json()), JSON), 200,
+                      "resume")
+    assert CheckpointAck.loads(admitted.body) == CheckpointAck(other, epoch + 1, 4), admitted.body
+    stale = SessionResume(epoch, dataclasses.replace(resume.checkpoint, epoch=epoch - 1), max_tokens, tuple(prompt))
+    expect_problem(await as_pc("POST", f"{ii.uri}sessions/{other}/resume", dumps(stale.to_json()), JSON), 409,
                    "kvsp-stale-epoch", "a resume at an older epoch")
     resumed = await token_lines(env, ii, other)
-    got = [x["token"] for x in resumed if "token" in x]
-    assert not any(x.get("reason") == "error" for x in resumed), resumed[-1]
-    assert {x["epoch"] for x in resumed} == {epoch + 1}, resumed
+    got = [x.token for x in resumed if x.token is not None]
+    assert not any(x.failed for x in resumed), resumed[-1]
+    assert {x.epoch for x in resumed} == {epoch + 1}, resumed
     # the checkpoint's tokens first; greedy decoding continues exactly as the first run did (as far as it got)
     assert len(got) >= 4 and got == tokens[:len(got)], (got, tokens)
 

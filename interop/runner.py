@@ -26,9 +26,9 @@ from interop.cases import CASES, CaseInfo, Env, Inference
 from interop.drivers import Driver, Unsupported, all_drivers
 from interop.moqt_drivers import MoqtDriver, moqt_drivers
 from interop.servers import INSTANCE_URI, SCOPE_KEY, Servers, start
-from kvsp_quic.app.serve import example_descriptor
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.keys import BlockKeyer, scope_id
+from kvsp_quic.samples import example_descriptor
 from quic.tls import TlsFiles
 
 HERE = Path(__file__).resolve().parent

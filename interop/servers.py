@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvsp_quic.app.serve import example_descriptor
+from kvsp_quic.samples import example_descriptor
 from quic import pki
 
 INSTANCE_URI = "https://127.0.0.1:1/interop-instance/"

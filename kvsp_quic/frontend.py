@@ -11,6 +11,41 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvsp_quic.problems import BadRequest
+from kvsp_quic.records import Sampler
+
+
+@dataclass(frozen=True)
+class FrontendOptions:
+    """What a front end's operator sets: the ``[frontend]`` section of ``kvsp-quic frontend``'s file is these
+    fields (plus the controller, model and scope key the composition root resolves:
+    ``kvsp_quic.app.config.FrontendSection``). Durations in milliseconds; the asyncio side reads seconds."""
+
+    max_tokens: int = 4096  # the largest max_tokens a request may ask for
+    failover_timeout_ms: int = 30_000  # how long a session may take to resume elsewhere after its instance failed
+    read_timeout_ms: int = 60_000  # of the token stream's reads
+    poll_interval_ms: int = 100  # between questions to the PC while a session is being moved
+    stall_check_ms: int = 1000  # without a token this long: ask the PC whether the session moved
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "failover_timeout_ms", "read_timeout_ms", "poll_interval_ms", "stall_check_ms"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be positive")
+
+    @property
+    def failover_timeout_s(self) -> float:
+        return self.failover_timeout_ms / 1000
+
+    @property
+    def read_timeout_s(self) -> float:
+        return self.read_timeout_ms / 1000
+
+    @property
+    def poll_interval_s(self) -> float:
+        return self.poll_interval_ms / 1000
+
+    @property
+    def stall_check_s(self) -> float:
+        return self.stall_check_ms / 1000
 
 
 class TokenGap(BadRequest):
@@ -67,6 +102,9 @@ class SamplingRequest:
                   else 1.0}
         return cls("top-p", params, seed if seed is not None else default_seed, False)
 
+    def sampler(self) -> Sampler:
+        """The sampler record at step 0."""
+        return Sampler(self.method, self.seed, 0, self.deterministic, dict(self.params))
+
     def to_json(self) -> dict[str, object]:
-        return {"method": self.method, "params": self.params, "seed": self.seed, "step": 0,
-                "deterministic": self.deterministic}
+        return self.sampler().to_json()

@@ -14,11 +14,13 @@ import pytest
 from http3.client import KvspClient
 from http3.frontend_app import Frontend, frontend_app
 from http3.server import RoleServer
-from kvsp_quic.app.serve import example_descriptor
 from kvsp_quic.auth import Policy
-from kvsp_quic.frontend import SamplingRequest, TokenGap, TokenRelay
+from kvsp_quic.frontend import FrontendOptions, SamplingRequest, TokenGap, TokenRelay
 from kvsp_quic.keys import BlockKeyer
 from kvsp_quic.problems import BadRequest
+from kvsp_quic.roles.controller_records import SessionInfo, SessionRequest, SessionState, TokenLine
+from kvsp_quic.samples import example_descriptor
+from tests.asgi import read_body
 from tests.pki import TestPki, make_pki
 
 DESCRIPTOR = example_descriptor()
@@ -58,24 +60,23 @@ class Fakes:
         self.moved = False
         self.resumed_from = -1
         self.requests: list[dict[str, Any]] = []
+        self.session = uuid.uuid4()
 
     async def pc(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await read_body(receive)
         if scope["method"] == "POST":
+            request = SessionRequest.loads(body)
             self.requests.append(json.loads(body))
-            answer = {"session": self.requests[-1]["session"], "epoch": 1, "instance": self.instances[0]}
+            self.session = request.session
+            answer = SessionInfo(request.session, 1, 0, SessionState.RUNNING, self.instances[0])
             status = 201
         else:
-            answer = {"epoch": 2 if self.moved else 1, "instance": self.instances[1 if self.moved else 0]}
+            answer = SessionInfo(self.session, 2 if self.moved else 1, 0, SessionState.RUNNING,
+                                 self.instances[1 if self.moved else 0])
             status = 200
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/kvsp+json")]})
-        await send({"type": "http.response.body", "body": json.dumps(answer).encode()})
+        await send({"type": "http.response.body", "body": json.dumps(answer.to_json()).encode()})
 
     def instance(self, number: int) -> Any:
         async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -86,16 +87,15 @@ class Fakes:
                         "headers": [(b"content-type", b"application/x-ndjson")]})
             if number == 1:
                 for i in range(start, 4):
-                    line = {"index": i, "epoch": 1, "token": OUTPUT[i]}
-                    await send({"type": "http.response.body", "body": json.dumps(line).encode() + b"\n",
+                    await send({"type": "http.response.body", "body": TokenLine(i, 1, OUTPUT[i]).encode(),
                                 "more_body": True})
                 self.moved = True
                 raise RuntimeError("instance 1 dies mid-stream")
-            lines = [{"index": start, "epoch": 1, "token": 0}]  # a late token of the old epoch
+            lines = [TokenLine(start, 1, 0)]  # a late token of the old epoch
             # The new instance serves from the index asked for, but one regenerated token before it slips in.
-            lines += [{"index": i, "epoch": 2, "token": OUTPUT[i]} for i in range(max(start - 1, 0), 10)]
-            lines.append({"index": 10, "epoch": 2, "done": True, "reason": "length"})
-            body = b"".join(json.dumps(x).encode() + b"\n" for x in lines)
+            lines += [TokenLine(i, 2, OUTPUT[i]) for i in range(max(start - 1, 0), 10)]
+            lines.append(TokenLine(10, 2, done=True, reason="length"))
+            body = b"".join(line.encode() for line in lines)
             await send({"type": "http.response.body", "body": body})
         return app
 
@@ -118,7 +118,8 @@ async def system(tmp_path: Path):
         def decode(self, ids: list[int]) -> str:
             return "".join(chr(i) for i in ids)
 
-    frontend = Frontend(client, servers[0].base_uri(), keyer, Bytes(), "tiny", poll_interval=0.01)
+    frontend = Frontend(client, servers[0].base_uri(), keyer, Bytes(), "tiny",
+                        options=FrontendOptions(poll_interval_ms=10))
     app = frontend_app(frontend, Policy.from_dict({"principal": [{"identity": "urn:kvsp:client:bob",
                                                                   "roles": ["client"]}]}))
     edge = RoleServer(app, certs.files("server"))

@@ -58,6 +58,7 @@ from kvsp_quic.samples import random_sections
 from kvsp_quic.storage.memory_index import MemoryIndexStore
 from quic import pki
 from quic.tls import TlsFiles
+from tests.asgi import Router
 from tests.conftest import small_descriptor
 from tests.pki import TestPki, make_pki
 
@@ -81,48 +82,6 @@ def block(d: CompatDescriptor, n: int) -> bytes:
 
 
 # -- the servers ---------------------------------------------------------------------------------------------------
-
-
-class Router:
-    """Dispatches by base path; logs requests and counts concurrent block GETs per base path."""
-
-    def __init__(self) -> None:
-        self.apps: dict[str, Any] = {}
-        self.log: list[tuple[str, str, str]] = []  # (method, path, query)
-        self.inflight: dict[str, int] = {}
-        self.max_inflight: dict[str, int] = {}
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        if scope["type"] != "http":
-            return
-        path: str = scope["path"]
-        prefix = "/" + path.split("/")[1] + "/"
-        app = self.apps.get(prefix)
-        self.log.append((scope["method"], path, scope["query_string"].decode()))
-        if app is None:
-            await send({"type": "http.response.start", "status": 404, "headers": []})
-            await send({"type": "http.response.body", "body": b""})
-            return
-        counted = scope["method"] == "GET" and "/blocks/" in path
-        if counted:
-            self.inflight[prefix] = self.inflight.get(prefix, 0) + 1
-            self.max_inflight[prefix] = max(self.max_inflight.get(prefix, 0), self.inflight[prefix])
-        try:
-            await app(scope, receive, send)
-        finally:
-            if counted:
-                self.inflight[prefix] -= 1
-
-    def requests(self, prefix: str) -> list[tuple[str, str, str]]:
-        return [entry for entry in self.log if entry[1].startswith(prefix)]
 
 
 class FakeHolder:

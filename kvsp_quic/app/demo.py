@@ -27,12 +27,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvsp_quic.problems import Unavailable
+from kvsp_quic.roles.controller_records import SessionState, TokenLine
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant for an operator of a large language model serving fleet. The fleet shares "
@@ -149,7 +151,9 @@ async def _stream(client: Any, url: str, prompt: str, max_tokens: int,
                     continue
                 if ttft is None:
                     ttft = time.perf_counter() - start
-                tokens.append((label["index"], label["epoch"], label["token"]))
+                line = TokenLine.from_json(label, "kvsp")
+                assert line.token is not None, "the front end labels output tokens only"
+                tokens.append((line.index, line.epoch, line.token))
                 if on_token is not None:
                     await on_token(session, *tokens[-1])
     return {"ttft": ttft or 0.0, "tokens": tokens, "session": session, "seconds": time.perf_counter() - start}
@@ -170,6 +174,7 @@ async def _metrics(client: Any, base: str) -> dict[str, float]:
 
 async def run(options: DemoOptions, progress: Callable[[str], None]) -> dict[str, Any]:
     from gpu.modelfiles import ModelConfig, write_random_model
+    from http3.api import KvspApi
     from http3.client import KvspClient
     from quic.tls import TlsFiles
 
@@ -231,12 +236,12 @@ async def run(options: DemoOptions, progress: Callable[[str], None]) -> dict[str
                 if index_ + 1 != options.kill_after or "name" in killed:
                     return
                 # The PC shows a session only to the principal that created it: the front end.
-                state = (await as_frontend.request("GET", f"{index}sessions/{session}")).json()
-                if state.get("done") or state.get("instance") not in instances:
+                state = await KvspApi(as_frontend).session_info(index, uuid.UUID(session))
+                if state.state is SessionState.DONE or state.instance not in instances:
                     killed["name"] = None
                     progress("      the generation finished before the kill could happen")
                     return
-                serving = instances[state["instance"]]
+                serving = instances[state.instance]
                 killed.update(name=serving, at=time.perf_counter())
                 cluster.kill(serving)
                 progress(f"      killed {serving} (SIGKILL) after token {options.kill_after}")

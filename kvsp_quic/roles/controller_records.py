@@ -10,12 +10,15 @@ Controller and instances agree. Unknown members are ignored, as in every KVSP re
   extension members, ``max_tokens`` and ``prompt``, so the new instance knows when to stop and can recompute prompt
   blocks no replica serves (an instance that knows only the spec's members reads it as a
   :class:`~kvsp_quic.records.ResumeRequest`);
-* :class:`SessionInfo` -- the PC's answer to ``POST sessions`` and ``GET sessions/{id}``.
+* :class:`SessionInfo` -- the PC's answer to ``POST sessions`` and ``GET sessions/{id}``;
+* :class:`TokenLine` -- one line of ``GET {ii}sessions/{id}/tokens`` (``application/x-ndjson``): an output token
+  ``{"index", "epoch", "token"}``, or the final line ``{"index", "epoch", "done": true, "reason"[, "detail"]}``.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -127,4 +130,64 @@ class SessionInfo(Record):
         return out
 
 
-__all__ = ["SessionInfo", "SessionRequest", "SessionResume", "SessionStart", "SessionState"]
+@dataclass(frozen=True)
+class TokenLine(Record):
+    """One NDJSON line of an instance's token stream.
+
+    An output token: ``index`` (its position in the session's output), ``epoch`` (the epoch that produced it) and
+    ``token``. The final line instead has ``done`` true, ``index`` = the number of output tokens, and a
+    ``reason`` ("length", "stop", ... or "error", then with a ``detail``). A stream that ends without a final line
+    was superseded: the session moved to another instance.
+
+        TokenLine(7, 1, 42).encode()                            # b'{"index":7,"epoch":1,"token":42}\n'
+        TokenLine(8, 1, done=True, reason="length").encode()
+        TokenLine.decode(line)                                  # RecordError (a 400 Problem) on a bad line
+    """
+
+    index: int = wire(f.uint)
+    epoch: int = wire(f.uint)
+    token: int | None = wire(f.uint32, default=None)
+    done: bool = wire(f.boolean, default=False)
+    reason: str | None = wire(f.string, default=None)
+    detail: str | None = wire(lambda v, p: f.string(v, p, nonempty=False), default=None)
+
+    def check(self) -> None:
+        if self.done:
+            if self.token is not None:
+                raise RecordError("token: the final line (done) carries no token")
+            if self.reason is None:
+                raise RecordError("reason: the final line (done) needs a reason")
+        else:
+            if self.token is None:
+                raise RecordError("token: required unless the line is the final one (done)")
+            if self.reason is not None or self.detail is not None:
+                raise RecordError("reason: only the final line (done) has a reason or detail")
+
+    @property
+    def failed(self) -> bool:
+        """The final line of a session the instance could not complete."""
+        return self.done and self.reason == "error"
+
+    def to_json(self) -> dict[str, Any]:
+        if not self.done:
+            return {"index": self.index, "epoch": self.epoch, "token": self.token}
+        out: dict[str, Any] = {"index": self.index, "epoch": self.epoch, "done": True, "reason": self.reason}
+        if self.detail is not None:
+            out["detail"] = self.detail
+        return out
+
+    def encode(self) -> bytes:
+        """The line as sent: compact JSON and a newline."""
+        return json.dumps(self.to_json(), separators=(",", ":")).encode() + b"\n"
+
+    @classmethod
+    def decode(cls, line: bytes | str) -> TokenLine:
+        """One line (with or without its newline); :class:`~kvsp_quic.fields.RecordError` names what is wrong."""
+        try:
+            return cls.from_json(f.loads_object(line, "token line"), "token line")
+        except RecordError as exc:
+            text = line if isinstance(line, str) else line.decode("utf-8", "replace")
+            raise RecordError(f"{exc.detail} (line {text.strip()[:200]!r})") from None
+
+
+__all__ = ["SessionInfo", "SessionRequest", "SessionResume", "SessionStart", "SessionState", "TokenLine"]
