@@ -1,11 +1,12 @@
-"""The Placement Controller's HTTP edge: its resources on the Index Service's app, and its requests to instances.
+"""The Placement Controller's HTTP edge: its resources on the Index Service's app (routes only, translating).
 
 The Index Service and the PC run as one process under one base URI (docs/wire.md, "Placement Controller"):
 
     status = StatusTable(clock, policy=LifecyclePolicy(SleepPolicy()), max_ttl_ms=60_000)
     service = IndexService(store, clock=clock, config=config, status=status)
-    controller = PlacementController(service, HttpInstanceLink(client), clock=clock, metrics=registry)
-    app = controller_app(service, controller, policy, base_path="/kvsp/")
+    role = PlacementController(service, clock=clock, metrics=registry)
+    pc = ControllerService(role, HttpInstanceLink(client))
+    app = controller_app(service, pc, policy, base_path="/kvsp/")
 
 Resources, relative to the base URI (the Index Service's, :mod:`http3.index_app`, plus these; roles in
 :data:`CONTROLLER_RULES`):
@@ -24,42 +25,37 @@ Resources, relative to the base URI (the Index Service's, :mod:`http3.index_app`
   "undelivered"}``;
 * ``GET metrics`` (any principal).
 
-:class:`HttpInstanceLink` sends the PC's directives with :class:`~http3.client.KvspClient`: ``POST prefetch``,
-``POST sessions/{id}/start``, ``POST sessions/{id}/resume``, ``PUT state`` and ``POST reshard``, all
-``application/kvsp+json``; an answer other than 2xx raises its problem, no answer raises ``OSError``.
+The rules are the role's (:class:`~kvsp_quic.roles.controller.PlacementController`), the I/O its adapter's
+(:class:`~http3.controller_service.ControllerService`); the PC's requests to instances go through
+:class:`~http3.controller_link.HttpInstanceLink`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from http3.app_kit import JSON_MEDIA_TYPE, kvsp_json, read_json_body, role_app
+from http3.app_kit import kvsp_json, read_json_body, role_app
 from http3.asgi_types import ASGIApp
 from http3.authz import Rule, principal_of
-from http3.client import KvspClient
-from http3.client import Response as ClientResponse
+from http3.controller_service import ControllerService
 from http3.index_app import DEFAULT_MAX_BODY_BYTES, INDEX_RULES, index_routes, running, sweeper
 from http3.metrics_app import TransferMetrics, mount_metrics
 from http3.problem_response import install
 from kvsp_quic import fields as f
 from kvsp_quic import keys as k
 from kvsp_quic.auth import Policy
-from kvsp_quic.compat import InstanceState
 from kvsp_quic.metrics import Registry
-from kvsp_quic.problems import BadRequest, NotFound, problem_from_json
-from kvsp_quic.records import PrefetchDirective, SessionCheckpoint, ShardMap, StateMessage
-from kvsp_quic.roles.controller import PlacementController, ReshardMessage
-from kvsp_quic.roles.controller_records import SessionRequest, SessionResume, SessionStart
+from kvsp_quic.problems import BadRequest, NotFound
+from kvsp_quic.records import SessionCheckpoint, ShardMap, StateMessage
+from kvsp_quic.roles.controller_records import SessionRequest
 from kvsp_quic.roles.index import IndexService
 
 DEFAULT_MAX_SESSION_BYTES = 4 << 20  # a 131072-token prompt and its 8192 Block Keys are ~1.5 MB of JSON
@@ -74,43 +70,6 @@ CONTROLLER_RULES: tuple[Rule, ...] = (
     Rule("GET", "maps/{map}", ["controller"]),
     Rule("PUT", "maps/{map}", ["controller"]),
 )
-
-
-# -- requests to instances --------------------------------------------------------------------------------------
-
-
-class HttpInstanceLink:
-    """:class:`~kvsp_quic.roles.controller.InstanceLink` over HTTP (the PC's client certificate must give it the
-    ``controller`` role in the instances' policies)."""
-
-    def __init__(self, client: KvspClient, *, timeout: float | None = None) -> None:
-        self.client = client
-        self.timeout = timeout
-
-    async def _call(self, method: str, instance: str, path: str, body: dict[str, Any],
-                    timeout: float | None = None) -> ClientResponse:
-        content = json.dumps(body, separators=(",", ":")).encode()
-        response = await self.client.request(method, instance + path, headers={"content-type": JSON_MEDIA_TYPE},
-                                             content=content, timeout=timeout or self.timeout)
-        if not 200 <= response.status < 300:
-            raise problem_from_json(response.status, response.content or b"")
-        return response
-
-    async def prefetch(self, instance: str, directive: PrefetchDirective) -> None:
-        await self._call("POST", instance, "prefetch", directive.to_json())
-
-    async def start(self, instance: str, start: SessionStart) -> None:
-        await self._call("POST", instance, f"sessions/{start.session}/start", start.to_json())
-
-    async def resume(self, instance: str, session: uuid.UUID, resume: SessionResume) -> None:
-        await self._call("POST", instance, f"sessions/{session}/resume", resume.to_json())
-
-    async def set_state(self, instance: str, state: InstanceState) -> InstanceState:
-        response = await self._call("PUT", instance, "state", StateMessage(state).to_json())
-        return StateMessage.loads(response.content or b"").state
-
-    async def reshard(self, instance: str, message: ReshardMessage, timeout: float | None = None) -> None:
-        await self._call("POST", instance, "reshard", message.to_json(), timeout)
 
 
 # -- the PC's resources -----------------------------------------------------------------------------------------
@@ -130,37 +89,38 @@ def _map_id(request: Request) -> str:
     return value
 
 
-def controller_routes(controller: PlacementController, *,
-                      max_body_bytes: int = DEFAULT_MAX_SESSION_BYTES) -> list[Route]:
+def controller_routes(pc: ControllerService, *, max_body_bytes: int = DEFAULT_MAX_SESSION_BYTES) -> list[Route]:
+    role = pc.role
+
     async def post_session(request: Request) -> Response:
         body = SessionRequest.loads(await read_json_body(request, max_body_bytes))
-        info, created = await controller.create_session(principal_of(request), body)
+        info, created = await pc.create_session(principal_of(request), body)
         return kvsp_json(info.to_json(), 201 if created else 200, {"location": f"sessions/{info.session}"})
 
     async def get_session(request: Request) -> Response:
-        return kvsp_json(controller.session_info(principal_of(request), _session_id(request)).to_json())
+        return kvsp_json(role.session_info(principal_of(request), _session_id(request)).to_json())
 
     async def put_checkpoint(request: Request) -> Response:
         session_id = _session_id(request)
         obj = f.loads_object(await read_json_body(request, max_body_bytes))
         checkpoint = SessionCheckpoint.from_json(obj)
         done = f.boolean(obj["done"], "done") if obj.get("done") is not None else False
-        ack = controller.checkpoint(principal_of(request), session_id, checkpoint, done=done)
+        ack = role.checkpoint(principal_of(request), session_id, checkpoint, done=done)
         return kvsp_json(ack.to_json())
 
     async def get_instances(request: Request) -> Response:
-        return kvsp_json({"instances": controller.instances()})
+        return kvsp_json({"instances": role.instances()})
 
     async def put_state(request: Request) -> Response:
         wanted = str(request.path_params["instance_id"])
         message = StateMessage.loads(await read_json_body(request, 64 << 10))
-        instance = next((i for i in controller.known_instances() if k.uri_id(i) == wanted), None)
+        instance = next((i for i in role.known_instances() if k.uri_id(i) == wanted), None)
         if instance is None:
             raise NotFound(f"no instance with instance-id {wanted!r}")
-        return kvsp_json(StateMessage(await controller.set_instance_state(instance, message.state)).to_json())
+        return kvsp_json(StateMessage(await pc.set_instance_state(instance, message.state)).to_json())
 
     async def get_map(request: Request) -> Response:
-        return kvsp_json(controller.shard_map(_map_id(request)).to_json())
+        return kvsp_json(role.shard_map(_map_id(request)).to_json())
 
     async def put_map(request: Request) -> Response:
         map_id = _map_id(request)
@@ -169,11 +129,9 @@ def controller_routes(controller: PlacementController, *,
         if new.map != map_id:
             raise BadRequest(f"map: the body names {new.map!r}, the path {map_id!r}")
         deadline = f.positive(obj["deadline_ms"], "deadline_ms") if obj.get("deadline_ms") is not None else None
-        if map_id not in controller.maps:
-            controller.register_map(new)
-            return kvsp_json({"map": map_id, "version": new.version, "outcome": "registered"}, 201)
-        outcome = await controller.reshard(new, deadline)
-        return kvsp_json(outcome.to_json())
+        if map_id not in role.maps:
+            return kvsp_json(pc.put_map(new).to_json(), 201)
+        return kvsp_json((await pc.reshard(new, deadline)).to_json())
 
     return [
         Route("/sessions", post_session, methods=["POST"]),
@@ -186,7 +144,7 @@ def controller_routes(controller: PlacementController, *,
     ]
 
 
-def controller_app(service: IndexService, controller: PlacementController, policy: Policy, *,
+def controller_app(service: IndexService, pc: ControllerService, policy: Policy, *,
                    base_path: str = "/", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                    max_session_bytes: int = DEFAULT_MAX_SESSION_BYTES, sweep_interval: float | None = 1.0,
                    sweep_limit: int = 65536, tick_interval: float = 0.1, metrics: Registry | None = None,
@@ -194,25 +152,24 @@ def controller_app(service: IndexService, controller: PlacementController, polic
     """The Index Service and the Placement Controller as one ASGI app (see the module docstring). While the
     lifespan runs, expired index entries are swept every *sweep_interval* seconds and the controller ticks every
     *tick_interval* seconds (failovers). *metrics* defaults to the controller's registry."""
-    registry = metrics or controller.registry
+    registry = metrics or pc.role.registry
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with running(sweeper(service, sweep_interval, sweep_limit) if sweep_interval else None,
-                           controller.run(tick_interval)):
+                           pc.run(tick_interval)):
             try:
                 yield
             finally:
-                await controller.aclose()
+                await pc.aclose()
 
-    routes = index_routes(service, max_body_bytes=max_body_bytes, report_status=controller.report_status,
+    routes = index_routes(service, max_body_bytes=max_body_bytes, report_status=pc.report_status,
                           metrics=registry)
-    app = Starlette(routes=routes + controller_routes(controller, max_body_bytes=max_session_bytes),
+    app = Starlette(routes=routes + controller_routes(pc, max_body_bytes=max_session_bytes),
                     lifespan=lifespan)
     install(app)
     all_rules = mount_metrics(app, registry, rules)
     return TransferMetrics(role_app(app, policy, all_rules, base_path), registry, component="index")
 
 
-__all__ = ["CONTROLLER_RULES", "DEFAULT_MAX_SESSION_BYTES", "HttpInstanceLink", "controller_app",
-           "controller_routes"]
+__all__ = ["CONTROLLER_RULES", "DEFAULT_MAX_SESSION_BYTES", "controller_app", "controller_routes"]

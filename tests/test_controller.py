@@ -1,5 +1,7 @@
-"""The Placement Controller role (kvsp_quic.roles.controller) as pure logic: an injected clock, the Index Service in
-the same process, and a fake InstanceLink that records what would be sent to instances.
+"""The Placement Controller: its role (kvsp_quic.roles.controller, the rules) driven by its asyncio adapter
+(http3.controller_service.ControllerService) with an injected clock, the Index Service in the same process, and a
+fake InstanceLink that records what would be sent to instances. Also the placement policy registry
+(kvsp_quic.roles.placement).
 
 Covers: the cost ranking, assignment to the cheapest active instance only, prefetch directives, status epochs and
 expiry, the lifecycle policy (sleep accepted / refused, draining -> sleeping, woken only by the PC), checkpoints
@@ -17,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from http3.controller_service import ControllerService
 from kvsp_quic import keys as k
 from kvsp_quic.auth import Policy, Principal
 from kvsp_quic.compat import InstanceState
@@ -43,12 +46,24 @@ from kvsp_quic.records import (
     StateMessage,
     TargetEstimate,
 )
-from kvsp_quic.roles.controller import ControllerConfig, PlacementController, ReshardMessage, rank
+from kvsp_quic.roles.controller import ControllerConfig, PlacementController
 from kvsp_quic.roles.controller_records import SessionRequest, SessionResume, SessionStart, SessionState
+from kvsp_quic.roles.controller_reshard import ReshardMessage
+from kvsp_quic.roles.controller_sessions import Admitted, PlacementQuery, PrefetchOutcome, StartOutcome
 from kvsp_quic.roles.index import Geometry, IndexConfig, IndexService
+from kvsp_quic.roles.placement import (
+    PLACEMENT_POLICIES,
+    Choice,
+    CostPolicy,
+    PlacementInput,
+    placement_policy,
+    rank,
+    register_placement_policy,
+)
 from kvsp_quic.roles.status import InstanceStatus, LifecyclePolicy, SleepMode, SleepPolicy, StatusTable
 from kvsp_quic.storage.memory_index import MemoryIndexStore
-from tests.test_index import C1, S1, S2, FakeClock, bk, replica
+from tests.helpers import Clock
+from tests.test_index import C1, S1, S2, bk, replica
 
 H1 = "https://h1.example/kvsp/"
 IA = "https://ia.example/kvsp/"
@@ -127,15 +142,16 @@ class FakeStarter:
 class Env:
     def __init__(self, *, sleep: SleepPolicy | None = None, config: ControllerConfig | None = None,
                  starter: Any = None) -> None:
-        self.clock = FakeClock()
+        self.clock = Clock()
         status = StatusTable(self.clock, policy=LifecyclePolicy(sleep), max_ttl_ms=60_000)
         self.index = IndexService(MemoryIndexStore(), clock=self.clock,
                                   config=IndexConfig(geometry={C1: Geometry(BLOCK, 4)}), status=status)
         self.link = FakeLink()
         ids = (uuid.UUID(int=n) for n in itertools.count(1))
         self.registry = Registry()
-        self.pc = PlacementController(self.index, self.link, clock=self.clock, config=config, starter=starter,
-                                      metrics=self.registry, new_id=lambda: next(ids))
+        self.pc = PlacementController(self.index, clock=self.clock, config=config, metrics=self.registry,
+                                      new_id=lambda: next(ids))
+        self.svc = ControllerService(self.pc, self.link, starter=starter)
         self.epochs: dict[str, int] = {}
 
     def report(self, instance: str, *, epoch: int | None = None, state: InstanceState = InstanceState.ACTIVE,
@@ -147,7 +163,7 @@ class Env:
                                       batch_size=batch_size, prefill_tokens_per_s=rate,
                                       decode_tokens_per_s=100.0, links=(Link(H1, 1000.0, 50.0),),
                                       requested_state=requested, **changes)
-        return self.pc.report_status(who(instance), k.uri_id(instance), record)
+        return self.svc.report_status(who(instance), k.uri_id(instance), record)
 
     async def publish(self, n: int, holder: str = H1) -> None:
         for i in range(n):
@@ -219,7 +235,7 @@ async def test_assigns_to_cheapest_active_with_prefetch() -> None:
     await env.publish(4, holder=IB)  # IB holds the prompt's blocks itself: nothing to fetch
     env.report(IA)
     env.report(IB)
-    info, created = await env.pc.create_session(who(FRONT), request())
+    info, created = await env.svc.create_session(who(FRONT), request())
     assert created and info.instance == IB and info.epoch == 1 and info.state is SessionState.RUNNING
     assert env.link.of("prefetch") == []  # resident at IB
     (instance, start), = env.link.of("start")
@@ -229,7 +245,7 @@ async def test_assigns_to_cheapest_active_with_prefetch() -> None:
     # IB busy: IA is cheaper now, and gets a directive for the blocks (sources: H1, IB) before the start
     env.report(IB, queued=5)
     env.link.calls.clear()
-    info, _ = await env.pc.create_session(who(FRONT), request(session=2))
+    info, _ = await env.svc.create_session(who(FRONT), request(session=2))
     assert info.instance == IA
     assert [c[0] for c in env.link.calls] == ["prefetch", "start"]
     directive = env.link.of("prefetch")[0][1]
@@ -248,13 +264,13 @@ async def test_never_assigns_to_inactive_instances() -> None:
     env.report(IB)
     env.report(IC, state=InstanceState.DRAINING)
     assert env.report(IA, requested=InstanceState.SLEEPING).state is InstanceState.DRAINING
-    info, _ = await env.pc.create_session(who(FRONT), request())
+    info, _ = await env.svc.create_session(who(FRONT), request())
     assert info.instance == IB
     env.report(IB, state=InstanceState.FAILED)
     env.advance(4)  # IA's and IC's records expire: failed
     assert env.pc.status.state(IA) is InstanceState.FAILED
     with pytest.raises(Unavailable):
-        await env.pc.create_session(who(FRONT), request(session=2))
+        await env.svc.create_session(who(FRONT), request(session=2))
     assert {i for _, i, _ in env.link.calls} == {IB}  # nothing was ever sent to IA or IC
     assert request(session=2).session not in env.pc.sessions
 
@@ -264,12 +280,12 @@ async def test_session_request_rules() -> None:
     env.report(IA)
     req = request()
     with pytest.raises(ScopeDenied):
-        await env.pc.create_session(who(FRONT), replace(req, scope_id=S2))
-    info, created = await env.pc.create_session(who(FRONT), req)
-    again, created_again = await env.pc.create_session(who(FRONT), req)  # a retry: same answer, no new start
+        await env.svc.create_session(who(FRONT), replace(req, scope_id=S2))
+    info, created = await env.svc.create_session(who(FRONT), req)
+    again, created_again = await env.svc.create_session(who(FRONT), req)  # a retry: same answer, no new start
     assert created and not created_again and again == info and len(env.link.of("start")) == 1
     with pytest.raises(Problem) as conflict:
-        await env.pc.create_session(who(OTHER), req)
+        await env.svc.create_session(who(OTHER), req)
     assert conflict.value.status == 409
     assert env.pc.session_info(who(FRONT), req.session) == info
     with pytest.raises(NotFound):
@@ -283,7 +299,7 @@ async def test_refused_and_failed_starts() -> None:
     env.report(IC, queued=2)
     env.link.fail[IA] = InvalidState("not active")  # a definite refusal: the same epoch goes on
     env.link.fail[IB] = ConnectionError("reset")  # maybe started: the epoch is fenced
-    info, _ = await env.pc.create_session(who(FRONT), request(keys=0))
+    info, _ = await env.svc.create_session(who(FRONT), request(keys=0))
     assert info.instance == IC and info.epoch == 2
     assert [(i, s.epoch) for i, s in env.link.of("start")] == [(IA, 1), (IB, 1), (IC, 2)]
     outcomes = env.samples("kvsp_session_starts_total")
@@ -297,7 +313,7 @@ async def test_prefetch_refused_moves_on() -> None:
     env.report(IA)
     env.report(IB, queued=1)
     env.link.prefetch_fail[IA] = InvalidState("draining")
-    info, _ = await env.pc.create_session(who(FRONT), request())
+    info, _ = await env.svc.create_session(who(FRONT), request())
     assert info.instance == IB
     assert [(c[0], c[1]) for c in env.link.calls] == [("prefetch", IA), ("prefetch", IB), ("start", IB)]
 
@@ -361,23 +377,23 @@ async def test_put_state_wakes_and_holds() -> None:
     env.report(IB)
     env.report(IA, requested=InstanceState.SLEEPING)
     env.report(IA, state=InstanceState.SLEEPING)
-    assert await env.pc.set_instance_state(IA, InstanceState.ACTIVE) is InstanceState.ACTIVE
+    assert await env.svc.set_instance_state(IA, InstanceState.ACTIVE) is InstanceState.ACTIVE
     assert env.link.of("state") == [(IA, InstanceState.ACTIVE)]
     assert env.pc.status.state(IA) is InstanceState.ACTIVE
     assert env.report(IA).state is InstanceState.ACTIVE
-    assert await env.pc.set_instance_state(IB, InstanceState.DRAINING) is InstanceState.DRAINING
+    assert await env.svc.set_instance_state(IB, InstanceState.DRAINING) is InstanceState.DRAINING
     assert env.report(IB).state is InstanceState.DRAINING  # the PC's decision holds over its report
     with pytest.raises(NotFound):
-        await env.pc.set_instance_state(IC, InstanceState.ACTIVE)
+        await env.svc.set_instance_state(IC, InstanceState.ACTIVE)
     with pytest.raises(BadRequest):
-        await env.pc.set_instance_state(IA, InstanceState.FAILED)
+        await env.svc.set_instance_state(IA, InstanceState.FAILED)
 
 
 async def test_wakes_a_sleeping_instance_when_nothing_is_active() -> None:
     env = Env(sleep=SleepPolicy(SleepMode.ALWAYS, min_active=0))
     env.report(IA, requested=InstanceState.SLEEPING)
     env.report(IA, state=InstanceState.SLEEPING)
-    info, _ = await env.pc.create_session(who(FRONT), request(keys=0))
+    info, _ = await env.svc.create_session(who(FRONT), request(keys=0))
     assert info.instance == IA
     assert [c[0] for c in env.link.calls] == ["state", "start"]
     assert env.samples("kvsp_instance_starts_total")[(("kind", "wake"),)] == 1
@@ -386,17 +402,17 @@ async def test_wakes_a_sleeping_instance_when_nothing_is_active() -> None:
 async def test_start_hook_then_prefetch_and_start() -> None:
     env = Env(config=ControllerConfig(start_timeout_ms=2000))
     starter = FakeStarter(env, IC)
-    env.pc.starter = starter
+    env.svc.starter = starter
     await env.publish(4)
-    info, _ = await env.pc.create_session(who(FRONT), request())
+    info, _ = await env.svc.create_session(who(FRONT), request())
     assert starter.reasons and info.instance == IC
     assert [(c[0], c[1]) for c in env.link.calls] == [("prefetch", IC), ("start", IC)]
     # capacity: every active instance is full and the cost limit is exceeded -> another start, which times out
     # after start_timeout_ms, and the session goes to the best existing instance
     env2 = Env(config=ControllerConfig(start_timeout_ms=50, max_cost_us=1.0))
-    env2.pc.starter = FakeStarter()
+    env2.svc.starter = FakeStarter()
     env2.report(IA, running=8)
-    info, _ = await env2.pc.create_session(who(FRONT), request(keys=0))
+    info, _ = await env2.svc.create_session(who(FRONT), request(keys=0))
     assert info.instance == IA
     assert env2.samples("kvsp_instance_starts_total")[(("kind", "hook"),)] == 1
 
@@ -409,7 +425,7 @@ async def test_checkpoint_rules() -> None:
     env.report(IA)
     env.report(IB, queued=3)
     req = request()
-    await env.pc.create_session(who(FRONT), req)
+    await env.svc.create_session(who(FRONT), req)
     ack = env.pc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 6, 7]))
     assert (ack.epoch, ack.output_offset) == (1, 3)
     # a lower offset is acknowledged with the highest one recorded
@@ -445,15 +461,15 @@ async def test_failure_resumes_elsewhere_with_next_epoch() -> None:
     env.report(IA)
     env.report(IB, queued=2)
     req = request()
-    await env.pc.create_session(who(FRONT), req)
+    await env.svc.create_session(who(FRONT), req)
     env.pc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 6, 7]))
     env.pc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 6, 7, 8, 9]))
     env.advance(2)
     env.report(IB, queued=2)  # IB stays alive, IA falls silent
-    assert env.pc.tick() == []  # not yet expired
+    assert env.svc.tick() == []  # not yet expired
     env.link.calls.clear()
     env.advance(1.5)
-    tasks = env.pc.tick()
+    tasks = env.svc.tick()
     assert len(tasks) == 1 and await tasks[0]
     (instance, resume), = env.link.of("resume")
     assert instance == IB and resume.epoch == 2
@@ -468,7 +484,7 @@ async def test_failure_resumes_elsewhere_with_next_epoch() -> None:
     ack = env.pc.checkpoint(who(IB), req.session, checkpoint(req, 2, [5, 6, 7, 8, 9, 10]))
     assert (ack.epoch, ack.output_offset) == (2, 6)
     assert env.samples("kvsp_migrations_total")[(("component", "controller"),)] == 1
-    assert env.pc.tick() == []
+    assert env.svc.tick() == []
 
 
 async def test_failure_before_any_checkpoint_restarts_at_next_epoch() -> None:
@@ -476,10 +492,10 @@ async def test_failure_before_any_checkpoint_restarts_at_next_epoch() -> None:
     env.report(IA)
     env.report(IB, queued=1)
     req = request(keys=0)
-    await env.pc.create_session(who(FRONT), req)
+    await env.svc.create_session(who(FRONT), req)
     env.report(IA, state=InstanceState.FAILED)  # reported, not waited for
     env.link.calls.clear()
-    await asyncio.gather(*env.pc.tick())
+    await asyncio.gather(*env.svc.tick())
     (instance, start), = env.link.of("start")
     assert instance == IB and start.epoch == 2 and start.session == req.session
 
@@ -488,12 +504,12 @@ async def test_restart_with_higher_epoch_fails_its_sessions_over() -> None:
     env = Env()
     env.report(IA, epoch=10)
     req = request(keys=0)
-    await env.pc.create_session(who(FRONT), req)
+    await env.svc.create_session(who(FRONT), req)
     env.pc.checkpoint(who(IA), req.session, checkpoint(req, 1, [1, 2]))
     env.report(IA, epoch=11)  # restarted: the session's state there is gone, but the new run may take it
-    assert env.pc.kick.is_set()
+    assert env.svc.kick.is_set()
     env.link.calls.clear()
-    await asyncio.gather(*env.pc.tick())
+    await asyncio.gather(*env.svc.tick())
     (instance, resume), = env.link.of("resume")
     assert instance == IA and resume.epoch == 2
     assert env.pc.sessions[req.session].instance_epoch == 11
@@ -503,9 +519,9 @@ async def test_migration_waits_for_an_instance() -> None:
     env = Env()
     env.report(IA)
     req = request(keys=0)
-    await env.pc.create_session(who(FRONT), req)
+    await env.svc.create_session(who(FRONT), req)
     env.advance(4)
-    assert not await env.pc.tick()[0]
+    assert not await env.svc.tick()[0]
     waiting = env.pc.session_info(who(FRONT), req.session)
     # the front end waits for the epoch to grow: it is shown only with the instance that serves it
     assert (waiting.state, waiting.instance, waiting.epoch) == (SessionState.MIGRATING, None, 1)
@@ -513,7 +529,7 @@ async def test_migration_waits_for_an_instance() -> None:
     with pytest.raises(Forbidden):  # nobody serves epoch 2 yet
         env.pc.checkpoint(who(IA), req.session, checkpoint(req, 2, [1]))
     env.report(IB)
-    assert await env.pc.tick()[0]
+    assert await env.svc.tick()[0]
     info = env.pc.session_info(who(FRONT), req.session)
     assert (info.instance, info.epoch) == (IB, 2)  # one failure, one increment
 
@@ -522,12 +538,65 @@ async def test_sessions_are_forgotten() -> None:
     env = Env(config=ControllerConfig(session_ttl_ms=10_000, done_ttl_ms=1000))
     env.report(IA, ttl_ms=60_000)
     a, b = request(session=1, keys=0), request(session=2, keys=0)
-    await env.pc.create_session(who(FRONT), a)
-    await env.pc.create_session(who(FRONT), b)
+    await env.svc.create_session(who(FRONT), a)
+    await env.svc.create_session(who(FRONT), b)
     env.pc.checkpoint(who(IA), b.session, checkpoint(b, 1, [1]), done=True)
     env.advance(2)
-    env.pc.tick()
+    env.svc.tick()
     assert a.session in env.pc.sessions and b.session not in env.pc.sessions
     env.advance(9)
-    env.pc.tick()
+    env.svc.tick()
     assert a.session not in env.pc.sessions
+
+
+# -- the role's decisions and the placement policy ------------------------------------------------------------------
+
+
+def test_outcomes_are_types() -> None:
+    env = Env()
+    assert env.pc.prefetch_outcome(IA, None) is PrefetchOutcome.ACCEPTED
+    assert env.pc.prefetch_outcome(IA, InvalidState("draining")) is PrefetchOutcome.REFUSED
+    assert env.pc.prefetch_outcome(IA, Problem("busy", status=500)) is PrefetchOutcome.FAILED
+    assert env.pc.prefetch_outcome(IA, ConnectionError("reset")) is PrefetchOutcome.UNREACHABLE
+    assert [o.next_instance for o in PrefetchOutcome] == [False, True, False, True]
+    prefetches = env.samples("kvsp_prefetch_directives_total")
+    assert all(prefetches[(("outcome", o.value),)] == 1 for o in PrefetchOutcome)
+    assert {o.value for o in StartOutcome} == {"ok", "refused", "failed"}
+
+
+class LeastLoaded:
+    """A policy for the registry test: the least loaded instance first, whatever the cost."""
+
+    def rank(self, placement: PlacementInput) -> list[Choice]:
+        choices = CostPolicy().rank(placement)
+        return sorted(choices, key=lambda c: (c.load, c.instance))
+
+
+async def test_placement_policy_by_name() -> None:
+    assert isinstance(placement_policy("cost"), CostPolicy)
+    with pytest.raises(ValueError, match="unknown placement policy 'nearest'"):
+        placement_policy("nearest")
+    with pytest.raises(ValueError, match="unknown placement policy"):
+        ControllerConfig(placement_policy="nearest")
+    with pytest.raises(ValueError):
+        register_placement_policy("Least Loaded", LeastLoaded)
+    register_placement_policy("least-loaded", LeastLoaded)
+    try:
+        env = Env(config=ControllerConfig(placement_policy="least-loaded"))
+        await env.publish(4, holder=IA)  # IA is by far the cheapest by cost, but the busier one
+        env.report(IA, running=2)
+        env.report(IB, running=1)
+        admitted = env.pc.admit(who(FRONT), request())
+        assert isinstance(admitted, Admitted)
+        query = env.pc.placement_query(admitted.session, ())
+        assert isinstance(query, PlacementQuery) and query.lookup is not None
+        assert {e.instance for e in query.candidates} == {IA, IB}
+        info, _ = await env.svc.create_session(who(FRONT), request(session=2))
+        assert info.instance == IB
+        cost = Env()
+        await cost.publish(4, holder=IA)
+        cost.report(IA, running=2)
+        cost.report(IB, running=1)
+        assert (await cost.svc.create_session(who(FRONT), request(session=2)))[0].instance == IA
+    finally:
+        del PLACEMENT_POLICIES["least-loaded"]

@@ -26,18 +26,21 @@ from http3.app_kit import JSON_MEDIA_TYPE, kvsp_json, read_json_body, role_app
 from http3.authz import Rule
 from http3.client import KvspClient
 from http3.client import Response as ClientResponse
-from http3.controller_app import HttpInstanceLink, controller_app
+from http3.controller_app import controller_app
+from http3.controller_link import HttpInstanceLink
+from http3.controller_service import CommandStarter, ControllerService
 from http3.holder_app import holder_app
 from http3.problem_response import install
 from http3.server import RoleServer, bind_pair
 from kvsp_quic import keys as k
-from kvsp_quic.app.config import ConfigError, ControllerSection, IndexFile, build
+from kvsp_quic.app.config import ConfigError, IndexFile, build
 from kvsp_quic.app.serve import run_index
 from kvsp_quic.auth import ALL, Policy, Principal, Role
 from kvsp_quic.compat import InstanceState
 from kvsp_quic.metrics import CONTENT_TYPE, Registry
 from kvsp_quic.problems import InvalidState
 from kvsp_quic.records import (
+    CheckpointAck,
     InstanceStatusRecord,
     Link,
     PrefetchDirective,
@@ -49,7 +52,7 @@ from kvsp_quic.records import (
     StateMessage,
     parse_reshard,
 )
-from kvsp_quic.roles.controller import CommandStarter, ControllerConfig, PlacementController
+from kvsp_quic.roles.controller import ControllerConfig, PlacementController
 from kvsp_quic.roles.controller_records import SessionInfo, SessionResume, SessionStart
 from kvsp_quic.roles.holder import Holder, HolderSettings
 from kvsp_quic.roles.index import Geometry, IndexConfig, IndexService
@@ -102,13 +105,14 @@ class FakeInstance:
             start = SessionStart.from_json(await body(request))
             not_active("start", start)
             self.calls.append(("start", start))
-            return kvsp_json({"session": str(start.session), "epoch": start.epoch}, 201)
+            return kvsp_json(CheckpointAck(start.session, start.epoch, 0).to_json(), 201)
 
         async def resume(request: Request) -> Response:
             resume = SessionResume.from_json(await body(request))
             not_active("resume", resume)
             self.calls.append(("resume", resume))
-            return kvsp_json({"session": request.path_params["session"], "epoch": resume.epoch})
+            session = uuid.UUID(request.path_params["session"])
+            return kvsp_json(CheckpointAck(session, resume.epoch, resume.checkpoint.output_offset).to_json())
 
         async def put_state(request: Request) -> Response:
             self.state = StateMessage.from_json(await body(request)).state
@@ -145,7 +149,7 @@ class Cluster:
     pc_uri: str
     uris: dict[str, str]
     service: IndexService
-    controller: PlacementController
+    controller: ControllerService
     instances: dict[str, FakeInstance]
     clients: dict[str, KvspClient]
     epochs: dict[str, int] = field(default_factory=dict)
@@ -191,9 +195,9 @@ async def cluster(root: Path) -> AsyncIterator[Cluster]:
     service = IndexService(MemoryIndexStore(), clock=time.monotonic,
                            config=IndexConfig(geometry={C1: Geometry(BLOCK, 4)}), status=status)
     pc_client = KvspClient(pki.files("pc"), timeout=5.0)
-    controller = PlacementController(service, HttpInstanceLink(pc_client), clock=time.monotonic,
-                                     config=ControllerConfig(prefetch_deadline_ms=200), metrics=Registry(),
-                                     identity=uris["pc"])
+    role = PlacementController(service, clock=time.monotonic, config=ControllerConfig(prefetch_deadline_ms=200),
+                               metrics=Registry(), identity=uris["pc"])
+    controller = ControllerService(role, HttpInstanceLink(pc_client))
     servers = [RoleServer(controller_app(service, controller, policy, base_path="/kvsp/", tick_interval=0.05),
                           pki.files("pc"))]
     instances = {n: FakeInstance(n, uris[n]) for n in ("ia", "ib", "ic")}
@@ -304,7 +308,7 @@ async def test_placement_checkpoints_failover_metrics(c: Cluster) -> None:
     assert samples['kvsp_instances{state="failed"}'] == 1 and samples['kvsp_instances{state="draining"}'] == 1
     assert samples['kvsp_prefetch_directives_total{outcome="accepted"}'] == 2  # the start, and the resume
     assert samples['kvsp_lookup_hit_ratio{component="controller"}'] == 1.0
-    assert samples['kvsp_transfer_bytes_total{component="index",transport="HTTP/3",direction="in"}'] > 0
+    assert samples['kvsp_transfer_bytes_total{component="index",direction="in",transport="HTTP/3"}'] > 0
     assert samples["kvsp_migration_seconds_count"] == 1
 
 
@@ -395,7 +399,7 @@ async def test_holder_metrics_over_http(tmp_path: Path) -> None:
         second = await client.request("GET", server.base_uri("/kvsp/metrics"))
         samples = check_format((second.content or b"").decode())
         assert samples['kvsp_lease_rejections_total{component="holder"}'] == 2
-        assert samples['kvsp_transfer_bytes_total{component="holder",transport="HTTP/3",direction="out"}'] == \
+        assert samples['kvsp_transfer_bytes_total{component="holder",direction="out",transport="HTTP/3"}'] == \
             len(first.content or b"")
         denied = await client.request("GET", server.base_uri("/kvsp/leases"))
         assert denied.status in (403, 404)
@@ -411,7 +415,7 @@ def test_controller_configuration() -> None:
     cfg = build(IndexFile, {"controller": {"start_hook": ["start-instance", "--gpu", "0"], "sleep": "never",
                                            "max_cost_us": 5000, "tick_ms": 50}})
     assert cfg.controller.start_hook == ["start-instance", "--gpu", "0"] and cfg.controller.max_cost_us == 5000.0
-    assert build(IndexFile, {}).controller == ControllerSection()
+    assert build(IndexFile, {}).controller == ControllerConfig()
     for bad in ({"sleep": "sometimes"}, {"tick_ms": 0}, {"sleep_max_kv_utilization": 2}, {"unknown": 1}):
         with pytest.raises(ConfigError):
             build(IndexFile, {"controller": bad})

@@ -102,19 +102,19 @@ async def test_commit_after_every_acknowledgement() -> None:
     old = smap(4, (0, 100, I1), (100, 200, I2))
     new = smap(5, (0, 150, I1), (150, 200, I3))
     with pytest.raises(NotFound):
-        await env.pc.reshard(new)
+        await env.svc.reshard(new)
     env.pc.register_map(old)
     with pytest.raises(PlanConflict):
         env.pc.register_map(old)
-    outcome = await env.pc.reshard(new, 500)
-    assert outcome.committed and outcome.version == 5 and outcome.acknowledged == [I1, I2, I3]
+    outcome = await env.svc.reshard(new, 500)
+    assert outcome.committed and outcome.version == 5 and outcome.acknowledged == (I1, I2, I3)
     sent = env.link.of("reshard")
     assert [i for i, m in sent if isinstance(m, ReshardPlan)] == [I1, I2, I3]
     assert [(i, m) for i, m in sent if isinstance(m, ReshardCommit)] == [
         (i, ReshardCommit("c3f8e1", 5)) for i in (I1, I2, I3)]
     assert env.pc.shard_map("c3f8e1") == new
     with pytest.raises(PlanConflict):
-        await env.pc.reshard(new)  # version 5 -> 5
+        await env.svc.reshard(new)  # version 5 -> 5
     assert env.samples("kvsp_reshards_total")[(("outcome", "committed"),)] == 1
 
 
@@ -124,9 +124,9 @@ async def test_abort_after_deadline_keeps_version_v() -> None:
     new = smap(5, (0, 100, I2), (100, 200, I1))
     env.pc.register_map(old)
     env.link.reshard_delay[I2] = 5.0  # never acknowledges in time
-    outcome = await env.pc.reshard(new, 100)
+    outcome = await env.svc.reshard(new, 100)
     assert not outcome.committed and outcome.version == 4
-    assert list(outcome.failed) == [I2] and outcome.acknowledged == [I1]
+    assert list(outcome.failed) == [I2] and outcome.acknowledged == (I1,)
     aborts = [(i, m) for i, m in env.link.of("reshard") if isinstance(m, ReshardAbort)]
     assert aborts == [(I1, ReshardAbort("c3f8e1", 5)), (I2, ReshardAbort("c3f8e1", 5))]
     assert not any(isinstance(m, ReshardCommit) for _, m in env.link.of("reshard"))

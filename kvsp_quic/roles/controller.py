@@ -1,43 +1,42 @@
 """The Placement Controller role (spec: "Instance Status and Lifecycle", "Placement Inputs", "Prefetch
 Directives", "Session Checkpoints and Migration", "Sequence-Sharded Caches and Resharding").
 
-Protocol rules only: no HTTP. :class:`PlacementController` runs in the Index Service's process (the spec allows
-combining them; docs/wire.md, "Placement Controller") and calls the :class:`~kvsp_quic.roles.index.IndexService`
-directly for lookups and the :class:`~kvsp_quic.roles.status.StatusTable` for instance states. What it sends to
-instances goes through an injected :class:`InstanceLink` (``http3.controller_app.HttpInstanceLink`` over HTTP);
-clocks (monotonic seconds) and identifiers are injected too.
+Protocol rules only: no HTTP, no asyncio, no processes. :class:`PlacementController` holds the PC's state
+(sessions, shard maps, sessions assigned since the last reports, the start hook's timing) and decides; its asyncio
+adapter, ``http3.controller_service.ControllerService``, carries out what it decides (lookups on the Index Service,
+requests to instances, the start hook, the tick loop, the reshard fan-out) and reports the results back, which the
+role judges (the outcome types of :mod:`kvsp_quic.roles.controller_sessions`). It runs in the Index Service's
+process (the spec allows combining them; docs/wire.md, "Placement Controller") and reads instance states from the
+:class:`~kvsp_quic.roles.status.StatusTable`; the clock (monotonic seconds) and identifiers are injected.
 
 * **Lifecycle**: status reports go through :meth:`PlacementController.report_status` (epochs, expiry -> failed,
-  sleep requests: :class:`~kvsp_quic.roles.status.LifecyclePolicy`); :meth:`set_instance_state` is ``PUT state``.
-* **Placement** (:func:`rank`): a lookup of the prompt's Block Keys with every alive *active* instance as a target,
-  the spec's cost per candidate, the cheapest first. Only active instances are ever candidates, and each is
-  re-checked right before a directive or a start is sent to it.
+  sleep requests: :class:`~kvsp_quic.roles.status.LifecyclePolicy`).
+* **Placement**: a lookup of the prompt's Block Keys with every alive *active* instance as a target
+  (:meth:`~PlacementController.placement_query`), ranked by the configured placement policy
+  (:mod:`kvsp_quic.roles.placement`; default: the spec's cost). Only active instances are ever candidates, and each
+  is re-checked right before a directive or a start is sent to it (:meth:`~PlacementController.still_active`).
 * **Prefetch**: before the session starts, the chosen instance gets ``POST prefetch`` for the matched blocks it
-  does not hold (when loading beats recomputing), so loading overlaps the request's arrival.
-* **Capacity**: when no active instance has acceptable cost or capacity, a sleeping instance is woken
-  (``PUT state`` active), else the start hook (:class:`Starter`) is run and the request waits for an instance to
-  become active, which then gets the prefetch directive and the session at once.
+  does not hold (when loading beats recomputing, :meth:`~PlacementController.directive`).
+* **Capacity**: when no active instance has acceptable cost or capacity, a sleeping instance is woken, else the
+  start hook is run (at most once per ``start_interval_ms``) and the request waits for an instance to become
+  active (:meth:`~PlacementController.capacity_step`).
 * **Sessions**: checkpoints keep the highest ``output_offset``; a lower epoch is 409 ``kvsp-stale-epoch``, a
   checkpoint from another instance than the session's current one 403. When the instance fails (its status
   expired, it reported ``failed``, it restarted with a higher epoch, or a start was not answered) the session's
-  epoch is incremented first -- fencing the old instance -- and it is resumed on the next instance by cost.
-* **Resharding** (:meth:`reshard`): plans from :func:`~kvsp_quic.roles.controller_reshard.plan_reshard` to every
-  member, commit after every acknowledgement, abort when one is missing at ``deadline_ms``.
+  epoch is incremented first -- fencing the old instance -- and it is resumed on the next instance by the policy.
+* **Resharding**: plans from :func:`~kvsp_quic.roles.controller_reshard.plan_reshard` to every member
+  (:meth:`~PlacementController.begin_reshard`), commit after every acknowledgement, abort when one is missing at
+  ``deadline_ms`` (:meth:`~PlacementController.decide_reshard`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import os
-import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal
 
-from kvsp_quic import cost
 from kvsp_quic.auth import ALL, Principal, Role, require_scope
 from kvsp_quic.compat import InstanceState
 from kvsp_quic.fields import BlockKey
@@ -62,221 +61,94 @@ from kvsp_quic.records import (
     PrefetchDirective,
     ReshardAbort,
     ReshardCommit,
-    ReshardPlan,
     SessionCheckpoint,
     ShardMap,
-    StateMessage,
 )
 from kvsp_quic.roles.controller_records import SessionInfo, SessionRequest, SessionResume, SessionStart, SessionState
-from kvsp_quic.roles.controller_reshard import members, plan_reshard
+from kvsp_quic.roles.controller_reshard import (
+    ReshardMessage,
+    ReshardOutcome,
+    ReshardResult,
+    ReshardRound,
+    plan_reshard,
+)
+from kvsp_quic.roles.controller_sessions import (
+    Admission,
+    Admitted,
+    Assignment,
+    CapacityAction,
+    CapacityStep,
+    PlacedSession,
+    PlacementQuery,
+    PrefetchOutcome,
+    Repeated,
+    StartOutcome,
+    StatusReport,
+)
 from kvsp_quic.roles.index import IndexService
-from kvsp_quic.roles.status import InstanceStatus, StatusTable
+from kvsp_quic.roles.placement import PLACEMENT_POLICIES, Choice, PlacementInput, placement_policy, rank
+from kvsp_quic.roles.status import InstanceStatus, SleepMode, SleepPolicy, StatusTable
 
 log = logging.getLogger("kvsp.controller")
 
 Clock = Callable[[], float]
-ReshardMessage = ReshardPlan | ReshardCommit | ReshardAbort
-
-
-# -- what the controller sends, and how it starts instances ---------------------------------------------------
-
-
-class InstanceLink(Protocol):
-    """The PC's requests to instances. Each raises the :class:`~kvsp_quic.problems.Problem` the instance answered
-    (any status other than 2xx), or ``OSError`` (``ConnectionError``, ``TimeoutError``) when it did not answer."""
-
-    async def prefetch(self, instance: str, directive: PrefetchDirective) -> None: ...
-
-    async def start(self, instance: str, start: SessionStart) -> None: ...
-
-    async def resume(self, instance: str, session: uuid.UUID, resume: SessionResume) -> None: ...
-
-    async def set_state(self, instance: str, state: InstanceState) -> InstanceState: ...
-
-    async def reshard(self, instance: str, message: ReshardMessage, timeout: float | None = None) -> None: ...
-
-
-class Starter(Protocol):
-    """Starts a new inference instance (the start hook). Returns once the start is under way; the instance joins
-    by reporting its status."""
-
-    async def start(self, reason: str) -> None: ...
-
-
-class CommandStarter:
-    """The start hook as a command: ``argv`` is run (not through a shell) with ``KVSP_PC_URI`` (the PC's base
-    URI) and ``KVSP_START_REASON`` in its environment. The PC does not wait for it, read its output or stop it:
-    the command either starts the instance and exits, or is the instance. Its exit status is logged."""
-
-    def __init__(self, argv: Sequence[str], *, pc_uri: str, env: Mapping[str, str] | None = None) -> None:
-        if not argv:
-            raise ValueError("the start hook needs a command")
-        self.argv = list(argv)
-        self.pc_uri = pc_uri
-        self.env = dict(env) if env is not None else None
-        self.started = 0
-        self._waiters: set[asyncio.Task[None]] = set()
-
-    async def start(self, reason: str) -> None:
-        env = dict(os.environ if self.env is None else self.env)
-        env.update(KVSP_PC_URI=self.pc_uri, KVSP_START_REASON=reason)
-        proc = await asyncio.create_subprocess_exec(*self.argv, env=env, stdin=asyncio.subprocess.DEVNULL)
-        self.started += 1
-        log.info("start hook %r running (pid %d): %s", self.argv[0], proc.pid, reason)
-        task = asyncio.create_task(self._reap(proc))
-        self._waiters.add(task)
-        task.add_done_callback(self._waiters.discard)
-
-    async def _reap(self, proc: asyncio.subprocess.Process) -> None:
-        code = await proc.wait()
-        (log.info if code == 0 else log.warning)("start hook %r (pid %d) exited with %d", self.argv[0], proc.pid,
-                                                 code)
-
-    async def settle(self, timeout: float) -> None:
-        """Wait (up to *timeout* seconds) for the hook processes started so far to exit."""
-        if self._waiters:
-            await asyncio.wait(list(self._waiters), timeout=timeout)
-
-    async def aclose(self) -> None:
-        """Stop waiting for hook processes (they keep running)."""
-        for task in list(self._waiters):
-            task.cancel()
-        for task in list(self._waiters):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-
-# -- configuration ----------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class ControllerConfig:
-    prefetch_deadline_ms: int = 1000  # of the directives sent before a session starts
-    prefetch_lease_ms: int = 5000
+    """The Placement Controller's settings: the ``[controller]`` section of ``kvsp-quic index``'s file, as is.
+    Durations are milliseconds; the asyncio adapter reads the ones it needs in seconds (``*_s``)."""
+
+    start_hook: list[str] = field(default_factory=list)  # argv of a command that starts an instance; [] = none
     start_timeout_ms: int = 60_000  # how long a request waits for an instance the start hook starts
     start_interval_ms: int = 10_000  # at most one start hook run per interval
     max_cost_us: float | None = None  # above it a placement looks for more capacity (wake, start hook)
+    prefetch_deadline_ms: int = 1000  # of the directives sent before a session starts
+    prefetch_lease_ms: int = 5000
+    request_timeout_ms: int = 10_000  # of each request to an instance
+    tick_ms: int = 100  # failure checks
     session_ttl_ms: int = 3_600_000  # a session without a checkpoint for this long is forgotten
     done_ttl_ms: int = 600_000  # a finished session stays readable for this long
     max_sessions: int = 100_000
     reshard_deadline_ms: int = 5000  # default deadline_ms of reshard plans
+    placement_policy: str = "cost"  # a name in kvsp_quic.roles.placement.PLACEMENT_POLICIES
+    sleep: Literal["load", "always", "never"] = "load"  # the policy for requested_state: sleeping (SleepPolicy)
+    sleep_min_active: int = 1  # other active instances that must remain
+    sleep_min_spare: int = 1  # spare batch slots the others must have beyond the requester's load
+    sleep_max_kv_utilization: float = 0.9  # others fuller than this have no spare capacity
 
     def __post_init__(self) -> None:
         for name in ("prefetch_deadline_ms", "prefetch_lease_ms", "start_timeout_ms", "start_interval_ms",
-                     "session_ttl_ms", "done_ttl_ms", "max_sessions", "reshard_deadline_ms"):
+                     "request_timeout_ms", "tick_ms", "session_ttl_ms", "done_ttl_ms", "max_sessions",
+                     "reshard_deadline_ms"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive")
+                raise ValueError(f"{name}: must be positive")
         if self.max_cost_us is not None and self.max_cost_us <= 0:
-            raise ValueError("max_cost_us must be positive")
-
-
-# -- placement --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Choice:
-    """One candidate instance as :func:`rank` saw it. ``cost_us`` is None when the instance reports no prefill
-    rate (it is ranked after every instance with a cost)."""
-
-    instance: str
-    cost_us: float | None
-    use_cache: bool  # loading the matched blocks beats recomputing them (or nothing tells otherwise)
-    has_capacity: bool  # running + queued (+ assigned since its last report) < batch_size, or no batch_size
-    load: int
-    fetch_us: float | None = None
-    recompute_us: float | None = None  # of all tokens
-
-
-def rank(candidates: Iterable[InstanceStatus], lookup: LookupResponse | None, tokens: int, max_tokens: int,
-         block_tokens: int | None, pending: Mapping[str, int] | None = None) -> list[Choice]:
-    """The candidates by the spec's cost, cheapest first (ties: lower load, then base URI).
-
-    ``cost = wait_us + min(fetch_us + recompute_us_of_unmatched, recompute_us_of_all)`` with ``fetch_us`` from the
-    lookup's estimate for the instance, ``recompute_us`` at its ``prefill_tokens_per_s``, and ``wait_us = queued *
-    mean service time``, where *queued* counts the sessions the PC assigned since the instance's last report too
-    (*pending*), and the mean service time is taken to be this request's: prefilling *tokens* plus decoding
-    *max_tokens* at ``decode_tokens_per_s``. Without an estimate for the instance (no geometry known for the
-    compat_id, nothing matched) the cost is ``wait_us + recompute_us_of_all``.
-    """
-    pending = pending or {}
-    estimates = {t.instance: t for t in (lookup.targets or ())} if lookup is not None else {}
-    matched = lookup.matched if lookup is not None else 0
-    matched_tokens = min(tokens, matched * block_tokens) if block_tokens is not None else None
-    out: list[Choice] = []
-    for entry in candidates:
-        r = entry.record
-        queued = r.queued + pending.get(entry.instance, 0)
-        load = r.running + queued
-        capacity = r.batch_size is None or load < r.batch_size
-        rate = r.prefill_tokens_per_s
-        if not rate:
-            out.append(Choice(entry.instance, None, matched > 0, capacity, load))
-            continue
-        recompute_all = cost.recompute_us(tokens, rate)
-        decode = 1e6 * max_tokens / r.decode_tokens_per_s if r.decode_tokens_per_s else 0.0
-        wait = cost.wait_us(queued, recompute_all + decode)
-        est = estimates.get(entry.instance)
-        if est is None or matched_tokens is None:
-            out.append(Choice(entry.instance, wait + recompute_all, matched > 0, capacity, load, None,
-                              recompute_all))
-            continue
-        unmatched = cost.recompute_us(tokens - matched_tokens, rate)
-        total = cost.cost_us(wait, est.fetch_us, unmatched, recompute_all)
-        use_cache = matched > 0 and est.fetch_us + unmatched < recompute_all
-        out.append(Choice(entry.instance, total, use_cache, capacity, load, float(est.fetch_us), recompute_all))
-    out.sort(key=lambda c: (c.cost_us is None, c.cost_us or 0.0, c.load, c.instance))
-    return out
-
-
-# -- sessions ---------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Session:
-    request: SessionRequest
-    owner: str  # the identity that created it (only it may read it)
-    created: float
-    touched: float
-    epoch: int = 1  # the current epoch: checkpoints of lower epochs are refused
-    served: int = 1  # the epoch of the last successful assignment (what the front end is shown)
-    state: SessionState = SessionState.PLACING
-    instance: str | None = None
-    instance_epoch: int | None = None  # the status epoch of the instance's run that serves the session
-    checkpoint: SessionCheckpoint | None = None
-    failed_at: float | None = None
-    migrations: int = 0
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+            raise ValueError("max_cost_us: must be positive")
+        if self.placement_policy not in PLACEMENT_POLICIES:
+            raise ValueError(f"placement_policy: unknown placement policy {self.placement_policy!r} "
+                             f"(known: {', '.join(sorted(PLACEMENT_POLICIES))})")
+        if self.sleep not in ("load", "always", "never"):
+            raise ValueError(f"sleep: must be one of 'load', 'always', 'never', got {self.sleep!r}")
+        for name in ("sleep_min_active", "sleep_min_spare"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must not be negative")
+        if not 0.0 <= self.sleep_max_kv_utilization <= 1.0:
+            raise ValueError("sleep_max_kv_utilization: must be in [0, 1]")
 
     @property
-    def id(self) -> uuid.UUID:
-        return self.request.session
+    def sleep_policy(self) -> SleepPolicy:
+        """The policy that decides sleep requests (for the status table's :class:`LifecyclePolicy`)."""
+        return SleepPolicy(SleepMode(self.sleep), self.sleep_min_active, self.sleep_min_spare,
+                           self.sleep_max_kv_utilization)
 
     @property
-    def output_offset(self) -> int:
-        return self.checkpoint.output_offset if self.checkpoint is not None else 0
+    def request_timeout_s(self) -> float:
+        return self.request_timeout_ms / 1000
 
-    def info(self) -> SessionInfo:
-        """What the front end sees: while the session is placed or migrated, the epoch it was last served in and
-        no instance, so that "the epoch grew" always comes with the instance that serves the new epoch."""
-        if self.state in (SessionState.RUNNING, SessionState.DONE):
-            return SessionInfo(self.id, self.epoch, self.output_offset, self.state, self.instance)
-        return SessionInfo(self.id, self.served, self.output_offset, self.state, None)
-
-
-@dataclass
-class ReshardOutcome:
-    """What :meth:`PlacementController.reshard` did. ``version`` is the authoritative version afterwards."""
-
-    map: str
-    version: int
-    committed: bool
-    acknowledged: list[str] = field(default_factory=list)
-    failed: dict[str, str] = field(default_factory=dict)  # instance -> why it did not acknowledge
-    undelivered: dict[str, str] = field(default_factory=dict)  # commit / abort that did not reach an instance
-
-    def to_json(self) -> dict[str, Any]:
-        return {"map": self.map, "version": self.version, "outcome": "committed" if self.committed else "aborted",
-                "acknowledged": self.acknowledged, "failed": self.failed, "undelivered": self.undelivered}
+    @property
+    def tick_s(self) -> float:
+        return self.tick_ms / 1000
 
 
 _REFUSALS = (InvalidState, Incompatible)  # the instance definitely did not take the session
@@ -286,28 +158,23 @@ class PlacementController:
     """See the module docstring. ``index.status`` should use a :class:`~kvsp_quic.roles.status.LifecyclePolicy`
     (it decides sleep requests; with the default echo policy every sleep request is refused)."""
 
-    def __init__(self, index: IndexService, link: InstanceLink, *, clock: Clock = time.monotonic,
-                 config: ControllerConfig | None = None, starter: Starter | None = None,
+    def __init__(self, index: IndexService, *, clock: Clock, config: ControllerConfig | None = None,
                  metrics: Registry | None = None, identity: str = "urn:kvsp:controller",
                  new_id: Callable[[], uuid.UUID] = uuid.uuid4) -> None:
         self.index = index
         self.status: StatusTable = index.status
-        self.link = link
         self.clock = clock
         self.config = config or ControllerConfig()
-        self.starter = starter
+        self.policy = placement_policy(self.config.placement_policy)
         self.new_id = new_id
         # Lookups are made on the front end's behalf after its scope was checked: the PC's own principal.
         self.principal = Principal(identity, frozenset({Role.CONTROLLER}), ALL)
-        self.sessions: dict[uuid.UUID, Session] = {}
+        self.sessions: dict[uuid.UUID, PlacedSession] = {}
         self.maps: dict[str, ShardMap] = {}
         self._resharding: set[str] = set()
         self._pending: dict[str, int] = {}  # sessions assigned since the instance's last report
-        self._start_wait: tuple[float, asyncio.Event] | None = None  # until when, and set when one came
+        self._start_wait_until: float | None = None  # a hook run's instance is awaited until then
         self._last_start: float | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._migrating: set[uuid.UUID] = set()
-        self.kick = asyncio.Event()  # set when a report makes a failover likely: the ticker runs at once
         self.registry = metrics or Registry()
         self._init_metrics()
 
@@ -364,7 +231,7 @@ class PlacementController:
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
 
-    def report_status(self, principal: Principal, instance_id: str, record: InstanceStatusRecord) -> StateMessage:
+    def report_status(self, principal: Principal, instance_id: str, record: InstanceStatusRecord) -> StatusReport:
         """PUT instances/{instance-id}/status (the Index Service checks who may report)."""
         before = self.status.state(record.instance)
         previous_epoch = self.status.highest_epoch(record.instance)
@@ -375,25 +242,27 @@ class PlacementController:
             raise
         self.m_status.labels(outcome="accepted").inc()
         self._pending.pop(record.instance, None)  # its running / queued now include what we assigned
-        if answer.state is InstanceState.ACTIVE and before is not InstanceState.ACTIVE:
+        activated = answer.state is InstanceState.ACTIVE and before is not InstanceState.ACTIVE
+        if activated:
             self._activated()
         restarted = previous_epoch is not None and record.epoch > previous_epoch
-        if restarted or answer.state is InstanceState.FAILED:
-            self.kick.set()
-        return answer
+        return StatusReport(answer, activated, restarted or answer.state is InstanceState.FAILED)
 
-    async def set_instance_state(self, instance: str, state: InstanceState) -> InstanceState:
-        """PUT state on *instance*; the state it answered is held from then on (spec: "The PC can also change
-        the state of an instance with PUT state on the instance")."""
+    def check_state_change(self, instance: str, state: InstanceState) -> None:
+        """Raise unless the PC may send ``PUT state`` *state* to *instance* (a live one; never ``failed``)."""
         if self.status.get(instance) is None:
             raise NotFound(f"no live status of instance {instance!r}")
         if state is InstanceState.FAILED:
             raise BadRequest("the PC does not set instances to failed")
-        answered = await self.link.set_state(instance, state)
+
+    def state_answered(self, instance: str, answered: InstanceState) -> bool:
+        """*instance* answered ``PUT state`` with *answered*: held from then on (spec: "The PC can also change the
+        state of an instance with PUT state on the instance"). True when it is active now."""
         self.status.set_state(instance, answered)
         if answered is InstanceState.ACTIVE:
             self._activated()
-        return answered
+            return True
+        return False
 
     def instances(self) -> list[dict[str, Any]]:
         """Every instance the PC has heard of: its held state, epoch and last reported load."""
@@ -413,87 +282,56 @@ class PlacementController:
         skip = set(exclude)
         return [e for e in self.status.live() if e.state is InstanceState.ACTIVE and e.instance not in skip]
 
-    # -- placement ------------------------------------------------------------------------------------------------
+    def sleeping(self) -> list[str]:
+        """The live sleeping instances: the first ones to wake for capacity."""
+        return [e.instance for e in self.status.live() if e.state is InstanceState.SLEEPING]
 
-    async def _lookup(self, request: SessionRequest, keys: Sequence[BlockKey],
-                      candidates: list[InstanceStatus]) -> LookupResponse | None:
-        if not keys:
-            return None
-        keys = keys[:self.index.config.max_lookup_keys]
-        targets = tuple(e.instance for e in candidates[:self.index.config.max_lookup_targets])
-        found = await self.index.lookup(self.principal, LookupRequest(request.scope_id, request.compat_id,
-                                                                      tuple(keys), targets))
-        self.kvsp.lookup("controller", len(keys), found.matched)
-        return found
+    # -- placement ------------------------------------------------------------------------------------------------
 
     def _block_tokens(self, compat_id: bytes) -> int | None:
         geometry = self.index.config.geometry.get(bytes(compat_id))
         return geometry.block_tokens if geometry is not None else None
 
-    async def _rank(self, session: Session, exclude: set[str]) -> tuple[list[Choice], LookupResponse | None]:
-        request = session.request
-        cp = session.checkpoint
-        keys = cp.prompt_blocks if cp is not None else request.block_keys
-        tokens = len(request.prompt) + (cp.output_offset if cp is not None else 0)
-        remaining = request.max_tokens - (cp.output_offset if cp is not None else 0)
+    def placement_query(self, session: PlacedSession, exclude: Iterable[str]) -> PlacementQuery | None:
+        """The candidates for *session* and the lookup to rank them by; None when no active instance is left."""
         candidates = self.active(exclude)
         if not candidates:
-            return [], None
-        found = await self._lookup(request, keys, candidates)
-        choices = rank(candidates, found, tokens, max(remaining, 1), self._block_tokens(request.compat_id),
-                       self._pending)
-        return choices, found
+            return None
+        request, cp = session.request, session.checkpoint
+        keys: Sequence[BlockKey] = cp.prompt_blocks if cp is not None else request.block_keys
+        lookup = None
+        if keys:
+            config = self.index.config
+            targets = tuple(e.instance for e in candidates[:config.max_lookup_targets])
+            lookup = LookupRequest(request.scope_id, request.compat_id, tuple(keys[:config.max_lookup_keys]),
+                                   targets)
+        return PlacementQuery(tuple(candidates), lookup)
 
-    def _acceptable(self, choices: list[Choice]) -> bool:
+    def rank(self, session: PlacedSession, query: PlacementQuery, found: LookupResponse | None) -> list[Choice]:
+        """The query's candidates in the order the placement policy prefers, given the lookup's answer."""
+        if query.lookup is not None and found is not None:
+            self.kvsp.lookup("controller", len(query.lookup.block_keys), found.matched)
+        request, cp = session.request, session.checkpoint
+        offset = cp.output_offset if cp is not None else 0
+        return self.policy.rank(PlacementInput(query.candidates, found, len(request.prompt) + offset,
+                                               max(request.max_tokens - offset, 1),
+                                               self._block_tokens(request.compat_id), dict(self._pending)))
+
+    def acceptable(self, choices: Iterable[Choice]) -> bool:
+        """Whether a choice has capacity and a cost within ``max_cost_us``; if not, the PC looks for more."""
         limit = self.config.max_cost_us
         return any(c.has_capacity and (limit is None or (c.cost_us is not None and c.cost_us <= limit))
                    for c in choices)
 
-    async def _more_capacity(self, reason: str) -> bool:
-        """Wake a sleeping instance, or run the start hook and wait for an instance to become active. True when an
-        instance became active."""
-        for entry in self.status.live():
-            if entry.state is InstanceState.SLEEPING:
-                try:
-                    answered = await self.set_instance_state(entry.instance, InstanceState.ACTIVE)
-                except (Problem, OSError) as exc:
-                    log.warning("waking %s failed: %s", entry.instance, exc)
-                    continue
-                if answered is InstanceState.ACTIVE:
-                    self.m_hooks.labels(kind="wake").inc()
-                    log.info("woke %s (%s)", entry.instance, reason)
-                    return True
-        if self.starter is None:
-            return False
-        now = self.clock()
-        waiting = self._start_wait
-        if waiting is None or now >= waiting[0]:
-            interval = self.config.start_interval_ms / 1000
-            if self._last_start is not None and now - self._last_start < interval:
-                return False  # the hook ran recently and its instance came (or never will): use what exists
-            self._last_start = now
-            try:
-                await self.starter.start(reason)
-            except Exception as exc:  # a broken hook must not fail the request; it is placed on what exists
-                log.error("the start hook failed: %s", exc)
-                return False
-            self.m_hooks.labels(kind="hook").inc()
-            waiting = self._start_wait = (now + self.config.start_timeout_ms / 1000, asyncio.Event())
-        try:
-            async with asyncio.timeout(max(0.0, waiting[0] - now)):
-                await waiting[1].wait()
-        except TimeoutError:
-            log.warning("no instance became active within %d ms of the start hook", self.config.start_timeout_ms)
-            return False
-        return True
+    def still_active(self, instance: str) -> InstanceStatus | None:
+        """*instance*'s live status if it is active right now (never a directive to an instance that is not)."""
+        entry = self.status.get(instance)
+        return entry if entry is not None and entry.state is InstanceState.ACTIVE else None
 
-    def _activated(self) -> None:
-        """An instance became active: whoever waits for the start hook's instance can go on."""
-        waiting, self._start_wait = self._start_wait, None
-        if waiting is not None:
-            waiting[1].set()
-
-    def _directive(self, session: Session, choice: Choice, found: LookupResponse | None) -> PrefetchDirective | None:
+    def directive(self, session: PlacedSession, choice: Choice, found: LookupResponse | None
+                  ) -> PrefetchDirective | None:
+        """The prefetch directive for *choice* before *session* starts there: the matched blocks it does not hold,
+        when loading beats recomputing; None when there is nothing to prefetch."""
         if found is None or not choice.use_cache:
             return None
         blocks = []
@@ -509,64 +347,57 @@ class PlacementController:
                                  self.config.prefetch_deadline_ms, self.config.prefetch_lease_ms,
                                  request_ref=str(session.id))
 
-    async def _try(self, session: Session, choices: list[Choice], found: LookupResponse | None,
-                   exclude: set[str]) -> bool:
-        """Prefetch and start (or resume) *session* on the first choice that takes it."""
+    def prefetch_outcome(self, instance: str, error: Problem | OSError | None) -> PrefetchOutcome:
+        """Judge the answer to a prefetch directive: *error* is what the request raised (None: accepted)."""
+        if error is None:
+            outcome = PrefetchOutcome.ACCEPTED
+        elif isinstance(error, InvalidState):
+            outcome = PrefetchOutcome.REFUSED
+        elif isinstance(error, Problem):
+            outcome = PrefetchOutcome.FAILED
+            log.info("prefetch directive to %s refused: %s", instance, error)
+        else:
+            outcome = PrefetchOutcome.UNREACHABLE
+            log.warning("prefetch directive to %s failed: %s", instance, error)
+        self.m_prefetch.labels(outcome=outcome.value).inc()
+        return outcome
+
+    def assign(self, session: PlacedSession, entry: InstanceStatus, found: LookupResponse | None) -> Assignment:
+        """Make *entry*'s instance the session's (the instance may checkpoint before its answer arrives) and build
+        the start, or the resume with the latest checkpoint, to send it."""
+        session.instance, session.instance_epoch = entry.instance, entry.record.epoch
+        request = session.request
+        if session.checkpoint is not None:
+            return Assignment(entry.instance, SessionResume(session.epoch, session.checkpoint, request.max_tokens,
+                                                            request.prompt))
         matched = tuple(PrefetchBlock(m.block_key, tuple(dict.fromkeys(r.holder for r in m.replicas)))
                         for m in found.blocks) if found is not None else ()
-        for choice in choices:
-            instance = choice.instance
-            entry = self.status.get(instance)
-            if entry is None or entry.state is not InstanceState.ACTIVE:
-                continue  # changed since the ranking: never a directive to an instance that is not active
-            directive = self._directive(session, choice, found)
-            if directive is not None:
-                try:
-                    await self.link.prefetch(instance, directive)
-                    self.m_prefetch.labels(outcome="accepted").inc()
-                except InvalidState:
-                    self.m_prefetch.labels(outcome="refused").inc()
-                    exclude.add(instance)
-                    continue
-                except Problem as exc:  # the session can still start: the instance loads or recomputes
-                    self.m_prefetch.labels(outcome="failed").inc()
-                    log.info("prefetch directive to %s refused: %s", instance, exc)
-                except OSError as exc:
-                    self.m_prefetch.labels(outcome="unreachable").inc()
-                    log.warning("prefetch directive to %s failed: %s", instance, exc)
-                    exclude.add(instance)
-                    continue
-            kind = "resume" if session.checkpoint is not None else "start"
-            # The instance may checkpoint before its answer arrives: it is the session's instance from now on.
-            session.instance, session.instance_epoch = instance, entry.record.epoch
-            try:
-                if session.checkpoint is not None:
-                    await self.link.resume(instance, session.id, SessionResume(
-                        session.epoch, session.checkpoint, session.request.max_tokens, session.request.prompt))
-                else:
-                    await self.link.start(instance, SessionStart.of(session.request, session.epoch, matched))
-            except _REFUSALS as exc:
-                self.m_starts.labels(kind=kind, outcome="refused").inc()
-                log.info("%s of session %s refused by %s: %s", kind, session.id, instance, exc)
-                session.instance = session.instance_epoch = None
-                exclude.add(instance)
-                continue
-            except (Problem, OSError) as exc:  # maybe started, maybe not: fence this epoch
-                self.m_starts.labels(kind=kind, outcome="failed").inc()
-                log.warning("%s of session %s on %s failed (%s); epoch %d -> %d", kind, session.id, instance, exc,
-                            session.epoch, session.epoch + 1)
-                session.instance = session.instance_epoch = None
-                session.epoch += 1
-                exclude.add(instance)
-                continue
-            self.m_starts.labels(kind=kind, outcome="ok").inc()
+        return Assignment(entry.instance, SessionStart.of(request, session.epoch, matched))
+
+    def start_outcome(self, session: PlacedSession, assignment: Assignment, error: Problem | OSError | None,
+                      choice: Choice, found: LookupResponse | None) -> StartOutcome:
+        """Judge the answer to a start or resume: *error* is what the request raised (None: taken). A definite
+        refusal keeps the epoch; any other failure may have started the session, so the epoch is fenced."""
+        kind, instance = assignment.kind.value, assignment.instance
+        if error is None:
+            outcome = StartOutcome.OK
             session.served = session.epoch
             self._pending[instance] = self._pending.get(instance, 0) + 1
             self._count_tokens(session, choice, found)
-            return True
-        return False
+        elif isinstance(error, _REFUSALS):
+            outcome = StartOutcome.REFUSED
+            log.info("%s of session %s refused by %s: %s", kind, session.id, instance, error)
+            session.instance = session.instance_epoch = None
+        else:
+            outcome = StartOutcome.FAILED
+            log.warning("%s of session %s on %s failed (%s); epoch %d -> %d", kind, session.id, instance, error,
+                        session.epoch, session.epoch + 1)
+            session.instance = session.instance_epoch = None
+            session.epoch += 1
+        self.m_starts.labels(kind=kind, outcome=outcome.value).inc()
+        return outcome
 
-    def _count_tokens(self, session: Session, choice: Choice, found: LookupResponse | None) -> None:
+    def _count_tokens(self, session: PlacedSession, choice: Choice, found: LookupResponse | None) -> None:
         tokens = len(session.request.prompt)
         block_tokens = self._block_tokens(session.request.compat_id)
         cached = 0
@@ -575,55 +406,77 @@ class PlacementController:
         self.m_placement_tokens.labels(source="cache").inc(cached)
         self.m_placement_tokens.labels(source="recompute").inc(tokens - cached)
 
-    async def _place(self, session: Session) -> bool:
-        """Assign *session* (its epoch already fresh): rank, look for capacity when nothing is acceptable, try."""
-        exclude: set[str] = set()
-        choices, found = await self._rank(session, exclude)
-        if not self._acceptable(choices) and await self._more_capacity(f"session {session.id}"):
-            choices, found = await self._rank(session, exclude)
-        if await self._try(session, choices, found, exclude):
-            return True
-        if choices and await self._more_capacity(f"session {session.id}: every candidate refused"):
-            choices, found = await self._rank(session, exclude)
-            return await self._try(session, choices, found, exclude)
-        return False
+    # -- capacity -------------------------------------------------------------------------------------------------
+
+    def woke(self, instance: str, answered: InstanceState, reason: str) -> bool:
+        """A sleeping *instance* answered a wake-up (``PUT state`` active) with *answered*: True when it is active."""
+        if answered is not InstanceState.ACTIVE:
+            return False
+        self.m_hooks.labels(kind="wake").inc()
+        log.info("woke %s (%s)", instance, reason)
+        return True
+
+    def capacity_step(self) -> CapacityStep:
+        """No active instance is acceptable and none woke: run the start hook (at most once per
+        ``start_interval_ms``), wait for the instance of a run under way, or place on what exists."""
+        now = self.clock()
+        until = self._start_wait_until
+        if until is not None and now < until:
+            return CapacityStep(CapacityAction.WAIT, until - now)
+        if self._last_start is not None and now - self._last_start < self.config.start_interval_ms / 1000:
+            return CapacityStep(CapacityAction.NONE)  # the hook ran recently and its instance came (or never will)
+        self._last_start = now
+        return CapacityStep(CapacityAction.RUN_HOOK, self.config.start_timeout_ms / 1000)
+
+    def hook_ran(self) -> None:
+        """The start hook of the last :attr:`CapacityAction.RUN_HOOK` is under way: requests wait for its instance
+        until ``start_timeout_ms`` after the decision (or until an instance becomes active)."""
+        assert self._last_start is not None
+        self.m_hooks.labels(kind="hook").inc()
+        self._start_wait_until = self._last_start + self.config.start_timeout_ms / 1000
+
+    def _activated(self) -> None:
+        self._start_wait_until = None  # whoever waited for the hook's instance goes on; the next need runs it again
 
     # -- sessions -------------------------------------------------------------------------------------------------
 
-    def _session(self, session_id: uuid.UUID) -> Session:
+    def _session(self, session_id: uuid.UUID) -> PlacedSession:
         session = self.sessions.get(session_id)
         if session is None:
             raise NotFound(f"no session {session_id}")
         return session
 
-    async def create_session(self, principal: Principal, request: SessionRequest) -> tuple[SessionInfo, bool]:
-        """POST sessions: place and start the session; (its info, whether it was created now)."""
+    def admit(self, principal: Principal, request: SessionRequest) -> Admission:
+        """POST sessions: hold a new session (to be placed), or recognize a retry of the same request."""
         require_scope(principal, request.scope_id)
         existing = self.sessions.get(request.session)
         if existing is not None:
             if existing.owner != principal.identity or existing.request != request:
                 raise Problem(f"session {request.session} exists", status=409)
-            return existing.info(), False  # a retry of the same request
+            return Repeated(existing.info())
         if len(self.sessions) >= self.config.max_sessions:
             raise Unavailable(f"the PC holds {len(self.sessions)} sessions, its maximum")
         now = self.clock()
-        session = Session(request, principal.identity, now, now)
+        session = PlacedSession(request, principal.identity, now, now)
         self.sessions[request.session] = session
-        started = time.perf_counter()
-        async with session.lock:
-            try:
-                placed = await self._place(session)
-            except BaseException:
-                self.sessions.pop(request.session, None)
-                raise
-            if not placed:
-                self.sessions.pop(request.session, None)
-                self.m_sessions.labels(outcome="unplaced").inc()
-                raise Unavailable("no active instance took the session")
-            session.state = SessionState.RUNNING
+        return Admitted(session)
+
+    def placed(self, session: PlacedSession, seconds: float) -> SessionInfo:
+        """The first placement of *session* succeeded after *seconds*: it runs."""
+        session.state = SessionState.RUNNING
         self.m_sessions.labels(outcome="placed").inc()
-        self.m_placement_seconds.observe(time.perf_counter() - started)
-        return session.info(), True
+        self.m_placement_seconds.observe(seconds)
+        return session.info()
+
+    def unplaced(self, session: PlacedSession) -> Unavailable:
+        """No instance took *session*: it is forgotten; the problem to answer."""
+        self.sessions.pop(session.id, None)
+        self.m_sessions.labels(outcome="unplaced").inc()
+        return Unavailable("no active instance took the session")
+
+    def abandon(self, session: PlacedSession) -> None:
+        """The placement of *session* was interrupted (an error, a cancellation): forget it."""
+        self.sessions.pop(session.id, None)
 
     def session_info(self, principal: Principal, session_id: uuid.UUID) -> SessionInfo:
         """GET sessions/{id}: only for the identity that created the session (others: 404, as if unknown)."""
@@ -673,7 +526,7 @@ class PlacementController:
 
     # -- failures -------------------------------------------------------------------------------------------------
 
-    def _instance_failed(self, session: Session) -> bool:
+    def _instance_failed(self, session: PlacedSession) -> bool:
         instance = session.instance
         if instance is None:
             return False
@@ -682,41 +535,37 @@ class PlacementController:
         return (state is None or state is InstanceState.FAILED
                 or (highest is not None and session.instance_epoch is not None and highest > session.instance_epoch))
 
-    def needs_migration(self, session: Session) -> bool:
+    def needs_migration(self, session: PlacedSession) -> bool:
         if session.state is SessionState.MIGRATING:
             return True
         return session.state is SessionState.RUNNING and self._instance_failed(session)
 
-    async def migrate(self, session: Session) -> bool:
-        """Move *session* off its failed instance: increment the epoch (fencing the old instance), pick the next
-        instance by cost, prefetch, and resume there with the latest checkpoint (or start afresh, at the new
-        epoch, when there is none yet). False when no instance took it (retried at the next tick)."""
-        async with session.lock:
-            if not self.needs_migration(session):
-                return True
-            if session.state is SessionState.RUNNING:
-                log.warning("session %s: instance %s failed; epoch %d -> %d", session.id, session.instance,
-                            session.epoch, session.epoch + 1)
-                session.failed_at = self.clock()
-                session.epoch += 1
-                session.instance = session.instance_epoch = None
-                session.state = SessionState.MIGRATING
-            if not await self._place(session):
-                return False
-            session.state = SessionState.RUNNING
-            session.migrations += 1
-            self.kvsp.migrations.labels(component="controller").inc()
-            if session.failed_at is not None:
-                self.m_migration_seconds.observe(max(0.0, self.clock() - session.failed_at))
-            session.failed_at = None
-            log.info("session %s resumed on %s at epoch %d, output_offset %d", session.id, session.instance,
-                     session.epoch, session.output_offset)
-            return True
+    def begin_migration(self, session: PlacedSession) -> None:
+        """*session*'s instance failed: increment the epoch (fencing the old instance); it is placed again, on the
+        next instance by the policy, with its latest checkpoint (or afresh when there is none yet)."""
+        if session.state is SessionState.RUNNING:
+            log.warning("session %s: instance %s failed; epoch %d -> %d", session.id, session.instance,
+                        session.epoch, session.epoch + 1)
+            session.failed_at = self.clock()
+            session.epoch += 1
+            session.instance = session.instance_epoch = None
+            session.state = SessionState.MIGRATING
 
-    def tick(self) -> list[asyncio.Task[bool]]:
-        """Start the migrations that are due (each in its own task, returned) and forget old sessions."""
+    def migrated(self, session: PlacedSession) -> None:
+        """*session* was placed again after its instance failed: it runs."""
+        session.state = SessionState.RUNNING
+        session.migrations += 1
+        self.kvsp.migrations.labels(component="controller").inc()
+        if session.failed_at is not None:
+            self.m_migration_seconds.observe(max(0.0, self.clock() - session.failed_at))
+        session.failed_at = None
+        log.info("session %s resumed on %s at epoch %d, output_offset %d", session.id, session.instance,
+                 session.epoch, session.output_offset)
+
+    def tick(self) -> list[PlacedSession]:
+        """Forget old sessions; the sessions that need a migration now."""
         now = self.clock()
-        started = []
+        due = []
         for session in list(self.sessions.values()):
             if session.state is SessionState.DONE:
                 if now - session.touched > self.config.done_ttl_ms / 1000:
@@ -726,39 +575,9 @@ class PlacementController:
                     SessionState.PLACING:
                 del self.sessions[session.id]
                 continue
-            if session.id not in self._migrating and self.needs_migration(session):
-                started.append(self._spawn_migration(session))
-        return started
-
-    def _spawn_migration(self, session: Session) -> asyncio.Task[bool]:
-        self._migrating.add(session.id)
-        task = asyncio.create_task(self.migrate(session))
-        self._tasks.add(task)
-
-        def done(t: asyncio.Task[bool]) -> None:
-            self._tasks.discard(t)
-            self._migrating.discard(session.id)
-            if not t.cancelled() and t.exception() is not None:
-                log.error("migrating session %s failed", session.id, exc_info=t.exception())
-
-        task.add_done_callback(done)
-        return task
-
-    async def run(self, interval: float) -> None:
-        """Tick every *interval* seconds, and at once when a report says an instance failed or restarted."""
-        while True:
-            self.kick.clear()
-            self.tick()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(interval):
-                    await self.kick.wait()
-
-    async def aclose(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            if self.needs_migration(session):
+                due.append(session)
+        return due
 
     # -- resharding -----------------------------------------------------------------------------------------------
 
@@ -768,65 +587,50 @@ class PlacementController:
             raise NotFound(f"no shard map {map_id!r}")
         return found
 
-    def register_map(self, shard_map: ShardMap) -> None:
+    def register_map(self, shard_map: ShardMap) -> ReshardOutcome:
         """Make *shard_map* the authoritative version of a map the PC does not hold yet (a new parallel group)."""
         if shard_map.map in self.maps:
             raise PlanConflict(f"map {shard_map.map!r} exists at version {self.maps[shard_map.map].version}")
         self.maps[shard_map.map] = shard_map
+        return ReshardOutcome(shard_map.map, shard_map.version, ReshardResult.REGISTERED)
 
-    async def reshard(self, new: ShardMap, deadline_ms: int | None = None) -> ReshardOutcome:
-        """Move a map from version v to v+1 = ``new.version`` (spec, "Sequence-Sharded Caches and Resharding"):
-        send every member its plan; when all acknowledged (200, after loading their fetch ranges) within
-        ``deadline_ms``, commit to all members and make v+1 authoritative; otherwise abort to all members and keep
-        v."""
+    def begin_reshard(self, new: ShardMap, deadline_ms: int | None = None) -> ReshardRound:
+        """Start moving a map from version v to v+1 = ``new.version`` (spec, "Sequence-Sharded Caches and
+        Resharding"): every member's plan, to be acknowledged within *deadline_ms*. One reshard per map at a time;
+        :meth:`end_reshard` ends it."""
         old = self.shard_map(new.map)
         if new.map in self._resharding:
             raise PlanConflict(f"a reshard of map {new.map!r} is in progress")
         deadline_ms = deadline_ms or self.config.reshard_deadline_ms
-        plans = plan_reshard(old, new, deadline_ms)
-        everyone = members(old, new)
-        outcome = ReshardOutcome(new.map, old.version, committed=False)
+        round_ = ReshardRound(old, new, deadline_ms, plan_reshard(old, new, deadline_ms))
         self._resharding.add(new.map)
-        try:
-            deadline = deadline_ms / 1000
-            tasks = {asyncio.create_task(self.link.reshard(i, plans[i], deadline)): i for i in everyone}
-            done, pending = await asyncio.wait(tasks, timeout=deadline, return_when=asyncio.FIRST_EXCEPTION)
-            for task in pending:
-                task.cancel()
-                outcome.failed[tasks[task]] = f"no acknowledgement within {deadline_ms} ms"
-            for task in done:
-                exc = task.exception()
-                if exc is None:
-                    outcome.acknowledged.append(tasks[task])
-                else:
-                    outcome.failed[tasks[task]] = f"{type(exc).__name__}: {exc}"
-            if pending:
-                await asyncio.wait(pending)
-                for task in pending:
-                    if not task.cancelled():
-                        task.exception()  # retrieved: it is reported in outcome.failed already
-            outcome.acknowledged.sort(key=everyone.index)
-            message: ReshardMessage
-            if not outcome.failed:
-                message = ReshardCommit(new.map, new.version)
-                self.maps[new.map] = new  # v+1 is authoritative once every member acknowledged
-                outcome.committed, outcome.version = True, new.version
-            else:
-                message = ReshardAbort(new.map, new.version)
-            results = await asyncio.gather(*(self.link.reshard(i, message) for i in everyone),
-                                           return_exceptions=True)
-            for instance, result in zip(everyone, results, strict=True):
-                if isinstance(result, BaseException):
-                    outcome.undelivered[instance] = f"{type(result).__name__}: {result}"
-        finally:
-            self._resharding.discard(new.map)
-        self.m_reshards.labels(outcome="committed" if outcome.committed else "aborted").inc()
-        log.info("reshard of map %s to version %d %s", new.map, new.version,
-                 "committed" if outcome.committed else f"aborted ({outcome.failed})")
+        return round_
+
+    def decide_reshard(self, round_: ReshardRound, failed: Mapping[str, str]) -> ReshardCommit | ReshardAbort:
+        """Every member answered or the deadline passed (*failed*: the members that did not acknowledge, and why):
+        commit -- v+1 is authoritative from now on -- or abort."""
+        message = round_.decision(failed)
+        if isinstance(message, ReshardCommit):
+            self.maps[round_.new.map] = round_.new
+        return message
+
+    def end_reshard(self, round_: ReshardRound) -> None:
+        self._resharding.discard(round_.new.map)
+
+    def reshard_outcome(self, round_: ReshardRound, acknowledged: Iterable[str], failed: Mapping[str, str],
+                        undelivered: Mapping[str, str]) -> ReshardOutcome:
+        """What the reshard came to, once its decision was sent (*undelivered*: the members it did not reach)."""
+        committed = not failed
+        result = ReshardResult.COMMITTED if committed else ReshardResult.ABORTED
+        everyone = round_.members
+        outcome = ReshardOutcome(round_.new.map, round_.new.version if committed else round_.old.version, result,
+                                 tuple(sorted(acknowledged, key=everyone.index)), dict(failed), dict(undelivered))
+        self.m_reshards.labels(outcome=result.value).inc()
+        log.info("reshard of map %s to version %d %s", round_.new.map, round_.new.version,
+                 result.value if committed else f"aborted ({dict(failed)})")
         return outcome
 
 
 __all__ = [
-    "Choice", "CommandStarter", "ControllerConfig", "InstanceLink", "PlacementController", "ReshardOutcome",
-    "Session", "Starter", "rank",
+    "Choice", "ControllerConfig", "PlacedSession", "PlacementController", "ReshardMessage", "ReshardOutcome", "rank",
 ]

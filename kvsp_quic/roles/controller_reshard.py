@@ -12,14 +12,23 @@ of either version:
 Parts of a new range that no instance held in version v (the context grew) are in neither list: the instance
 computes them. Adjacent ranges are merged (fetches only when they come from the same instance). An instance only
 in version v gets a plan with ``release`` only, so that every member hears of the change and of its outcome.
+
+A reshard in progress is a :class:`ReshardRound` (the plans, who must acknowledge by when); what it came to is a
+:class:`ReshardOutcome` with a :class:`ReshardResult`. The fan-out itself is the adapter's
+(``http3.controller_service.ControllerService.reshard``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from kvsp_quic.problems import PlanConflict
-from kvsp_quic.records import ReshardFetch, ReshardPlan, ShardMap, TokenRange
+from kvsp_quic.records import ReshardAbort, ReshardCommit, ReshardFetch, ReshardPlan, ShardMap, TokenRange
+
+ReshardMessage = ReshardPlan | ReshardCommit | ReshardAbort
 
 
 def owners(shard_map: ShardMap, tokens: TokenRange) -> list[tuple[TokenRange, str | None]]:
@@ -110,4 +119,62 @@ def plan_reshard(old: ShardMap, new: ShardMap, deadline_ms: int) -> dict[str, Re
     return plans
 
 
-__all__ = ["members", "merge", "owners", "plan_reshard", "subtract"]
+class ReshardResult(enum.Enum):
+    """What ``PUT maps/{map}`` came to (the value is the ``outcome`` member of its answer and the metric label)."""
+
+    REGISTERED = "registered"  # a new map, at its version
+    COMMITTED = "committed"  # every member acknowledged: v+1 is authoritative
+    ABORTED = "aborted"  # a member did not acknowledge by the deadline: v stays
+
+
+@dataclass(frozen=True)
+class ReshardRound:
+    """A reshard of ``old`` (version v) to ``new`` (v+1) under way: every member's plan, in order of first
+    appearance, to be acknowledged within ``deadline_ms``."""
+
+    old: ShardMap
+    new: ShardMap
+    deadline_ms: int
+    plans: Mapping[str, ReshardPlan]
+
+    @property
+    def members(self) -> list[str]:
+        return list(self.plans)
+
+    @property
+    def deadline_s(self) -> float:
+        return self.deadline_ms / 1000
+
+    def decision(self, failed: Mapping[str, str]) -> ReshardCommit | ReshardAbort:
+        """Commit when no member failed to acknowledge, abort otherwise."""
+        if failed:
+            return ReshardAbort(self.new.map, self.new.version)
+        return ReshardCommit(self.new.map, self.new.version)
+
+
+@dataclass(frozen=True)
+class ReshardOutcome:
+    """What a reshard did. ``version`` is the authoritative version afterwards; ``failed`` says why each member that
+    did not acknowledge did not, ``undelivered`` the members the commit / abort did not reach."""
+
+    map: str
+    version: int
+    result: ReshardResult
+    acknowledged: tuple[str, ...] = ()
+    failed: Mapping[str, str] | None = None
+    undelivered: Mapping[str, str] | None = None
+
+    @property
+    def committed(self) -> bool:
+        return self.result is ReshardResult.COMMITTED
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"map": self.map, "version": self.version, "outcome": self.result.value}
+        if self.result is not ReshardResult.REGISTERED:
+            out.update(acknowledged=list(self.acknowledged), failed=dict(self.failed or {}),
+                       undelivered=dict(self.undelivered or {}))
+        return out
+
+
+__all__ = ["ReshardMessage", "ReshardOutcome", "ReshardResult", "ReshardRound", "members", "merge", "owners",
+           "plan_reshard", "subtract"]

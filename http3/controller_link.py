@@ -1,0 +1,44 @@
+"""The Placement Controller's requests to instances over HTTP (an :class:`~http3.controller_service.InstanceLink`).
+
+:class:`HttpInstanceLink` sends the PC's directives with the typed KVSP client :class:`~http3.api.KvspApi`:
+``POST prefetch``, ``POST sessions/{id}/start``, ``POST sessions/{id}/resume``, ``PUT state`` and ``POST reshard``.
+Failures follow the client's semantics: a refusal raises its :class:`~kvsp_quic.problems.Problem`; no answer, a
+timeout or a 5xx raises :class:`~http3.api.RetryElsewhere` (an ``OSError``); none of these requests is retried.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from http3.api import KvspApi
+from http3.client import KvspClient
+from kvsp_quic.compat import InstanceState
+from kvsp_quic.records import PrefetchDirective
+from kvsp_quic.roles.controller_records import SessionResume, SessionStart
+from kvsp_quic.roles.controller_reshard import ReshardMessage
+
+
+class HttpInstanceLink:
+    """:class:`~http3.controller_service.InstanceLink` over HTTP (the PC's client certificate must give it the
+    ``controller`` role in the instances' policies)."""
+
+    def __init__(self, client: KvspClient, *, timeout: float | None = None) -> None:
+        self.api = KvspApi(client, timeout=timeout)
+
+    async def prefetch(self, instance: str, directive: PrefetchDirective) -> None:
+        await self.api.prefetch(instance, directive)
+
+    async def start(self, instance: str, start: SessionStart) -> None:
+        await self.api.start_session(instance, start)
+
+    async def resume(self, instance: str, session: uuid.UUID, resume: SessionResume) -> None:
+        await self.api.resume_session(instance, session, resume)
+
+    async def set_state(self, instance: str, state: InstanceState) -> InstanceState:
+        return await self.api.set_state(instance, state)
+
+    async def reshard(self, instance: str, message: ReshardMessage, timeout: float | None = None) -> None:
+        await self.api.reshard(instance, message, timeout=timeout)
+
+
+__all__ = ["HttpInstanceLink"]

@@ -1,0 +1,159 @@
+"""The Placement Controller's sessions and the outcomes of its decisions, as types (no I/O).
+
+:class:`PlacedSession` is what the PC holds per session (spec, "Session Checkpoints and Migration"): its request,
+epochs, the instance serving it and the highest checkpoint. The other types are what the role
+(:class:`~kvsp_quic.roles.controller.PlacementController`) returns to its asyncio adapter
+(``http3.controller_service.ControllerService``) and what the adapter reports back: each step of a placement is a
+decision of the role, carried out by the adapter, whose result the role then judges.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from dataclasses import dataclass
+
+from kvsp_quic.records import LookupRequest, SessionCheckpoint, StateMessage
+from kvsp_quic.roles.controller_records import SessionInfo, SessionRequest, SessionResume, SessionStart, SessionState
+from kvsp_quic.roles.status import InstanceStatus
+
+
+@dataclass
+class PlacedSession:
+    """A session the PC placed (or is placing) on an instance: mutable bookkeeping of the role."""
+
+    request: SessionRequest
+    owner: str  # the identity that created it (only it may read it)
+    created: float
+    touched: float
+    epoch: int = 1  # the current epoch: checkpoints of lower epochs are refused
+    served: int = 1  # the epoch of the last successful assignment (what the front end is shown)
+    state: SessionState = SessionState.PLACING
+    instance: str | None = None
+    instance_epoch: int | None = None  # the status epoch of the instance's run that serves the session
+    checkpoint: SessionCheckpoint | None = None
+    failed_at: float | None = None
+    migrations: int = 0
+
+    @property
+    def id(self) -> uuid.UUID:
+        return self.request.session
+
+    @property
+    def output_offset(self) -> int:
+        return self.checkpoint.output_offset if self.checkpoint is not None else 0
+
+    def info(self) -> SessionInfo:
+        """What the front end sees: while the session is placed or migrated, the epoch it was last served in and
+        no instance, so that "the epoch grew" always comes with the instance that serves the new epoch."""
+        if self.state in (SessionState.RUNNING, SessionState.DONE):
+            return SessionInfo(self.id, self.epoch, self.output_offset, self.state, self.instance)
+        return SessionInfo(self.id, self.served, self.output_offset, self.state, None)
+
+
+# -- creating a session -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """``POST sessions`` for a new session: it is held (state placing) and must now be placed."""
+
+    session: PlacedSession
+
+
+@dataclass(frozen=True)
+class Repeated:
+    """``POST sessions`` repeating the request of an existing session: answered with its info, nothing is sent."""
+
+    info: SessionInfo
+
+
+Admission = Admitted | Repeated
+
+
+# -- one placement ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlacementQuery:
+    """The first step of a placement: the candidates (alive, active, not excluded) and the lookup of the prompt's
+    Block Keys with them as targets (None: no keys to look up)."""
+
+    candidates: tuple[InstanceStatus, ...]
+    lookup: LookupRequest | None
+
+
+class PrefetchOutcome(enum.Enum):
+    """What a prefetch directive before a start came to (the value is the metric label)."""
+
+    ACCEPTED = "accepted"
+    REFUSED = "refused"  # the instance is not active after all: try the next one
+    FAILED = "failed"  # another problem: the session can still start there (the instance loads or recomputes)
+    UNREACHABLE = "unreachable"  # no answer: try the next one
+
+    @property
+    def next_instance(self) -> bool:
+        """True when the placement moves on to the next choice instead of starting the session here."""
+        return self in (PrefetchOutcome.REFUSED, PrefetchOutcome.UNREACHABLE)
+
+
+class StartKind(enum.Enum):
+    START = "start"
+    RESUME = "resume"
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A session given to *instance*: the start (no checkpoint yet) or resume message to send it."""
+
+    instance: str
+    message: SessionStart | SessionResume
+
+    @property
+    def kind(self) -> StartKind:
+        return StartKind.RESUME if isinstance(self.message, SessionResume) else StartKind.START
+
+
+class StartOutcome(enum.Enum):
+    """What a start or resume came to (the value is the metric label)."""
+
+    OK = "ok"  # the instance serves the session in its current epoch
+    REFUSED = "refused"  # definitely not taken: the next choice, same epoch
+    FAILED = "failed"  # maybe taken: the epoch was incremented (fencing the instance), the next choice
+
+
+# -- capacity -----------------------------------------------------------------------------------------------------
+
+
+class CapacityAction(enum.Enum):
+    NONE = "none"  # nothing to do: place on what exists
+    RUN_HOOK = "run-hook"  # run the start hook, then wait for an instance to become active
+    WAIT = "wait"  # a hook run is under way: wait for its instance
+
+
+@dataclass(frozen=True)
+class CapacityStep:
+    """The role's answer when no active instance is acceptable and no sleeping one woke: what to do, and how long
+    to wait (seconds) for an instance to become active."""
+
+    action: CapacityAction
+    wait_s: float = 0.0
+
+
+# -- status reports -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StatusReport:
+    """A status report as the PC took it: the answer for the instance, whether an instance became active (whoever
+    waits for capacity can go on), and whether a failover is likely due (the instance failed or restarted)."""
+
+    answer: StateMessage
+    activated: bool
+    failover_due: bool
+
+
+__all__ = [
+    "Admission", "Admitted", "Assignment", "CapacityAction", "CapacityStep", "PlacedSession", "PlacementQuery",
+    "PrefetchOutcome", "Repeated", "StartKind", "StartOutcome", "StatusReport",
+]
