@@ -9,13 +9,14 @@ from a CUDA tier) runs on one executor thread, in the order submitted, so reques
 event loop stays free for the network: blocks arriving for a prefill or a prefetch directive are copied into their
 pages on the event loop (a memcpy, ``PagedKVCache.write_layer``) while the engine thread computes.
 
-* :class:`Engine` -- model, cache, executor, measured prefill and decode rates.
-* :func:`run_session` -- one session: the prefill (blocks loaded or streamed, the rest computed), the decode
-  steps that replay a resumed session's generated tokens exactly as they were first computed, then generation,
-  naming every completed page by its Block Key as it completes.
-* :class:`BlockLoads` -- blocks being loaded into the cache (prefetch directives), shared: a prefill that needs a
-  block still arriving follows its layers as they come instead of fetching it again.
-* :class:`CacheHolder` -- the instance as a holder of its own tiers: :class:`kvsp_quic.roles.holder.Holder`
+The instance's service sees these through the Protocols of :mod:`kvsp_quic.engine` (it never imports ``gpu``):
+
+* :class:`Engine` -- model, cache, executor, measured prefill and decode rates: an
+  :class:`~kvsp_quic.engine.InstanceEngine`.
+* :func:`run_session` (:meth:`Engine.run`) -- one session: the prefill (blocks loaded or streamed, the rest
+  computed), the decode steps that replay a resumed session's generated tokens exactly as they were first computed,
+  then generation, naming every completed page by its Block Key as it completes.
+* :class:`CacheHolder` -- the instance as a holder of its own tiers: a :class:`~kvsp_quic.engine.PageHolder`
   (leases, the publisher's outbox, the HTTP and MOQT block resources) over the cache's pages, with their
   device/host residency, pinned while leased, withdrawn when evicted.
 """
@@ -23,14 +24,11 @@ pages on the event loop (a memcpy, ``PagedKVCache.write_layer``) while the engin
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
-import logging
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -41,26 +39,20 @@ from gpu.prefill import BlockInput, PrefillResult, PrefillTrace, prefill
 from gpu.sampling import TokenSampler
 from kvsp_quic.auth import Principal
 from kvsp_quic.compat import CompatDescriptor
-from kvsp_quic.container import ContainerHeader, DecodedLayer, EncodedContainer
+from kvsp_quic.container import ContainerHeader, EncodedContainer
+from kvsp_quic.engine import PageHolder, PrefixUnavailable, RunEnd, RunPlan, SessionHooks
 from kvsp_quic.fields import BlockKey, CompatId, ScopeId
-from kvsp_quic.keys import BlockKeyChain
 from kvsp_quic.problems import NotFound
-from kvsp_quic.records import LeaseRenewal, LeaseRequest, LeaseResponse, ReplicaRecord, ResidencyEntry
-from kvsp_quic.roles.holder import Holder, HolderSettings, Replica
-from kvsp_quic.roles.instance import RateMeter
+from kvsp_quic.records import LeaseRenewal, LeaseRequest, LeaseResponse, ReplicaRecord, ResidencyEntry, Sampler
+from kvsp_quic.roles.holder import HolderSettings, Replica
+from kvsp_quic.roles.instance import EngineFigures, RateMeter
 from kvsp_quic.storage.tiers import BlockId, BlockMeta, LruPolicy, Tier, TieredStore
-
-log = logging.getLogger("kvsp.gpu.engine")
 
 T = TypeVar("T")
 
 
-class PrefixUnavailable(RuntimeError):
-    """A block whose tokens this instance does not know (a resumed prompt) could not be loaded."""
-
-
 class Engine:
-    """A model and its cache on one device, computed on one thread."""
+    """A model and its cache on one device, computed on one thread (a :class:`kvsp_quic.engine.InstanceEngine`)."""
 
     def __init__(self, model: LlamaModel, cache: PagedKVCache, descriptor: CompatDescriptor, *,
                  executor: ThreadPoolExecutor | None = None) -> None:
@@ -87,6 +79,21 @@ class Engine:
     @property
     def block_tokens(self) -> int:
         return self.cache.block_tokens
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def figures(self) -> EngineFigures:
+        return EngineFigures(kv_utilization=self.cache.utilization(), prefill_tokens_per_s=self.prefill_rate.value,
+                             decode_tokens_per_s=self.decode_rate.value)
+
+    def check_sampler(self, sampler: Sampler) -> None:
+        """ValueError when :class:`~gpu.sampling.TokenSampler` cannot sample with *sampler*."""
+        TokenSampler.from_record(sampler)
+
+    async def run(self, plan: RunPlan[Page], hooks: SessionHooks[Page]) -> RunEnd:
+        return await run_session(self, plan, hooks)
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """*fn(*args)* on the engine thread."""
@@ -169,45 +176,10 @@ class Engine:
 # -- one session ---------------------------------------------------------------------------------------------
 
 
-@dataclass
-class RunPlan:
-    """What :func:`run_session` computes.
-
-    The prefill covers ``tokens`` (a resumed session's prompt blocks are placeholders: their K and V must be
-    loaded, ``must_load`` blocks), with ``blocks`` for its first blocks; ``keys`` name its complete pages. Then
-    ``replay`` tokens are decoded one by one (a resumed session's generated tokens not covered by loaded blocks:
-    decoded as they were first decoded, so their K and V, and the logits after them, are bit-identical), then up to
-    ``max_new`` tokens are sampled. ``chain`` holds the Block Keys of the sequence up to the end of the prefill and
-    names the pages that complete later.
-    """
-
-    tokens: list[int]
-    blocks: list[BlockInput]
-    keys: list[bytes]
-    chain: BlockKeyChain | None
-    sampler: TokenSampler
-    max_new: int
-    replay: list[int] = field(default_factory=list)
-    must_load: int = 0
-    stop: Collection[int] = ()
-    load_timeout: float | None = None
-    chain_first_block: int = 0  # the block index of ``chain.keys[0]`` (a resumed session's: after the prompt)
-
-
-class SessionHooks(Protocol):
-    def prefilled(self, result: PrefillResult) -> None:
-        """The prefill is done (before any token is sampled)."""
-
-    def token(self, token: int) -> bool:
-        """A token was sampled; False stops the run (the session was fenced)."""
-
-    def page_complete(self, page: Page, key: bytes) -> None:
-        """A page of the sequence is complete and named *key* (publish it)."""
-
-
-async def run_session(engine: Engine, plan: RunPlan, hooks: SessionHooks) -> str:
-    """Run one session; returns the reason it ended: ``"length"``, ``"stop"`` (or ``"fenced"``)."""
+async def run_session(engine: Engine, plan: RunPlan[Page], hooks: SessionHooks[Page]) -> RunEnd:
+    """Run one session (:class:`~kvsp_quic.engine.RunPlan`); returns the reason it ended."""
     cache = engine.cache
+    sampler = TokenSampler.from_record(plan.sampler)
     b = cache.block_tokens
     result = await engine.prefill(plan.tokens, plan.blocks, keys=plan.keys, load_timeout=plan.load_timeout)
     seq = result.sequence
@@ -222,26 +194,26 @@ async def run_session(engine: Engine, plan: RunPlan, hooks: SessionHooks) -> str
             logits = await engine.decode(seq, token)
             _after_decode(cache, seq, plan, token, hooks)
         for n in range(1, plan.max_new + 1):
-            token = await engine.sample(plan.sampler, logits)
+            token = await engine.sample(sampler, logits)
             if not hooks.token(token):
-                return "fenced"
+                return RunEnd.FENCED
             if token in plan.stop:
-                return "stop"
+                return RunEnd.STOP
             if n == plan.max_new:
                 break
             logits = await engine.decode(seq, token)
             _after_decode(cache, seq, plan, token, hooks)
-        return "length"
+        return RunEnd.LENGTH
     finally:
         seq.release()
 
 
-def _name_pages(cache: PagedKVCache, pages: Sequence[Page], keys: Sequence[bytes], hooks: SessionHooks) -> None:
+def _name_pages(cache: PagedKVCache, pages: Sequence[Page], keys: Sequence[bytes], hooks: SessionHooks[Page]) -> None:
     for page, key in zip(pages, keys, strict=False):
         _name(cache, page, key, hooks)
 
 
-def _name(cache: PagedKVCache, page: Page, key: bytes, hooks: SessionHooks) -> None:
+def _name(cache: PagedKVCache, page: Page, key: bytes, hooks: SessionHooks[Page]) -> None:
     if page.key is None:
         if cache.lookup(key) is not None:
             return  # another page holds this block already (loaded by a directive meanwhile)
@@ -250,7 +222,7 @@ def _name(cache: PagedKVCache, page: Page, key: bytes, hooks: SessionHooks) -> N
         hooks.page_complete(page, key)
 
 
-def _after_decode(cache: PagedKVCache, seq: Any, plan: RunPlan, token: int, hooks: SessionHooks) -> None:
+def _after_decode(cache: PagedKVCache, seq: Any, plan: RunPlan[Page], token: int, hooks: SessionHooks[Page]) -> None:
     """*token*'s K and V are in: name the page it completed, if any."""
     if plan.chain is None:
         return
@@ -258,153 +230,6 @@ def _after_decode(cache: PagedKVCache, seq: Any, plan: RunPlan, token: int, hook
     start = plan.chain_first_block + len(plan.chain.keys) - len(new)
     for j, key in enumerate(new):
         _name(cache, seq.pages[start + j], key, hooks)
-
-
-# -- blocks being loaded --------------------------------------------------------------------------------------
-
-
-@dataclass(eq=False)
-class BlockLoad:
-    """One block arriving into a page: its verified layers as they come, for followers."""
-
-    key: bytes
-    layers: list[DecodedLayer] = field(default_factory=list)
-    done: bool = False
-    ok: bool = False
-    interest: int = 0  # directives and prefills that still want it
-    task: asyncio.Task[None] | None = None
-    started: float = 0.0
-    first_layer_at: float | None = None
-    _changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    async def wait(self) -> bool:
-        """Until the load ends; whether it succeeded."""
-        while not self.done:
-            await self._changed.wait()
-        return self.ok
-
-    async def follow(self) -> AsyncIterator[DecodedLayer]:
-        """The layers received so far, then the rest as they arrive; ends early if the load fails (the prefill
-        then recomputes the block)."""
-        self.interest += 1
-        try:
-            i = 0
-            while True:
-                while i < len(self.layers):
-                    yield self.layers[i]
-                    i += 1
-                if self.done:
-                    return
-                changed = self._changed
-                await changed.wait()
-        finally:
-            self.interest -= 1
-
-
-LoadedCallback = Callable[[bytes, Page, tuple[bytes, ...] | None], None]
-FinishedCallback = Callable[[BlockLoad, Any], None]
-
-
-class BlockLoads:
-    """Blocks being loaded into the cache for prefetch directives (each block at most once at a time)."""
-
-    def __init__(self, cache: PagedKVCache, *, on_loaded: LoadedCallback,
-                 on_finished: FinishedCallback | None = None) -> None:
-        self.cache = cache
-        self.on_loaded = on_loaded
-        self.on_finished = on_finished
-        self._loads: dict[bytes, BlockLoad] = {}
-
-    def __len__(self) -> int:
-        return len(self._loads)
-
-    def get(self, key: bytes) -> BlockLoad | None:
-        return self._loads.get(bytes(key))
-
-    def reserve(self, key: bytes) -> BlockLoad:
-        """Announce that *key* is about to be loaded (its source is being looked up): prefills that need it
-        follow this load instead of fetching the block themselves. Then :meth:`begin` or :meth:`abandon`."""
-        key = bytes(key)
-        if key in self._loads:
-            raise ValueError(f"block {key.hex()} is being loaded already")
-        load = BlockLoad(key, started=time.perf_counter())
-        self._loads[key] = load
-        return load
-
-    def begin(self, load: BlockLoad, stream: AsyncIterable[DecodedLayer]) -> BlockLoad:
-        """Load the reserved block from *stream* (verified layers in ascending order) into a new page; the page
-        is named by the key and ``on_loaded`` is told once every layer is in."""
-        load.started = time.perf_counter()
-        load.task = asyncio.get_running_loop().create_task(self._run(load, stream), name=f"load-{load.key.hex()[:8]}")
-        return load
-
-    def start(self, key: bytes, stream: AsyncIterable[DecodedLayer]) -> BlockLoad:
-        return self.begin(self.reserve(key), stream)
-
-    def abandon(self, load: BlockLoad) -> None:
-        """A reserved block will not be loaded (no source): its followers recompute it."""
-        if load.task is None and not load.done:
-            load.done = True
-            self._loads.pop(load.key, None)
-            load._notify()
-
-    async def _run(self, load: BlockLoad, stream: AsyncIterable[DecodedLayer]) -> None:
-        cache = self.cache
-        page: Page | None = None
-        try:
-            page = cache.new_page()
-            async for layer in stream:
-                expected = len(load.layers)
-                if layer.index != expected:
-                    raise ValueError(f"layer {layer.index} arrived, expected {expected}")
-                cache.write_layer(page, layer.index, layer.k_parts, layer.v_parts)
-                if load.first_layer_at is None:
-                    load.first_layer_at = time.perf_counter()
-                load.layers.append(layer)
-                load._notify()
-            if len(load.layers) == cache.layers:
-                digests = tuple(x.digest for x in load.layers if x.digest is not None)
-                if cache.lookup(load.key) is None:
-                    cache.set_key(page, load.key)
-                    self.on_loaded(load.key, page, digests if len(digests) == cache.layers else None)
-                load.ok = True
-        except asyncio.CancelledError:
-            log.info("loading block %s was cancelled", load.key.hex())
-        except Exception as exc:
-            log.info("loading block %s failed: %r", load.key.hex(), exc)
-        finally:
-            closer = getattr(stream, "aclose", None)
-            if closer is not None:
-                with contextlib.suppress(Exception):
-                    await closer()
-            if page is not None:
-                cache.release(page)  # a named page stays cached; an incomplete one is freed
-            load.done = True
-            self._loads.pop(load.key, None)
-            load._notify()
-            if self.on_finished is not None:
-                self.on_finished(load, stream)
-
-    def cancel(self, key: bytes) -> None:
-        load = self._loads.get(bytes(key))
-        if load is None:
-            return
-        if load.task is not None:
-            load.task.cancel()
-        else:
-            self.abandon(load)
-
-    async def aclose(self) -> None:
-        for load in [x for x in self._loads.values() if x.task is None]:
-            self.abandon(load)
-        tasks = [load.task for load in self._loads.values() if load.task is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 # -- the instance as a holder of its own tiers -----------------------------------------------------------------
@@ -429,8 +254,8 @@ class CacheTier(Tier):
         pass
 
 
-class CacheHolder(Holder):
-    """A :class:`~kvsp_quic.roles.holder.Holder` whose replicas are the named pages of an instance's cache.
+class CacheHolder(PageHolder[Page]):
+    """A :class:`~kvsp_quic.engine.PageHolder` whose replicas are the named pages of an instance's cache.
 
     Records carry the page's residency (which layers in the device tier, which in the host tier); blocks are
     served from copies of the page's sections taken while holding a reference on it; a leased page holds a
@@ -446,15 +271,16 @@ class CacheHolder(Holder):
         self._by_key: dict[bytes, BlockId] = {}
         self._pinned: set[BlockId] = set()
 
-    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Take the cache's eviction and residency callbacks (they may come from the engine thread)."""
+    def attach(self, call_soon_threadsafe: Callable[..., object]) -> None:
+        """Take the cache's eviction and residency callbacks (they may come from the engine thread: they run through
+        *call_soon_threadsafe*, e.g. the event loop's)."""
         def evicted(page: Page) -> None:
             if page.key is not None:
-                loop.call_soon_threadsafe(self.forget, page.key)
+                call_soon_threadsafe(self.forget, page.key)
 
         def moved(page: Page) -> None:
             if page.key is not None:
-                loop.call_soon_threadsafe(self.residency_changed, page.key)
+                call_soon_threadsafe(self.residency_changed, page.key)
 
         self.cache.on_evict = evicted
         self.cache.on_residency = moved
@@ -585,6 +411,5 @@ class CacheHolder(Holder):
 
 
 __all__ = [
-    "BlockLoad", "BlockLoads", "CacheHolder", "CacheTier", "Engine", "PrefixUnavailable", "RunPlan", "SessionHooks",
-    "run_session",
+    "CacheHolder", "CacheTier", "Engine", "PrefixUnavailable", "RunEnd", "RunPlan", "SessionHooks", "run_session",
 ]

@@ -41,6 +41,7 @@ from kvsp_quic.keys import BlockKeyer, holder_id, scope_id  # noqa: E402
 from kvsp_quic.roles.holder import Holder, HolderSettings  # noqa: E402
 from kvsp_quic.roles.index import IndexService  # noqa: E402
 from kvsp_quic.storage.memory_index import MemoryIndexStore  # noqa: E402
+from tests.asgi import Router  # noqa: E402
 from tests.pki import TestPki, make_pki  # noqa: E402
 
 B = 4  # block tokens
@@ -88,35 +89,6 @@ def greedy(model: LlamaModel, result: PrefillResult, n: int = 6) -> list[int]:
 
 
 # -- the holder --------------------------------------------------------------------------------------------------
-
-
-class Router:
-    """Serves several role apps below their base paths on one server (and answers the lifespan itself)."""
-
-    def __init__(self) -> None:
-        self.apps: dict[str, Any] = {}
-        self.block_gets = 0
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        if scope["type"] != "http":
-            return
-        path: str = scope["path"]
-        app = self.apps.get("/" + path.split("/")[1] + "/")
-        if app is None:
-            await send({"type": "http.response.start", "status": 404, "headers": []})
-            await send({"type": "http.response.body", "body": b""})
-            return
-        if scope["method"] == "GET" and "/blocks/" in path:
-            self.block_gets += 1
-        await app(scope, receive, send)
 
 
 @dataclasses.dataclass

@@ -1,9 +1,10 @@
-"""The Inference Instance over real sockets (http3/instance_app.py, gpu/engine.py, kvsp_quic/roles/instance.py).
+"""The Inference Instance over real sockets (http3/instance_app.py and http3/instance_*.py, gpu/engine.py,
+kvsp_quic/roles/instance*.py, assembled by kvsp_quic/app/instance.py).
 
 One RoleServer (HTTP/3 + HTTP/1.1/2, mutual TLS) serves the Index Service at ``/is/``, a Holder at ``/h1/`` and a
 fake Placement Controller at ``/pc/`` (a tiny ASGI app that records status reports and checkpoints and answers
 them); each instance is a RoleServer of its own (its resources, its replicas over HTTP and MOQT), built with
-:func:`http3.instance_app.build_instance` around a tiny random model. Blocks reach the holder from a producer
+:func:`kvsp_quic.app.instance.build_instance` around a tiny random model. Blocks reach the holder from a producer
 prefill in the test; the instances publish what they load and compute, and load from each other.
 """
 
@@ -33,15 +34,18 @@ from gpu.sampling import TokenSampler  # noqa: E402
 from http3.client import KvspClient  # noqa: E402
 from http3.holder_app import holder_app  # noqa: E402
 from http3.index_app import index_app  # noqa: E402
-from http3.instance_app import InstanceNode, build_instance  # noqa: E402
+from http3.instance_service import ServiceOptions  # noqa: E402
 from http3.server import RoleServer, bind_pair  # noqa: E402
 from kvsp_quic import container as c  # noqa: E402
+from kvsp_quic.app.instance import InstanceNode, build_instance  # noqa: E402
 from kvsp_quic.auth import ALL, Policy, Principal, Role  # noqa: E402
 from kvsp_quic.compat import CompatDescriptor  # noqa: E402
 from kvsp_quic.keys import BlockKeyer, holder_id, scope_id  # noqa: E402
 from kvsp_quic.roles.holder import Holder, HolderSettings  # noqa: E402
 from kvsp_quic.roles.index import IndexService  # noqa: E402
+from kvsp_quic.roles.instance import InstanceOptions  # noqa: E402
 from kvsp_quic.storage.memory_index import MemoryIndexStore  # noqa: E402
+from tests.asgi import Router, read_body  # noqa: E402
 from tests.pki import TestPki, make_pki  # noqa: E402
 
 B = 4
@@ -96,12 +100,7 @@ class FakePC:
         self.stale_from: int | None = None  # answer kvsp-stale-epoch to checkpoints with an epoch below this
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await read_body(receive)
         parts = scope["path"].strip("/").split("/")  # pc, instances|sessions, id, status|checkpoint
         obj = json.loads(body) if body else {}
         status, answer = 404, {}
@@ -123,38 +122,6 @@ class FakePC:
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", media), (b"content-length", str(len(data)).encode())]})
         await send({"type": "http.response.body", "body": data})
-
-
-class Router:
-    """Role apps below their base paths on one server; counts block GETs and can slow them down."""
-
-    def __init__(self) -> None:
-        self.apps: dict[str, Any] = {}
-        self.block_gets = 0
-        self.block_delay = 0.0
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        if scope["type"] != "http":
-            return
-        path: str = scope["path"]
-        app = self.apps.get("/" + path.split("/")[1] + "/")
-        if app is None:
-            await send({"type": "http.response.start", "status": 404, "headers": []})
-            await send({"type": "http.response.body", "body": b""})
-            return
-        if scope["method"] == "GET" and "/blocks/" in path:
-            self.block_gets += 1
-            if self.block_delay:
-                await asyncio.sleep(self.block_delay)
-        await app(scope, receive, send)
 
 
 @dataclasses.dataclass
@@ -179,9 +146,9 @@ class Cluster:
         tcp, udp = bind_pair("127.0.0.1", 0, 1 << 20)
         base = f"https://127.0.0.1:{tcp.getsockname()[1]}/"
         node = build_instance(engine, base_uri=base, files=self.certs.files("server"), policy=instance_policy(),
-                              scope_keys=[SCOPE_KEY], index=self.uri("is"),
-                              controller=self.uri("pc") if controller else None, settings=settings,
-                              request_timeout=5.0)
+                              scope_keys=[SCOPE_KEY], index=self.uri("is"), options=InstanceOptions(**settings),
+                              service=ServiceOptions(controller=self.uri("pc") if controller else None,
+                                                     request_timeout_ms=5000))
         node.service.publisher.max_sleep = 0.05  # type: ignore[union-attr]
         server = RoleServer(node.app, self.certs.files("server"), quic_handlers=node.quic_handlers)
         await server.start(sockets=(tcp, udp))
@@ -379,7 +346,7 @@ async def test_prefetch_loads_from_a_holder_then_a_session_uses_them_and_equals_
     metrics = (await cl.bob.request("GET", f"{base}metrics")).content.decode()
     assert 'kvsp_fetched_tokens_total{component="instance"} 24' in metrics
     assert 'kvsp_recomputed_tokens_total{component="instance"} 3' in metrics
-    assert 'kvsp_transfer_bytes_total{component="retrieval",transport="HTTP/3",direction="in"}' in metrics
+    assert 'kvsp_transfer_bytes_total{component="retrieval",direction="in",transport="HTTP/3"}' in metrics
     # a later reader from the middle
     lines = await read_stream(cl.alice, f"{base}sessions/{sid}/tokens?from=7")
     assert [x["index"] for x in lines] == [7, 8, 9, 10]
@@ -463,7 +430,7 @@ async def test_status_reports_every_third_of_the_ttl_and_an_idle_instance_asks_t
         cluster: Cluster) -> None:
     cl = cluster
     cl.pc.answer_state = lambda record: "draining" if record.get("requested_state") == "sleeping" else record["state"]
-    node = await cl.instance(status_ttl_ms=300, sleep_after_idle_s=0.5, warmup=2 * B)
+    node = await cl.instance(status_ttl_ms=300, sleep_after_idle_ms=500, warmup=2 * B)
     base = node.role.settings.base_uri
     started = time.monotonic()
     await until(lambda: node.role.lifecycle.state.value == "sleeping", timeout=5)
@@ -665,7 +632,7 @@ async def test_reshard_fetches_from_the_named_instance_retains_in_place_commits_
     assert sum(b.service.fetcher(None).metrics.bytes_by_transport.values()) == fetched  # retained: no transfer
     r = await post(cl.alice, f"{b_uri}reshard", {"map": "m1", "commit": 2})
     assert r.json() == {"map": "m1", "version": 2}
-    assert sorted(i for m, i in b.service._map_pins if m == "m1") == [0, 1, 2, 3]  # released blocks let go
+    assert sorted(i for m, i in b.service.resharding.pins if m == "m1") == [0, 1, 2, 3]  # released blocks let go
     r = await post(cl.alice, f"{b_uri}reshard", {"map": "m1", "from": 5, "to": 6, "deadline_ms": 100})
     assert r.status == 409 and r.json()["type"].endswith("kvsp-plan-conflict")
     # a fetch that cannot be done: no acknowledgement, version 2 stays until the PC aborts

@@ -13,9 +13,9 @@ import pytest
 
 from gpu.modelfiles import ModelConfig, write_random_model
 from http3.client import KvspClient
-from kvsp_quic.app.cli import main
 from kvsp_quic.app.config import ConfigError, InstanceFile, load
 from quic.tls import TlsFiles
+from tests.helpers import run_cli as run
 
 torch = pytest.importorskip("torch", reason="the gpu extra (torch) is not installed")
 
@@ -25,15 +25,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                          num_key_value_heads=1, vocab_size=256, head_dim=16)
     return write_random_model(tmp_path_factory.mktemp("model") / "tiny", config, seed=1)
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

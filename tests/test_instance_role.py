@@ -1,13 +1,17 @@
-"""kvsp_quic/roles/instance.py: the instance's lifecycle, directives, sessions, status and resharding as plain
-objects on a fake clock (no sockets, no torch)."""
+"""kvsp_quic/roles/instance.py (with instance_sessions.py and instance_reshard.py): the instance's lifecycle,
+directives, sessions, the checks of session starts and resumes, status and resharding as plain objects on a fake
+clock (no sockets, no torch)."""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 import pytest
 
+from kvsp_quic.auth import ALL, Principal, Role
 from kvsp_quic.compat import InstanceState
+from kvsp_quic.keys import BlockKeyer
 from kvsp_quic.problems import (
     BadRequest,
     Incompatible,
@@ -15,6 +19,7 @@ from kvsp_quic.problems import (
     NotFound,
     PlanConflict,
     Problem,
+    ScopeDenied,
     StaleEpoch,
     TooManyRequests,
 )
@@ -28,7 +33,9 @@ from kvsp_quic.records import (
     ReshardFetch,
     ReshardPlan,
     Sampler,
+    SessionCheckpoint,
 )
+from kvsp_quic.roles.controller_records import SessionResume, SessionStart
 from kvsp_quic.roles.instance import (
     EngineFigures,
     InstanceRole,
@@ -259,7 +266,7 @@ def test_admission_limits_and_state() -> None:
 
 def test_status_records_every_third_of_the_ttl() -> None:
     clock = Clock()
-    r = role(clock, status_ttl_ms=3000, sleep_after_idle_s=5)
+    r = role(clock, status_ttl_ms=3000, sleep_after_idle_ms=5000)
     assert r.report_due() == 0  # the first at once
     record = r.status_record(EngineFigures(kv_utilization=0.25, prefill_tokens_per_s=1234.56,
                                            decode_tokens_per_s=88.0))
@@ -331,3 +338,116 @@ def test_reshard_plans_commit_and_abort_in_the_spec_order() -> None:
     with pytest.raises(BadRequest):
         book2.plan(plan(0, 1, fetch=[(0, 4)]), None)  # fetching needs the context's block keys
     assert book2.abort(ReshardAbort("other", 1)) == (None, set())
+
+
+# -- the checks of a session start and resume ---------------------------------------------------------------------
+
+SCOPE_KEY = bytes(range(32))
+KEYER = BlockKeyer(SCOPE_KEY, COMPAT, 4)
+ALICE = Principal("urn:kvsp:client:alice", frozenset({Role.CONTROLLER}), frozenset({KEYER.scope_id}))
+PROMPT = tuple(range(10, 21))  # two blocks of 4 and a tail of 3
+
+
+def samplers_of_this_engine(sampler: Sampler) -> None:
+    if sampler.method not in ("greedy", "top-p"):
+        raise ValueError(f"sampling method {sampler.method!r} is not one of greedy, top-p")
+
+
+def checked_role(clock: Clock, **kw: object) -> InstanceRole:
+    settings = InstanceSettings(base_uri=BASE, compat_id=COMPAT, block_tokens=4, vocab_size=256, max_tokens=50,
+                                **kw)  # type: ignore[arg-type]
+    return InstanceRole(settings, epoch=1, clock=clock, keyers=[KEYER], check_sampler=samplers_of_this_engine)
+
+
+def start(sid: uuid.UUID, *, epoch: int = 1, prompt: tuple[int, ...] = PROMPT, block_keys: tuple[bytes, ...] = (),
+          sampler: Sampler = GREEDY, max_tokens: int = 8, scope: bytes = KEYER.scope_id, compat: bytes = COMPAT,
+          session: uuid.UUID | None = None) -> SessionStart:
+    return SessionStart(session or sid, epoch, scope, compat, prompt, max_tokens, sampler,  # type: ignore[arg-type]
+                        block_keys)  # type: ignore[arg-type]
+
+
+def test_a_start_is_checked_against_the_scope_key_the_cache_the_vocabulary_the_keys_and_the_sampler() -> None:
+    r = checked_role(Clock())
+    sid = uuid.uuid4()
+    keys = KEYER.keys(PROMPT)
+    admitted = r.start_session(ALICE, sid, start(sid, block_keys=tuple(keys[:1])))
+    s = admitted.session
+    assert admitted.new and admitted.superseded is None and admitted.keyer is KEYER
+    assert s.prompt_blocks == tuple(keys) and len(keys) == 2 and s.prompt_tail == PROMPT[8:] and s.prompt_len == 11
+    assert s.max_tokens == 8 and s.sampler() == GREEDY
+    again = r.start_session(ALICE, sid, start(sid))
+    assert again.session is s and not again.new  # a re-sent start
+    other = uuid.uuid4()
+    with pytest.raises(BadRequest, match="session"):
+        r.start_session(ALICE, other, start(other, session=sid))
+    with pytest.raises(ScopeDenied, match="not authorized"):
+        r.start_session(ALICE, other, start(other, scope=bytes(16)))
+    everyone = Principal("urn:kvsp:client:pc", frozenset({Role.CONTROLLER}), ALL)
+    with pytest.raises(ScopeDenied, match="no scope key"):
+        r.start_session(everyone, other, start(other, scope=bytes(16)))
+    with pytest.raises(Incompatible):
+        r.start_session(ALICE, other, start(other, compat=bytes(32)))
+    with pytest.raises(BadRequest, match="vocabulary size 256"):
+        r.start_session(ALICE, other, start(other, prompt=(1, 2, 256)))
+    with pytest.raises(BadRequest, match="block_keys"):
+        r.start_session(ALICE, other, start(other, block_keys=(keys[1],)))
+    with pytest.raises(BadRequest, match="sampler: sampling method 'beam'"):
+        r.start_session(ALICE, other, start(other, sampler=Sampler(method="beam", seed=0, step=0,
+                                                                   deterministic=False)))
+    with pytest.raises(BadRequest, match="max_tokens: at most 50"):
+        r.start_session(ALICE, other, start(other, max_tokens=51))
+    assert set(r.sessions.sessions) == {sid}  # nothing refused was admitted
+
+
+def checkpoint(sid: uuid.UUID, *, generated: tuple[int, ...] = (5, 6, 7, 8, 9), offset: int = 3, step: int = 5,
+               blocks: tuple[bytes, ...] | None = None, tail: tuple[int, ...] = PROMPT[8:]) -> SessionCheckpoint:
+    return SessionCheckpoint(
+        session=sid, epoch=1, compat_id=COMPAT, scope_id=KEYER.scope_id,  # type: ignore[arg-type]
+        prompt_blocks=tuple(KEYER.keys(PROMPT)) if blocks is None else blocks, prompt_tail=tail,  # type: ignore[arg-type]
+        generated=generated, output_offset=offset, sampler=dataclasses.replace(TOP_P, step=step))
+
+
+def test_a_resume_continues_from_the_covered_output_with_the_sampler_moved_back() -> None:
+    r = checked_role(Clock())
+    sid = uuid.uuid4()
+    admitted = r.resume_session(ALICE, sid, SessionResume(2, checkpoint(sid), prompt=PROMPT))
+    s = admitted.session
+    assert admitted.new and s.epoch == 2 and s.output == [5, 6, 7] and s.base_offset == s.acked == 3
+    assert s.sampler().step == 3 and s.sampler().params == {"p": 0.9}  # the two uncovered tokens are drawn again
+    assert s.prompt_len == 11 and s.max_tokens == 50  # no max_tokens: the instance's limit
+    assert s.gated  # top-p: tokens wait for acknowledged checkpoints
+    other = uuid.uuid4()
+    with pytest.raises(BadRequest, match=r"checkpoint\.session"):
+        r.resume_session(ALICE, other, SessionResume(2, checkpoint(sid)))
+    with pytest.raises(BadRequest, match="a tail is shorter than a block"):
+        r.resume_session(ALICE, other, SessionResume(2, checkpoint(other, tail=(1, 2, 3, 4))))
+    with pytest.raises(BadRequest, match="not the prompt of the checkpoint"):
+        r.resume_session(ALICE, other, SessionResume(2, checkpoint(other), prompt=(*PROMPT[:-1], 99)))
+    with pytest.raises(BadRequest, match="vocabulary"):
+        r.resume_session(ALICE, other, SessionResume(2, checkpoint(other, generated=(300,), offset=1, step=1)))
+    at_boundary = checkpoint(other, generated=(), offset=0, step=0, tail=())
+    with pytest.raises(BadRequest, match="without the prompt"):
+        r.resume_session(ALICE, other, SessionResume(2, at_boundary))
+    resumed = r.resume_session(ALICE, other, SessionResume(2, at_boundary, prompt=PROMPT[:8], max_tokens=4))
+    assert resumed.new and resumed.session.output == [] and resumed.session.max_tokens == 4
+
+
+def test_scope_keys_must_fit_the_cache() -> None:
+    settings = InstanceSettings(base_uri=BASE, compat_id=COMPAT, block_tokens=8)
+    with pytest.raises(ValueError, match="block size"):
+        InstanceRole(settings, epoch=1, clock=Clock(), keyers=[KEYER])  # set up for blocks of 4
+
+
+def test_a_reshard_context_must_be_of_the_principals_scope_and_this_cache() -> None:
+    r = checked_role(Clock())
+    ctx = ReshardContext(compat_id=COMPAT, scope_id=KEYER.scope_id, block_keys=(A, B_))  # type: ignore[arg-type]
+    with pytest.raises(Incompatible):
+        r.plan_reshard(ALICE, plan(0, 1, fetch=[(0, 8)]), dataclasses.replace(ctx, compat_id=bytes(32)))
+    with pytest.raises(ScopeDenied):
+        r.plan_reshard(ALICE, plan(0, 1, fetch=[(0, 8)]), dataclasses.replace(ctx, scope_id=bytes(16)))
+    steps = r.plan_reshard(ALICE, plan(0, 1, fetch=[(0, 8)]), ctx)
+    assert steps.new and [i for i, _ in steps.fetch] == [0, 1]
+    with pytest.raises(PlanConflict, match="still loading"):
+        r.plan_reshard(ALICE, plan(0, 1, fetch=[(0, 8)]), ctx)  # the same plan again, its fetches not in
+    r.reshard.acknowledge(steps.state)
+    assert not r.plan_reshard(ALICE, plan(0, 1, fetch=[(0, 8)]), ctx).new  # answered as acknowledged

@@ -1,36 +1,38 @@
 """The Inference Instance role (spec: "Instance Status and Lifecycle", "Prefetch Directives", "Session Checkpoints
 and Migration", "Sequence-Sharded Caches and Resharding") as plain objects with an injected monotonic clock.
 
-No torch, no asyncio, no HTTP: ``gpu/engine.py`` runs the model, ``http3/instance_app.py`` translates requests and
-drives the timers (docs/inference.md is the contract with the Placement Controller and the front end).
+No torch, no asyncio, no HTTP: the engine (``gpu/engine.py``, behind :mod:`kvsp_quic.engine`) runs the model,
+``http3/instance_service.py`` drives the timers and loads, ``http3/instance_app.py`` translates requests
+(docs/inference.md is the contract with the Placement Controller and the front end).
 
 * :class:`Lifecycle` -- ``active`` / ``draining`` / ``sleeping``: new sessions only when active; a draining
   instance finishes what it admitted, then sleeps and reports it; a sleeping one wakes only on ``PUT state`` from
-  the PC; after ``sleep_after_idle_s`` without a session it asks to sleep (``requested_state``), and the PC's
+  the PC; after ``sleep_after_idle_ms`` without a session it asks to sleep (``requested_state``), and the PC's
   answer to that report (``draining``/``sleeping``: accepted, ``active``: refused) is applied.
 * :class:`DirectiveTable` -- prefetch directives: quotas, idempotent re-sends, blocks already held count as loaded
-  at once, the deadline turns a directive ``partial``; finished directives are kept for ``directive_retention_s``.
-* :class:`Session` / :class:`SessionTable` -- epochs (a lower epoch is refused with ``kvsp-stale-epoch``; a higher
-  one supersedes the run in progress), the output tokens with their indices, when a checkpoint is due (a block of
-  generated tokens completes, ``checkpoint_tokens`` tokens since the last, the end), and which tokens may be
-  released to the front end (all with a deterministic sampler or without a PC; otherwise those covered by an
-  acknowledged checkpoint).
-* :class:`ReshardBook` -- the map versions and plans of sequence-sharded contexts, with commit / abort exactly as
-  the spec orders them; which blocks to keep, fetch and drop is returned to the caller.
-* :class:`InstanceRole` -- all of the above plus the Instance Status Record (rates, links, utilization).
+  at once, the deadline turns a directive ``partial``; finished directives are kept for ``directive_retention_ms``.
+* :class:`~kvsp_quic.roles.instance_sessions.InstanceSession` / :class:`~kvsp_quic.roles.instance_sessions.
+  SessionTable` -- the runs of sessions: epochs, output indices, when a checkpoint is due, which tokens may be
+  released (:mod:`kvsp_quic.roles.instance_sessions`).
+* :class:`~kvsp_quic.roles.instance_reshard.ReshardBook` -- the map versions and plans of sequence-sharded
+  contexts (:mod:`kvsp_quic.roles.instance_reshard`).
+* :class:`InstanceRole` -- all of the above, the checks of a session start or resume (scope key, compatibility,
+  token ids, the Block Keys and tail of the prompt, the sampler and its step, limits: :class:`Admission`), the
+  context of a reshard plan, and the Instance Status Record (rates, links, utilization).
 """
 
 from __future__ import annotations
 
-import enum
+import dataclasses
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvsp_quic import fields as f
+from kvsp_quic.auth import Principal, require_scope
 from kvsp_quic.compat import InstanceState
 from kvsp_quic.fields import BlockKey, CompatId, ScopeId
+from kvsp_quic.keys import BlockKeyer
 from kvsp_quic.problems import (
     BadRequest,
     Incompatible,
@@ -38,7 +40,7 @@ from kvsp_quic.problems import (
     NotFound,
     PlanConflict,
     Problem,
-    StaleEpoch,
+    ScopeDenied,
     TooManyRequests,
 )
 from kvsp_quic.records import (
@@ -47,51 +49,110 @@ from kvsp_quic.records import (
     PrefetchDirective,
     PrefetchState,
     PrefetchStatus,
-    Record,
-    ReshardAbort,
-    ReshardCommit,
     ReshardPlan,
     Sampler,
-    SessionCheckpoint,
-    TokenRange,
-    wire,
 )
+from kvsp_quic.roles.controller_records import SessionResume, SessionStart
+from kvsp_quic.roles.instance_reshard import MapState, PlanSteps, ReshardBook, ReshardContext
+from kvsp_quic.roles.instance_sessions import Clock, InstanceSession, Phase, SessionTable
 
-Clock = Callable[[], float]
 MAX_CHECKPOINT_TOKENS = 64  # spec: "at least every 64 output tokens"
 
 
-@dataclass(frozen=True)
-class InstanceSettings:
-    base_uri: str  # the instance's base URI (the "instance" of its status records, and its holder URI)
-    compat_id: bytes  # the Compatibility ID of its cache
-    block_tokens: int
+@dataclass(frozen=True, kw_only=True)
+class InstanceOptions:
+    """What an instance's operator sets: the ``[instance]`` section of ``kvsp-quic instance``'s file has these
+    fields (with the engine's and the service's: ``kvsp_quic.app.config.InstanceSection``). Durations in
+    milliseconds; the role reads seconds (``*_s``)."""
+
     status_ttl_ms: int = 3000  # ttl_ms of status records; reported every third of it
     max_running: int = 4  # sessions computed at once (batch_size)
     max_queued: int = 64  # admitted sessions waiting for a slot
     max_directives: int = 64  # pending prefetch directives (spec, Security Considerations: a required quota)
     max_directive_blocks: int = 8192
-    directive_retention_s: float = 600.0  # finished directives answer GET this long
-    session_retention_s: float = 600.0  # finished sessions answer GET tokens this long
+    directive_retention_ms: int = 600_000  # finished directives answer GET this long
+    session_retention_ms: int = 600_000  # finished sessions answer GET tokens this long
     checkpoint_tokens: int = 16  # a checkpoint at least every this many output tokens (<= 64)
     max_tokens: int = 4096  # per session (a resume without max_tokens gets this)
     max_prompt_tokens: int = 1 << 17
-    sleep_after_idle_s: float | None = None  # ask to sleep after this long without sessions (None: never)
+    sleep_after_idle_ms: int | None = None  # ask to sleep after this long without sessions (None: never)
     deterministic_greedy: bool = True  # greedy output is bit-identical on every eligible instance (see docs)
-    controller: bool = True  # a PC acknowledges checkpoints (False: tokens are released at once)
 
     def __post_init__(self) -> None:
+        if not 1 <= self.checkpoint_tokens <= MAX_CHECKPOINT_TOKENS:
+            raise ValueError(f"checkpoint_tokens: at most {MAX_CHECKPOINT_TOKENS} (spec: a checkpoint at least "
+                             f"every {MAX_CHECKPOINT_TOKENS} tokens), and positive")
+        for name in ("status_ttl_ms", "max_running", "max_directives", "max_tokens", "max_prompt_tokens",
+                     "max_directive_blocks", "directive_retention_ms", "session_retention_ms"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be positive")
+        if self.max_queued < 0:
+            raise ValueError("max_queued: must not be negative")
+        if self.sleep_after_idle_ms is not None and self.sleep_after_idle_ms < 1:
+            raise ValueError("sleep_after_idle_ms: must be positive")
+
+    @property
+    def directive_retention_s(self) -> float:
+        return self.directive_retention_ms / 1000
+
+    @property
+    def session_retention_s(self) -> float:
+        return self.session_retention_ms / 1000
+
+    @property
+    def sleep_after_idle_s(self) -> float | None:
+        return None if self.sleep_after_idle_ms is None else self.sleep_after_idle_ms / 1000
+
+
+@dataclass(frozen=True)
+class InstanceSettings(InstanceOptions):
+    """An instance's settings: its :class:`InstanceOptions` and what its engine and wiring make it."""
+
+    base_uri: str  # the instance's base URI (the "instance" of its status records, and its holder URI)
+    compat_id: bytes  # the Compatibility ID of its cache
+    block_tokens: int
+    controller: bool = True  # a PC acknowledges checkpoints (False: tokens are released at once)
+    vocab_size: int | None = None  # the model's: token ids are below it (None: not checked)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         f.base_uri(self.base_uri, "instance base URI")
         if len(self.compat_id) != 32 or self.block_tokens < 1:
             raise ValueError("compat_id is 32 octets and block_tokens positive")
-        if not 1 <= self.checkpoint_tokens <= MAX_CHECKPOINT_TOKENS:
-            raise ValueError(f"checkpoint_tokens must be 1..{MAX_CHECKPOINT_TOKENS}")
-        for name in ("status_ttl_ms", "max_running", "max_directives", "max_tokens", "max_prompt_tokens",
-                     "max_directive_blocks"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive")
-        if self.max_queued < 0:
-            raise ValueError("max_queued must not be negative")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError("vocab_size must be positive")
+
+
+@dataclass(frozen=True)
+class ServiceOptions:
+    """The settings of the instance's asyncio service (``http3.instance_service``), in ``[instance]`` of
+    ``kvsp-quic instance``'s file with :class:`InstanceOptions`. Durations in milliseconds; read in seconds."""
+
+    controller: str | None = None  # the Placement Controller: status reports, checkpoints
+    session_lease_ms: int | None = None  # leases for blocks a session start loads itself (None: none)
+    request_timeout_ms: int = 10_000  # of each request to the Index Service, the PC, holders
+    checkpoint_retry_ms: int = 500
+    load_timeout_ms: int | None = 30_000  # a block still arriving after this long is recomputed (None: waits)
+
+    def __post_init__(self) -> None:
+        if self.controller is not None:
+            f.base_uri(self.controller, "controller")
+        for name in ("session_lease_ms", "request_timeout_ms", "checkpoint_retry_ms", "load_timeout_ms"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}: must be positive")
+
+    @property
+    def request_timeout_s(self) -> float:
+        return self.request_timeout_ms / 1000
+
+    @property
+    def checkpoint_retry_s(self) -> float:
+        return self.checkpoint_retry_ms / 1000
+
+    @property
+    def load_timeout_s(self) -> float | None:
+        return None if self.load_timeout_ms is None else self.load_timeout_ms / 1000
 
 
 # -- Lifecycle --------------------------------------------------------------------------------------------------
@@ -288,224 +349,6 @@ class DirectiveTable:
             del self._all[d.id]
 
 
-# -- Sessions -----------------------------------------------------------------------------------------------------
-
-
-class Phase(enum.Enum):
-    QUEUED = "queued"  # admitted, waiting for a compute slot
-    PREFILL = "prefill"  # loading and computing the prompt (or rebuilding after a resume)
-    DECODE = "decode"
-    DONE = "done"  # finished: reason "length" or "stop"
-    FAILED = "failed"  # finished with reason "error"
-    SUPERSEDED = "superseded"  # fenced: a newer epoch runs elsewhere (or here); its stream ends without a done line
-
-    @property
-    def finished(self) -> bool:
-        return self in (Phase.DONE, Phase.FAILED, Phase.SUPERSEDED)
-
-
-@dataclass(eq=False)
-class Session:
-    """One session's run at this instance in one epoch. Output indices count from the session's first token;
-    after a resume, ``output[:base_offset]`` are the checkpoint's tokens."""
-
-    id: uuid.UUID
-    epoch: int
-    compat_id: CompatId
-    scope_id: ScopeId
-    prompt_len: int
-    prompt_blocks: tuple[BlockKey, ...]
-    prompt_tail: tuple[int, ...]
-    max_tokens: int
-    method: str
-    params: Mapping[str, Any]
-    seed: int
-    base_step: int  # the sampler's step at output index base_offset
-    base_offset: int
-    deterministic: bool
-    block_tokens: int
-    checkpoint_tokens: int
-    gated: bool  # tokens are released only once an acknowledged checkpoint covers them
-    stop: frozenset[int] = frozenset()
-    output: list[int] = field(default_factory=list)
-    phase: Phase = Phase.QUEUED
-    reason: str | None = None  # "length" | "stop" | "error" once finished
-    detail: str = ""
-    acked: int = 0  # output_offset of the latest acknowledged checkpoint
-    snapshot_offset: int = 0  # output_offset of the latest checkpoint made
-    pending: SessionCheckpoint | None = None  # made and not yet sent
-    in_flight: int | None = None  # output_offset of the checkpoint being sent
-    started_at: float = 0.0
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    loaded_blocks: int = 0  # blocks whose K and V were loaded rather than computed
-    recomputed_tokens: int = 0  # prompt (or, after a resume, sequence) tokens computed by the prefill
-    block_sources: dict[str, int] = field(default_factory=dict)  # loaded blocks by where from ("HTTP/3", ...)
-    listeners: list[Callable[[], None]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.acked = self.snapshot_offset = self.base_offset
-
-    def notify(self) -> None:
-        for listener in list(self.listeners):
-            listener()
-
-    @property
-    def length(self) -> int:
-        """Tokens of the sequence so far (prompt and output)."""
-        return self.prompt_len + len(self.output)
-
-    @property
-    def remaining(self) -> int:
-        return max(0, self.max_tokens - len(self.output))
-
-    def sampler(self) -> Sampler:
-        """The checkpointable sampler state after the current output."""
-        return Sampler(method=self.method, seed=self.seed, step=self.base_step + len(self.output) - self.base_offset,
-                       deterministic=self.deterministic, params=dict(self.params))
-
-    def append(self, token: int, now: float) -> bool:
-        """One more output token; True when a checkpoint was made (a generated block completed, or
-        ``checkpoint_tokens`` since the last one)."""
-        if self.phase.finished:
-            raise RuntimeError(f"session {self.id} is {self.phase.value}")
-        self.output.append(token)
-        if self.first_token_at is None:
-            self.first_token_at = now
-        due = self.length % self.block_tokens == 0 or len(self.output) - self.snapshot_offset >= \
-            self.checkpoint_tokens
-        if due:
-            self.snapshot()
-        self.notify()
-        return due
-
-    def snapshot(self) -> None:
-        self.pending = self.checkpoint()
-        self.snapshot_offset = len(self.output)
-
-    def checkpoint(self) -> SessionCheckpoint:
-        return SessionCheckpoint(session=self.id, epoch=self.epoch, compat_id=self.compat_id, scope_id=self.scope_id,
-                                 prompt_blocks=self.prompt_blocks, prompt_tail=self.prompt_tail,
-                                 generated=tuple(self.output), output_offset=len(self.output), sampler=self.sampler())
-
-    def take_checkpoint(self) -> SessionCheckpoint | None:
-        """The latest checkpoint to send (None: nothing new, or one is in flight)."""
-        if self.pending is None or self.in_flight is not None:
-            return None
-        cp, self.pending = self.pending, None
-        self.in_flight = cp.output_offset
-        return cp
-
-    def checkpoint_done(self, offset: int, acknowledged: bool) -> None:
-        """The PC answered the checkpoint of *offset* (200), or it failed (retry: it is pending again unless a
-        newer one was made meanwhile)."""
-        self.in_flight = None
-        if acknowledged:
-            self.acked = max(self.acked, offset)
-        elif self.pending is None and offset > self.acked and self.phase is not Phase.SUPERSEDED:
-            self.snapshot()  # made anew (it covers whatever was generated meanwhile too)
-        self.notify()
-
-    @property
-    def checkpoints_settled(self) -> bool:
-        return self.pending is None and self.in_flight is None
-
-    def finish(self, phase: Phase, reason: str | None, now: float, detail: str = "") -> None:
-        if self.phase.finished:
-            return
-        self.phase = phase
-        self.reason = reason
-        self.detail = detail
-        self.finished_at = now
-        if phase is Phase.DONE and (self.pending is None or len(self.output) > self.snapshot_offset):
-            self.snapshot()  # the final checkpoint (sent with "done": true), even when it covers nothing new
-        self.notify()
-
-    def info(self) -> dict[str, Any]:
-        """*(extension)* ``GET sessions/{id}``: where the run stands."""
-        ttft = None if self.first_token_at is None else round((self.first_token_at - self.started_at) * 1000, 3)
-        return {"session": str(self.id), "epoch": self.epoch, "state": self.phase.value, "reason": self.reason,
-                "output_offset": len(self.output), "released": self.releasable(), "prompt_tokens": self.prompt_len,
-                "loaded_blocks": self.loaded_blocks, "computed_tokens": self.recomputed_tokens,
-                "block_sources": dict(self.block_sources), "ttft_ms": ttft}
-
-    def releasable(self) -> int:
-        """Output indices [0, n) may be sent to the front end."""
-        return min(self.acked, len(self.output)) if self.gated else len(self.output)
-
-    def stream_done(self, position: int) -> bool:
-        """Whether a stream at *position* has sent everything it ever will (then the final line, if any)."""
-        if not self.phase.finished:
-            return False
-        if self.phase is Phase.SUPERSEDED:
-            return True
-        if not self.gated:
-            return position >= len(self.output)
-        return self.checkpoints_settled and position >= self.releasable()
-
-
-class SessionTable:
-    def __init__(self, settings: InstanceSettings, clock: Clock) -> None:
-        self.settings = settings
-        self._clock = clock
-        self.sessions: dict[uuid.UUID, Session] = {}
-        self.epochs: dict[uuid.UUID, int] = {}  # the highest epoch seen per session (kept after it ends)
-
-    def get(self, session: uuid.UUID) -> Session:
-        s = self.sessions.get(session)
-        if s is None:
-            raise NotFound(f"no session {session} at this instance")
-        return s
-
-    def in_flight(self) -> int:
-        return sum(1 for s in self.sessions.values() if not s.phase.finished)
-
-    def running(self) -> int:
-        return sum(1 for s in self.sessions.values() if s.phase in (Phase.PREFILL, Phase.DECODE))
-
-    def queued(self) -> int:
-        return sum(1 for s in self.sessions.values() if s.phase is Phase.QUEUED)
-
-    def check_epoch(self, session: uuid.UUID, epoch: int) -> Session | None:
-        """Fencing: a lower epoch than seen is refused (409 kvsp-stale-epoch); the epoch of the run admitted here
-        returns that run (a re-sent request); a higher one is a new run."""
-        highest = self.epochs.get(session)
-        if highest is not None and epoch < highest:
-            raise StaleEpoch(f"session {session}: epoch {epoch} is older than {highest}")
-        current = self.sessions.get(session)
-        if current is not None and current.epoch == epoch:
-            return current
-        return None
-
-    def capacity_check(self) -> None:
-        limit = self.settings.max_running + self.settings.max_queued
-        if self.in_flight() >= limit:
-            raise TooManyRequests(f"{limit} sessions are admitted; try again later")
-
-    def add(self, session: Session) -> Session | None:
-        """Admit *session*; returns the run of an older epoch it supersedes, if one is still in flight."""
-        old = self.sessions.get(session.id)
-        self.epochs[session.id] = session.epoch
-        self.sessions[session.id] = session
-        session.started_at = self._clock()
-        if old is not None and not old.phase.finished:
-            old.finish(Phase.SUPERSEDED, None, self._clock(), f"superseded by epoch {session.epoch}")
-            return old
-        return None
-
-    def fence(self, session: Session, detail: str) -> None:
-        """The PC refused a checkpoint with kvsp-stale-epoch: another instance serves a newer epoch."""
-        self.epochs[session.id] = max(self.epochs.get(session.id, 0), session.epoch + 1)  # a newer one exists
-        session.finish(Phase.SUPERSEDED, None, self._clock(), detail)
-
-    def sweep(self) -> None:
-        now = self._clock()
-        keep = self.settings.session_retention_s
-        for s in [s for s in self.sessions.values() if s.finished_at is not None and now - s.finished_at > keep
-                  and s.checkpoints_settled]:
-            del self.sessions[s.id]
-
-
 # -- Measurements for the status record ---------------------------------------------------------------------------
 
 
@@ -554,145 +397,6 @@ class LinkMeter:
         return tuple(out[h] for h in sorted(out))
 
 
-# -- Resharding --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ReshardContext(Record):
-    """*(extension)* ``"context"`` of a reshard plan: the blocks of the map's context, so that the instance can
-    name the token ranges it fetches (block i covers tokens [i*B, (i+1)*B)). KVSP plans carry token ranges only."""
-
-    compat_id: CompatId = wire(f.compat_id)
-    scope_id: ScopeId = wire(f.scope_id)
-    block_keys: tuple[BlockKey, ...] = wire(lambda v, p: f.array(v, p, f.block_key, nonempty=True))
-
-
-@dataclass
-class MapState:
-    map: str
-    version: int  # the version authoritative at this instance
-    context: ReshardContext | None = None
-    held: set[int] = field(default_factory=set)  # block indexes this instance keeps for the map (pinned)
-    plan: ReshardPlan | None = None  # the plan of version + 1 being prepared
-    fetched: set[int] = field(default_factory=set)  # blocks loaded for the plan (discarded on abort)
-    acknowledged: bool = False  # every fetch of the plan is in
-
-
-@dataclass(frozen=True)
-class PlanSteps:
-    """What the caller does for a plan: make *retain* blocks resident and keep them (they must not move),
-    fetch *fetch* blocks from their instance."""
-
-    state: MapState
-    retain: tuple[int, ...]
-    fetch: tuple[tuple[int, str], ...]  # (block index, the instance to fetch it from)
-    new: bool  # False: the same plan again (idempotent), nothing to do
-
-
-class ReshardBook:
-    """Map versions and plans of the contexts this instance holds shards of (spec, "Sequence-Sharded Caches and
-    Resharding"). Token ranges are handled as the complete blocks they cover: a range must start on a block
-    boundary and end on one (or at the end of the context, whose partial last block has no key)."""
-
-    def __init__(self, block_tokens: int) -> None:
-        self.block_tokens = block_tokens
-        self.maps: dict[str, MapState] = {}
-
-    def blocks_of(self, tokens: TokenRange, context: ReshardContext | None, what: str) -> range:
-        a, b = tokens
-        bt = self.block_tokens
-        total = len(context.block_keys) * bt if context is not None else None
-        if a % bt:
-            raise BadRequest(f"{what} [{a}, {b}): ranges start on a block boundary (block_tokens {bt})")
-        if b % bt and (total is None or b < total):
-            raise BadRequest(f"{what} [{a}, {b}): ranges end on a block boundary (block_tokens {bt})")
-        last = b // bt if total is None else min(b // bt, len(context.block_keys)) if context else b // bt
-        return range(a // bt, last)
-
-    def plan(self, plan: ReshardPlan, context: ReshardContext | None) -> PlanSteps:
-        state = self.maps.get(plan.map)
-        if state is None:
-            state = MapState(plan.map, plan.from_version, context)
-            self.maps[plan.map] = state
-        if context is not None:
-            if state.context is not None and state.context != context:
-                raise PlanConflict(f"map {plan.map}: the plan names another context than before")
-            state.context = context
-        if state.plan is not None:
-            if state.plan == plan:
-                return PlanSteps(state, (), (), False)
-            raise PlanConflict(f"map {plan.map}: a plan to version {state.plan.to_version} is in progress")
-        if state.version != plan.from_version:
-            raise PlanConflict(f"map {plan.map}: this instance holds version {state.version}, the plan moves from "
-                               f"{plan.from_version}")
-        if plan.fetch and state.context is None:
-            raise BadRequest("fetch: this instance needs the plan's context (extension member 'context': compat_id, "
-                             "scope_id, block_keys) to name the blocks of the ranges it fetches")
-        retain = tuple(i for r in plan.retain for i in self.blocks_of(r, state.context, "retain"))
-        fetch = tuple((i, x.source) for x in plan.fetch for i in self.blocks_of(x.tokens, state.context, "fetch"))
-        for r in plan.release:
-            self.blocks_of(r, state.context, "release")
-        state.plan = plan
-        state.fetched = set()
-        state.acknowledged = False
-        return PlanSteps(state, retain, fetch, True)
-
-    def retained(self, state: MapState, blocks: Iterable[int]) -> None:
-        state.held.update(blocks)
-
-    def fetched(self, state: MapState, blocks: Iterable[int]) -> None:
-        state.fetched.update(blocks)
-
-    def acknowledge(self, state: MapState) -> None:
-        state.acknowledged = True
-
-    def commit(self, msg: ReshardCommit) -> tuple[MapState, set[int]]:
-        """Version ``commit`` becomes authoritative; returns the blocks to let go (``release`` of the plan)."""
-        state = self.maps.get(msg.map)
-        if state is None:
-            raise PlanConflict(f"no plan for map {msg.map} at this instance")
-        if state.plan is None:
-            if state.version == msg.commit:
-                return state, set()  # committed already
-            raise PlanConflict(f"map {msg.map}: no plan to version {msg.commit} (version {state.version} holds)")
-        if state.plan.to_version != msg.commit:
-            raise PlanConflict(f"map {msg.map}: the plan in progress moves to {state.plan.to_version}, not "
-                               f"{msg.commit}")
-        if not state.acknowledged:
-            raise PlanConflict(f"map {msg.map}: the fetches of version {msg.commit} are not complete here")
-        plan = state.plan
-        state.held |= state.fetched
-        drop: set[int] = set()
-        for r in plan.release:
-            drop.update(self.blocks_of(r, state.context, "release"))
-        keep = {i for r in plan.retain for i in self.blocks_of(r, state.context, "retain")}
-        keep |= {i for x in plan.fetch for i in self.blocks_of(x.tokens, state.context, "fetch")}
-        drop -= keep
-        state.held -= drop
-        state.version = msg.commit
-        state.plan = None
-        state.fetched = set()
-        return state, drop
-
-    def abort(self, msg: ReshardAbort) -> tuple[MapState | None, set[int]]:
-        """Version ``abort`` is abandoned; returns the blocks fetched for it (to discard). Version v stays."""
-        state = self.maps.get(msg.map)
-        if state is None:
-            return None, set()
-        if state.plan is None:
-            if state.version == msg.abort:
-                raise PlanConflict(f"map {msg.map}: version {msg.abort} was committed here")
-            return state, set()  # nothing in progress: aborted already
-        if state.plan.to_version != msg.abort:
-            raise PlanConflict(f"map {msg.map}: the plan in progress moves to {state.plan.to_version}, not "
-                               f"{msg.abort}")
-        discard = state.fetched - state.held
-        state.plan = None
-        state.fetched = set()
-        state.acknowledged = False
-        return state, discard
-
-
 # -- The role --------------------------------------------------------------------------------------------------
 
 
@@ -705,17 +409,42 @@ class EngineFigures:
     decode_tokens_per_s: float | None = None
 
 
+SamplerCheck = Callable[[Sampler], None]  # raises ValueError for a sampler the engine cannot run
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A session start or resume that passed the role's checks."""
+
+    session: InstanceSession  # the run: new, or the one admitted before (a re-sent request of its epoch)
+    superseded: InstanceSession | None  # the run of an older epoch it ended, if one was in flight
+    new: bool  # False: a re-sent request of the admitted epoch; nothing to compute
+    keyer: BlockKeyer  # the scope's: names the pages the run completes
+
+
 class InstanceRole:
-    def __init__(self, settings: InstanceSettings, *, epoch: int, clock: Clock,
-                 links: Iterable[Link] = ()) -> None:
+    """The instance's protocol state and rules. *keyers*: the scope keys this instance holds (one
+    :class:`~kvsp_quic.keys.BlockKeyer` per scope, for its Compatibility ID and block size); *check_sampler*: the
+    engine's test of a sampler (None: any)."""
+
+    def __init__(self, settings: InstanceSettings, *, epoch: int, clock: Clock, links: Iterable[Link] = (),
+                 keyers: Iterable[BlockKeyer] = (), check_sampler: SamplerCheck | None = None) -> None:
         self.settings = settings
         self.epoch = epoch  # the instance's epoch: its start time in ms since the Unix epoch (docs/inference.md)
         self._clock = clock
         self.lifecycle = Lifecycle(clock, sleep_after_idle_s=settings.sleep_after_idle_s)
         self.directives = DirectiveTable(settings, clock)
-        self.sessions = SessionTable(settings, clock)
+        self.sessions = SessionTable(clock, capacity=settings.max_running + settings.max_queued,
+                                     retention_s=settings.session_retention_s)
         self.reshard = ReshardBook(settings.block_tokens)
         self.links = LinkMeter(links)
+        self.keyers: dict[bytes, BlockKeyer] = {}
+        for keyer in keyers:
+            if bytes(keyer.compat_id) != settings.compat_id or keyer.block_tokens != settings.block_tokens:
+                raise ValueError(f"the scope key of scope {bytes(keyer.scope_id).hex()} is set up for another "
+                                 f"Compatibility ID or block size")
+            self.keyers[bytes(keyer.scope_id)] = keyer
+        self._check_sampler = check_sampler
         self._last_report: float | None = None
         self._requested: InstanceState | None = None
         self.reports = 0
@@ -731,9 +460,100 @@ class InstanceRole:
             self.lifecycle.admit()  # a re-sent directive is answered whatever the state
         return self.directives.accept(record, held)
 
+    def keyer(self, scope_id: bytes) -> BlockKeyer:
+        """The Block Keyer of *scope_id* (403 kvsp-scope-denied when this instance holds no key for it)."""
+        keyer = self.keyers.get(bytes(scope_id))
+        if keyer is None:
+            raise ScopeDenied(f"this instance holds no scope key for scope {bytes(scope_id).hex()} (configure it "
+                              f"with --scope-key)")
+        return keyer
+
+    def start_session(self, principal: Principal, session: uuid.UUID, body: SessionStart) -> Admission:
+        """``POST sessions/{session}/start``: the scope (of the principal, and a key for it here), the Compatibility
+        ID, the prompt's token ids, the ``block_keys`` the PC looked up (a prefix of the prompt's Block Keys in
+        the scope), the sampler and the limits; then :meth:`new_session`."""
+        if body.session != session:
+            raise BadRequest(f"session: {body.session} in a request for {session}")
+        require_scope(principal, body.scope_id)
+        keyer = self.keyer(body.scope_id)
+        self._check_compat(body.compat_id)
+        self._check_tokens(body.prompt, "prompt")
+        keys = keyer.keys(body.prompt)
+        if body.block_keys and tuple(bytes(k) for k in body.block_keys) != tuple(keys[:len(body.block_keys)]):
+            raise BadRequest("block_keys: they are not the Block Keys of the prompt in this scope")
+        self._sampler_ok(body.sampler)
+        b = self.settings.block_tokens
+        run, old, new = self.new_session(
+            session=session, epoch=body.epoch, compat_id=body.compat_id, scope_id=body.scope_id,
+            prompt_len=len(body.prompt), prompt_blocks=keys, prompt_tail=body.prompt[len(keys) * b:],
+            max_tokens=self.max_tokens(body.max_tokens), sampler=body.sampler)
+        return Admission(run, old, new, keyer)
+
+    def resume_session(self, principal: Principal, session: uuid.UUID, body: SessionResume) -> Admission:
+        """``POST sessions/{session}/resume``: the checkpoint's session, scope and Compatibility ID, its token ids,
+        a tail shorter than a block, the ``prompt`` (when sent) against the checkpoint's blocks and tail; the
+        generated tokens after ``output_offset`` are dropped and the sampler's step moved back by as many (they are
+        generated again); then :meth:`new_session` with the covered output."""
+        cp = body.checkpoint
+        if cp.session != session:
+            raise BadRequest(f"checkpoint.session: {cp.session} in a request for {session}")
+        require_scope(principal, cp.scope_id)
+        keyer = self.keyer(cp.scope_id)
+        self._check_compat(cp.compat_id)
+        b = self.settings.block_tokens
+        self._check_tokens([*cp.prompt_tail, *cp.generated, *(body.prompt or ())], "checkpoint")
+        prompt_len = len(cp.prompt_blocks) * b + len(cp.prompt_tail)
+        if len(cp.prompt_tail) >= b:
+            raise BadRequest(f"checkpoint.prompt_tail: {len(cp.prompt_tail)} tokens; a tail is shorter than a block")
+        if body.prompt is not None and (
+                len(body.prompt) != prompt_len or tuple(keyer.keys(body.prompt)) != tuple(cp.prompt_blocks)
+                or tuple(body.prompt[len(cp.prompt_blocks) * b:]) != tuple(cp.prompt_tail)):
+            raise BadRequest("prompt: it is not the prompt of the checkpoint's blocks and tail")
+        offset = cp.output_offset
+        if offset == 0 and not cp.prompt_tail and body.prompt is None and cp.prompt_blocks:
+            raise BadRequest("a checkpoint at output_offset 0 whose prompt ends on a block boundary cannot be "
+                             "resumed without the prompt (the last prompt token's logits need its token): send "
+                             "'prompt', or start the session again")
+        extra = len(cp.generated) - offset  # tokens after the offset are not covered: they are generated again
+        sampler = dataclasses.replace(cp.sampler, step=max(0, cp.sampler.step - extra))
+        self._sampler_ok(sampler)
+        run, old, new = self.new_session(
+            session=session, epoch=body.epoch, compat_id=cp.compat_id, scope_id=cp.scope_id, prompt_len=prompt_len,
+            prompt_blocks=cp.prompt_blocks, prompt_tail=cp.prompt_tail, max_tokens=self.max_tokens(body.max_tokens),
+            sampler=sampler, output=cp.generated[:offset])
+        return Admission(run, old, new, keyer)
+
+    def max_tokens(self, requested: int | None) -> int:
+        """The output limit of a run: as requested, at most ``max_tokens`` of the settings (their value when
+        none is requested)."""
+        limit = self.settings.max_tokens
+        if requested is None:
+            return limit
+        if requested > limit:
+            raise BadRequest(f"max_tokens: at most {limit} at this instance")
+        return requested
+
+    def _check_compat(self, compat_id: bytes) -> None:
+        if bytes(compat_id) != self.settings.compat_id:
+            raise Incompatible(f"this instance runs Compatibility ID {self.settings.compat_id.hex()}")
+
+    def _check_tokens(self, tokens: Sequence[int], what: str) -> None:
+        vocab = self.settings.vocab_size
+        if vocab is not None and tokens and max(tokens) >= vocab:
+            raise BadRequest(f"{what}: token ids are below the model's vocabulary size {vocab}")
+
+    def _sampler_ok(self, sampler: Sampler) -> None:
+        if self._check_sampler is None:
+            return
+        try:
+            self._check_sampler(sampler)
+        except ValueError as exc:
+            raise BadRequest(f"sampler: {exc}") from None
+
     def new_session(self, *, session: uuid.UUID, epoch: int, compat_id: bytes, scope_id: bytes, prompt_len: int,
                     prompt_blocks: Sequence[bytes], prompt_tail: Sequence[int], max_tokens: int, sampler: Sampler,
-                    stop: Iterable[int] = (), output: Sequence[int] = ()) -> tuple[Session, Session | None, bool]:
+                    stop: Iterable[int] = (), output: Sequence[int] = ()
+                    ) -> tuple[InstanceSession, InstanceSession | None, bool]:
         """Admit a session run (start, or resume with the checkpoint's *output*). Returns (the run, the older run it
         supersedes, whether it is new: False for a re-sent request of the same epoch)."""
         same = self.sessions.check_epoch(session, epoch)
@@ -746,13 +566,13 @@ class InstanceRole:
         if prompt_len > self.settings.max_prompt_tokens:
             raise BadRequest(f"prompt: at most {self.settings.max_prompt_tokens} tokens")
         deterministic = (sampler.method == "greedy" and self.settings.deterministic_greedy and sampler.deterministic)
-        s = Session(id=session, epoch=epoch, compat_id=CompatId(bytes(compat_id)), scope_id=ScopeId(bytes(scope_id)),
-                    prompt_len=prompt_len, prompt_blocks=tuple(BlockKey(bytes(k)) for k in prompt_blocks),
-                    prompt_tail=tuple(prompt_tail), max_tokens=max_tokens, method=sampler.method,
-                    params=dict(sampler.params), seed=sampler.seed, base_step=sampler.step, base_offset=len(output),
-                    deterministic=deterministic, block_tokens=self.settings.block_tokens,
-                    checkpoint_tokens=self.settings.checkpoint_tokens,
-                    gated=self.settings.controller and not deterministic, stop=frozenset(stop), output=list(output))
+        s = InstanceSession(
+            id=session, epoch=epoch, compat_id=CompatId(bytes(compat_id)), scope_id=ScopeId(bytes(scope_id)),
+            prompt_len=prompt_len, prompt_blocks=tuple(BlockKey(bytes(k)) for k in prompt_blocks),
+            prompt_tail=tuple(prompt_tail), max_tokens=max_tokens, method=sampler.method, params=dict(sampler.params),
+            seed=sampler.seed, base_step=sampler.step, base_offset=len(output), deterministic=deterministic,
+            block_tokens=self.settings.block_tokens, checkpoint_tokens=self.settings.checkpoint_tokens,
+            gated=self.settings.controller and not deterministic, stop=frozenset(stop), output=list(output))
         old = self.sessions.add(s)
         self.sessions_changed()
         return s, old, True
@@ -760,9 +580,24 @@ class InstanceRole:
     def sessions_changed(self) -> None:
         self.lifecycle.sessions_changed(self.sessions.in_flight())
 
-    def finish_session(self, session: Session, phase: Phase, reason: str | None, detail: str = "") -> None:
+    def finish_session(self, session: InstanceSession, phase: Phase, reason: str | None, detail: str = "") -> None:
         session.finish(phase, reason, self._clock(), detail)
         self.sessions_changed()
+
+    # -- resharding -----------------------------------------------------------------------------------------
+
+    def plan_reshard(self, principal: Principal, plan: ReshardPlan, context: ReshardContext | None) -> PlanSteps:
+        """``POST reshard`` with a plan: its ``context`` (extension) must be of a scope the principal may use and of
+        this instance's cache. The same plan again is answered once its fetches are in (``new`` False); while they
+        are still loading it is a conflict."""
+        if context is not None:
+            require_scope(principal, context.scope_id)
+            if bytes(context.compat_id) != self.settings.compat_id:
+                raise Incompatible("context.compat_id: not this instance's cache")
+        steps = self.reshard.plan(plan, context)
+        if not steps.new and not steps.state.acknowledged:
+            raise PlanConflict(f"map {steps.state.map}: the plan to version {plan.to_version} is still loading")
+        return steps
 
     # -- status ------------------------------------------------------------------------------------------
 
@@ -806,6 +641,7 @@ class InstanceRole:
 
 
 __all__ = [
-    "Directive", "DirectiveTable", "EngineFigures", "InstanceRole", "InstanceSettings", "Lifecycle", "LinkMeter",
-    "MapState", "Phase", "PlanSteps", "RateMeter", "ReshardBook", "ReshardContext", "Session", "SessionTable",
+    "Admission", "Directive", "DirectiveTable", "EngineFigures", "InstanceRole", "InstanceSession", "InstanceSettings",
+    "Lifecycle", "LinkMeter", "MapState", "Phase", "PlanSteps", "RateMeter", "ReshardBook", "ReshardContext",
+    "SamplerCheck", "SessionTable",
 ]

@@ -1,0 +1,138 @@
+"""Assembling an Inference Instance (composition root): the role, the engine's cache as a holder, the clients, the
+fetch sources (MOQT first, with HTTP leases), the publisher, the asyncio service, its ASGI app and MOQT handlers.
+
+    engine = Engine.load("models/tiny", block_tokens=16)
+    node = build_instance(engine, base_uri=..., files=..., policy=..., scope_keys=[key], index=...,
+                          service=ServiceOptions(controller=...))
+    server = RoleServer(node.app, files, quic_handlers=node.quic_handlers)
+    await node.start()
+
+This is the one place where the instance's layers meet: ``gpu`` (the engine and its :class:`gpu.engine.CacheHolder`),
+``http3`` (the service and routes, which see the engine only through :mod:`kvsp_quic.engine`), ``moqt`` and
+``kvsp_moqt`` (the MOQT pool, source and holder tracks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpu.engine import CacheHolder, Engine
+from gpu.kvcache import Page
+from http3.asgi_types import ASGIApp
+from http3.client import KvspClient
+from http3.instance_app import instance_app
+from http3.instance_blocks import BlockFinder
+from http3.instance_service import InstanceService, ServiceOptions
+from http3.publisher import ReplicaPublisher
+from http3.retrieval import BlockSource, HttpSource, Lease
+from kvsp_moqt.holder_tracks import holder_moqt_handlers
+from kvsp_moqt.source import MoqtSource, PreferMoqt
+from kvsp_moqt.tracks import moqt_uri_for
+from kvsp_quic.app.config import options_of
+from kvsp_quic.auth import Policy
+from kvsp_quic.compat import CompatDescriptor
+from kvsp_quic.keys import BlockKeyer
+from kvsp_quic.records import Link, ReplicaRecord
+from kvsp_quic.roles.holder import HolderSettings
+from kvsp_quic.roles.instance import InstanceOptions, InstanceRole, InstanceSettings
+from kvsp_quic.roles.leases import LeaseLimits
+from moqt.aio import MoqtPool
+from quic.tls import TlsFiles, TransportSettings
+
+
+class LeasingMoqtSource(MoqtSource):
+    """MOQT has no leases (KVSP leases are HTTP resources): lease a ``moqt://`` replica at its publisher's
+    ``https`` base URI, learnt from the lookups that listed both twins (*https_of*: holder-id -> base URI)."""
+
+    def __init__(self, pool: MoqtPool, descriptors: Iterable[CompatDescriptor], http: HttpSource,
+                 https_of: Mapping[str, str]) -> None:
+        super().__init__(pool, descriptors)
+        self.http = http
+        self.https_of = https_of
+
+    async def lease(self, record: ReplicaRecord, ttl_ms: int) -> Lease | None:
+        publisher = record.publisher_id
+        https = self.https_of.get(publisher) if publisher is not None else None
+        if https is None:
+            return None
+        twin = dataclasses.replace(record, holder=https, moqt_namespace=None)
+        return await self.http.lease(twin, ttl_ms)
+
+    async def release(self, lease: Lease) -> bool:
+        return await self.http.release(lease)
+
+
+@dataclass
+class InstanceNode:
+    """An assembled instance: its service, its ASGI app and MOQT handlers (for one RoleServer), its clients."""
+
+    service: InstanceService[Page]
+    app: ASGIApp
+    quic_handlers: dict[str, Any]
+    moqt_uri: str
+    client: KvspClient
+    pool: MoqtPool | None  # when MOQT sources are used
+
+    @property
+    def role(self) -> InstanceRole:
+        return self.service.role
+
+    async def start(self) -> None:
+        await self.service.start()
+
+    async def aclose(self) -> None:
+        await self.service.aclose()
+        if self.pool is not None:
+            await self.pool.aclose()
+        await self.client.aclose()
+
+
+def build_instance(engine: Engine, *, base_uri: str, files: TlsFiles, policy: Policy,
+                   scope_keys: Iterable[bytes] = (), index: str | None = None, epoch: int | None = None,
+                   clock: Callable[[], float] = time.monotonic, options: InstanceOptions | None = None,
+                   service: ServiceOptions | None = None, links: Iterable[Link] = (),
+                   replica_ttl_ms: int = 60_000, lease_limits: LeaseLimits | None = None, moqt: bool = True,
+                   transport: TransportSettings | None = None) -> InstanceNode:
+    """Wire an instance around *engine*: the role (its *options*; the engine's Compatibility ID, block size and
+    vocabulary, and whether *service* names a Placement Controller, are the rest of its settings), its holder of
+    its own cache, the client (with *files*, the instance's certificate) for the Index Service, the PC and other
+    holders, the publisher, the fetch sources (MOQT first when *moqt*), the asyncio service, the app.
+    *epoch*: default the time now in ms since the Unix epoch."""
+    transport = transport if transport is not None else TransportSettings()
+    options = options if options is not None else InstanceOptions()
+    service = service if service is not None else ServiceOptions()
+    d = engine.descriptor
+    role_settings = InstanceSettings(base_uri=base_uri, compat_id=bytes(d.compat_id), block_tokens=d.block_tokens,
+                                     vocab_size=engine.vocab_size, controller=service.controller is not None,
+                                     **options_of(options, InstanceOptions))
+    keyers = [BlockKeyer(key, d.compat_id, d.block_tokens) for key in scope_keys]
+    role = InstanceRole(role_settings, epoch=epoch if epoch is not None else int(time.time() * 1000), clock=clock,
+                        links=links, keyers=keyers, check_sampler=engine.check_sampler)
+    holder = CacheHolder(HolderSettings(base_uri, (d,), replica_ttl_ms=replica_ttl_ms,
+                                        leases=lease_limits if lease_limits is not None else LeaseLimits()),
+                         engine.cache, clock=clock)
+    client = KvspClient(files, settings=transport, timeout=service.request_timeout_s)
+    moqt_uri = moqt_uri_for(base_uri)
+    http = HttpSource(client, timeout=service.request_timeout_s)
+    https_of: dict[str, str] = {}
+    pool = None
+    sources: list[BlockSource] = [http]
+    if moqt:
+        pool = MoqtPool(files, settings=transport)
+        sources.insert(0, LeasingMoqtSource(pool, [d], http, https_of))
+    publisher = finder = None
+    if index is not None:
+        publisher = ReplicaPublisher(holder, client, index, moqt_uri=moqt_uri)
+        finder = BlockFinder(client, index, descriptor=d, own=[base_uri, moqt_uri], sources=sources,
+                             https_of=https_of, ranking=PreferMoqt() if moqt else None,
+                             timeout=service.request_timeout_s)
+    node = InstanceService(role, engine, holder, client, finder=finder, options=service, publisher=publisher)
+    return InstanceNode(node, instance_app(node, policy), holder_moqt_handlers(holder, policy), moqt_uri, client,
+                        pool)
+
+
+__all__ = ["InstanceNode", "LeasingMoqtSource", "build_instance"]
