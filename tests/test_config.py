@@ -1,12 +1,36 @@
 from __future__ import annotations
 
+import dataclasses
+import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 
-from kvsp_quic.app.config import ConfigError, ServerSection, TlsSection, build, host_port, load
+from kvsp_quic.app.config import (
+    ConfigError,
+    FrontendFile,
+    HolderFile,
+    IndexFile,
+    InstanceFile,
+    RelayFile,
+    ServerSection,
+    TlsSection,
+    build,
+    host_port,
+    load,
+    options_of,
+    replace,
+)
+from kvsp_quic.frontend import FrontendOptions
+from kvsp_quic.roles.controller import ControllerConfig
+from kvsp_quic.roles.holder import HolderOptions, HolderSettings
+from kvsp_quic.roles.instance import InstanceOptions, ServiceOptions
+from kvsp_quic.roles.leases import LeaseLimits
+from kvsp_quic.samples import example_descriptor
+from kvsp_quic.storage.tiers import LocalStorageConfig, LocalStorageOptions
 
 
 @dataclass(frozen=True)
@@ -73,3 +97,83 @@ def test_missing_file_and_build(tmp_path: Path) -> None:
     assert build(ServerSection, {"listen": "[::1]:0"}).address() == ("::1", 0)
     assert host_port("localhost:1") == ("localhost", 1)
     assert ServerSection(listen="[::1]:9").uri_for(9) == "https://[::1]:9/"
+
+
+# -- the role sections: each is its role's settings, validated by the role ------------------------------------------
+
+
+@pytest.mark.parametrize(("cls", "obj", "message"), [
+    (IndexFile, {"controller": {"tick_ms": 0}}, "controller.tick_ms: must be positive"),
+    (IndexFile, {"controller": {"sleep_max_kv_utilization": 2}}, "controller.sleep_max_kv_utilization: must be in"),
+    (IndexFile, {"index": {"max_lookup_keys": 0}}, "index.max_lookup_keys: must be positive"),
+    (HolderFile, {"holder": {"replica_ttl_ms": 0}}, "holder.replica_ttl_ms: must be positive"),
+    (HolderFile, {"holder": {"eviction": "mru"}}, "holder.eviction: unknown eviction policy 'mru'"),
+    (HolderFile, {"holder": {"index": "http://is.example/"}}, "holder.index: "),
+    (HolderFile, {"holder": {"leases": {"max_ttl_ms": 0}}}, "holder.leases.max_ttl_ms: must be positive"),
+    (HolderFile, {"holder": {"local_storage": {"path": "d", "capacity": 0}}},
+     "holder.local_storage.capacity: must be positive"),
+    (InstanceFile, {"instance": {"load_timeout_ms": 0}}, "instance.load_timeout_ms: must be positive"),
+    (InstanceFile, {"instance": {"max_queued": -1}}, "instance.max_queued: must not be negative"),
+    (FrontendFile, {"frontend": {"failover_timeout_ms": 0}}, "frontend.failover_timeout_ms: must be positive"),
+    (FrontendFile, {"frontend": {"failover_timeout_s": 30}},
+     "frontend.failover_timeout_s: renamed: write frontend.failover_timeout_ms"),
+])
+def test_the_roles_check_their_sections(cls: type[Any], obj: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        build(cls, obj, source="config 'x.toml'")
+    assert str(info.value).startswith(f"config 'x.toml': {message}")
+
+
+def test_sections_are_the_roles_settings(tmp_path: Path) -> None:
+    cfg = build(HolderFile, {"holder": {"replica_ttl_ms": 9000, "publish_backoff_ms": [10, 20],
+                                        "leases": {"max_keys_per_lease": 7},
+                                        "local_storage": {"path": "blocks", "capacity": 1 << 20}}}, root=tmp_path)
+    assert isinstance(cfg.holder, HolderOptions) and cfg.holder.leases == LeaseLimits(max_keys_per_lease=7)
+    assert cfg.holder.publish_backoff_s == (0.01, 0.02)
+    local = cfg.holder.local_storage
+    assert local is not None and local.path == tmp_path / "blocks"
+    storage = LocalStorageConfig(**options_of(local, LocalStorageOptions), encryption_key=bytes(32))
+    settings = HolderSettings("https://h.example/", (example_descriptor(),), local_storage=storage,
+                              **options_of(cfg.holder, HolderOptions))
+    assert settings.replica_ttl_ms == 9000 and settings.leases.max_keys_per_lease == 7
+    assert build(IndexFile, {}).controller == ControllerConfig()
+    instance = build(InstanceFile, {"instance": {"sleep_after_idle_ms": 1500, "request_timeout_ms": 250}}).instance
+    assert isinstance(instance, InstanceOptions) and isinstance(instance, ServiceOptions)
+    assert instance.sleep_after_idle_s == 1.5 and instance.request_timeout_s == 0.25
+    frontend = build(FrontendFile, {"frontend": {"failover_timeout_ms": 2500}}).frontend
+    assert isinstance(frontend, FrontendOptions) and frontend.failover_timeout_s == 2.5
+    with pytest.raises(TypeError):
+        options_of(frontend, HolderOptions)
+
+
+def test_overrides_are_checked_like_the_file() -> None:
+    section = build(HolderFile, {}).holder
+    assert replace(section, "holder", replica_ttl_ms=5).replica_ttl_ms == 5
+    with pytest.raises(ConfigError, match=r"^holder\.replica_ttl_ms: must be positive$"):
+        replace(section, "holder", replica_ttl_ms=0)
+    with pytest.raises(ConfigError, match=r"^holder\.index: "):
+        replace(section, "holder", index="ftp://x/")
+
+
+_DURATION = re.compile(r"(ttl|timeout|interval|retention|deadline|backoff|idle|retry|tick|grace|poll|stall)")
+
+
+def _keys(cls: type[Any], path: str) -> list[str]:
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        out.append(f"{path}.{f.name}")
+        for arg in (hints[f.name], *typing.get_args(hints[f.name])):
+            if dataclasses.is_dataclass(arg):
+                out.extend(_keys(arg, f"{path}.{f.name}"))  # type: ignore[arg-type]
+    return out
+
+
+@pytest.mark.parametrize("cls", [IndexFile, HolderFile, RelayFile, InstanceFile, FrontendFile])
+def test_one_unit_per_quantity(cls: type[Any]) -> None:
+    """Every duration a file can say is in milliseconds, and its key says so."""
+    for where in _keys(cls, cls.__name__):
+        name = where.rpartition(".")[2]
+        if _DURATION.search(name):
+            assert name.endswith("_ms"), f"{where}: a duration in milliseconds is named *_ms"
+        assert name.endswith("_per_s") or not name.endswith("_s"), f"{where}: durations are milliseconds"

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsp_quic import __version__
+from kvsp_quic.app.cli_args import nonneg_int, positive_int, usage
 from kvsp_quic.compat import Codec, CompatDescriptor
 from kvsp_quic.container import (
     ANY_TOKEN_COUNT,
@@ -96,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     container = sub.add_parser("container", help="inspect or build KV Block Containers")
     csub = container.add_subparsers(title="container commands", metavar="COMMAND")
-    container.set_defaults(handler=lambda _a: _usage(container))
+    container.set_defaults(handler=lambda _a: usage(container))
 
     inspect = csub.add_parser("inspect", help="validate a container and print its header and digests",
                               description="Print the header, per-layer lengths and SHA-256 digests as JSON. "
@@ -111,17 +112,17 @@ def build_parser() -> argparse.ArgumentParser:
                                        "from a seeded generator (--random) or from a .npy array of shape "
                                        "(layers, 2, tokens, kv_heads, head_dim) (--npy).")
     pack.add_argument("--descriptor", required=True, metavar="FILE")
-    pack.add_argument("--tokens", required=True, type=_positive_int, metavar="N")
+    pack.add_argument("--tokens", required=True, type=positive_int, metavar="N")
     pack.add_argument("--layers", required=True, type=_layer_range, metavar="A-B")
     data = pack.add_mutually_exclusive_group(required=True)
-    data.add_argument("--random", type=_nonneg_int, metavar="SEED")
+    data.add_argument("--random", type=nonneg_int, metavar="SEED")
     data.add_argument("--npy", metavar="FILE")
     pack.add_argument("-o", "--output", required=True, metavar="FILE")
     pack.set_defaults(handler=cmd_container_pack)
 
     certs = sub.add_parser("certs", help="a development PKI: a CA and a certificate per role and client")
     ksub = certs.add_subparsers(title="certs commands", metavar="COMMAND")
-    certs.set_defaults(handler=lambda _a: _usage(certs))
+    certs.set_defaults(handler=lambda _a: usage(certs))
     cinit = ksub.add_parser(
         "init", help="create or reuse a CA in DIR and issue the missing or outdated certificates",
         description="Write DIR/ca.pem + ca.key and NAME.pem + NAME.key per principal, and print "
@@ -146,33 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _usage(parser: argparse.ArgumentParser) -> int:
-    parser.print_help(sys.stderr)
-    return 2
-
-
-def _positive_int(text: str) -> int:
-    value = _nonneg_int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
-    return value
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative: {text!r}")
-    return value
-
-
 def _layer_range(text: str) -> tuple[int, int]:
     lo, sep, hi = text.partition("-")
     if not sep:
         lo = hi = text
-    first, last = _nonneg_int(lo), _nonneg_int(hi)
+    first, last = nonneg_int(lo), nonneg_int(hi)
     if first > last:
         raise argparse.ArgumentTypeError(f"empty layer range {text!r} (A-B with A <= B)")
     return first, last

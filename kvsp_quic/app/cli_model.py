@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvsp_quic.app.cli import _nonneg_int, _positive_int, _usage
+from kvsp_quic.app.cli_args import nonneg_int, positive_int, usage
 
 SUPPORTED_DTYPES = ("fp32", "bf16", "fp16")
 
@@ -23,7 +23,7 @@ def add_commands(sub: Any) -> None:
     """Add ``model init | descriptor | generate`` to the subparsers action *sub* of the ``kvsp-quic`` parser."""
     model = sub.add_parser("model", help="reference model files: init a random model, descriptor, generate")
     msub = model.add_subparsers(title="model commands", metavar="COMMAND")
-    model.set_defaults(handler=lambda _a: _usage(model))
+    model.set_defaults(handler=lambda _a: usage(model))
 
     init = msub.add_parser(
         "init", help="write a small random-weights Llama model (config.json, model.safetensors, tokenizer.json)",
@@ -31,20 +31,20 @@ def add_commands(sub: Any) -> None:
                     "tokenizer (token id = UTF-8 octet), for tests and demos. The same arguments always give the "
                     "same files, hence the same model_digest. Prints a JSON summary.")
     init.add_argument("directory", metavar="DIR")
-    init.add_argument("--layers", required=True, type=_positive_int, metavar="N")
-    init.add_argument("--kv-heads", required=True, type=_positive_int, metavar="H")
+    init.add_argument("--layers", required=True, type=positive_int, metavar="N")
+    init.add_argument("--kv-heads", required=True, type=positive_int, metavar="H")
     init.add_argument("--head-dim", required=True, type=_even_int, metavar="D")
-    init.add_argument("--heads", type=_positive_int, metavar="Q",
+    init.add_argument("--heads", type=positive_int, metavar="Q",
                       help="query heads, a multiple of --kv-heads (default: 2 x kv heads)")
-    init.add_argument("--hidden", type=_positive_int, metavar="N", help="hidden size (default: heads x head dim)")
-    init.add_argument("--intermediate", type=_positive_int, metavar="N", help="MLP size (default: 2 x hidden)")
-    init.add_argument("--vocab", type=_positive_int, default=256, metavar="N", help="vocabulary, >= 256 (256)")
+    init.add_argument("--hidden", type=positive_int, metavar="N", help="hidden size (default: heads x head dim)")
+    init.add_argument("--intermediate", type=positive_int, metavar="N", help="MLP size (default: 2 x hidden)")
+    init.add_argument("--vocab", type=positive_int, default=256, metavar="N", help="vocabulary, >= 256 (256)")
     init.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="fp32", help="weight dtype (fp32)")
-    init.add_argument("--seed", type=_nonneg_int, default=0, metavar="S")
-    init.add_argument("--rope-theta", type=_positive_int, default=10000, metavar="T")
+    init.add_argument("--seed", type=nonneg_int, default=0, metavar="S")
+    init.add_argument("--rope-theta", type=positive_int, default=10000, metavar="T")
     init.add_argument("--rope-scaling", metavar="JSON",
                       help='config.json rope_scaling, e.g. \'{"rope_type": "linear", "factor": 2.0}\'')
-    init.add_argument("--max-positions", type=_positive_int, default=8192, metavar="N")
+    init.add_argument("--max-positions", type=positive_int, default=8192, metavar="N")
     init.add_argument("--tied", action="store_true", help="tie the output layer to the embeddings")
     init.add_argument("--name", metavar="NAME", help="_name_or_path in config.json (the descriptor's model)")
     init.add_argument("--force", action="store_true", help="overwrite an existing model in DIR")
@@ -55,7 +55,7 @@ def add_commands(sub: Any) -> None:
         description="Derive the descriptor: model digest over *.safetensors, tokenizer digest of tokenizer.json, "
                     "geometry and positional encoding from config.json, the given block size.")
     desc.add_argument("directory", metavar="DIR")
-    desc.add_argument("--block-tokens", required=True, type=_positive_int, metavar="B")
+    desc.add_argument("--block-tokens", required=True, type=positive_int, metavar="B")
     desc.add_argument("--name", metavar="NAME", help="the model name (default: config.json's, or DIR's name)")
     desc.add_argument("--kv-dtype", metavar="TYPE", help="KV element type (default: the model's dtype)")
     desc.add_argument("-o", "--output", metavar="FILE", help="write the descriptor here (default: stdout)")
@@ -65,18 +65,18 @@ def add_commands(sub: Any) -> None:
                           description="Tokenize a prompt, prefill it, and sample tokens. Prints JSON.")
     gen.add_argument("directory", metavar="DIR")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-tokens", type=_positive_int, default=16, metavar="N")
+    gen.add_argument("--max-tokens", type=positive_int, default=16, metavar="N")
     gen.add_argument("--method", choices=("greedy", "top-p"), default="greedy")
     gen.add_argument("--p", type=float, default=0.9, help="top-p mass (0.9)")
     gen.add_argument("--temperature", type=float, default=1.0)
-    gen.add_argument("--seed", type=_nonneg_int, default=0)
+    gen.add_argument("--seed", type=nonneg_int, default=0)
     gen.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (cpu)")
-    gen.add_argument("--block-tokens", type=_positive_int, default=16, metavar="B")
+    gen.add_argument("--block-tokens", type=positive_int, default=16, metavar="B")
     gen.set_defaults(handler=cmd_model_generate)
 
 
 def _even_int(text: str) -> int:
-    value = _positive_int(text)
+    value = positive_int(text)
     if value % 2:
         raise argparse.ArgumentTypeError(f"{text!r} is not even (rotary embeddings pair dimensions)")
     return value

@@ -17,19 +17,6 @@ import sys
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvsp_quic.app.config import (
-    ConfigError,
-    FrontendFile,
-    HolderFile,
-    IndexFile,
-    InstanceFile,
-    LocalStorageSection,
-    RelayFile,
-    ServerSection,
-    TlsSection,
-    load,
-)
-
 T = TypeVar("T")
 
 _SIZE_RE = re.compile(r"(\d+)\s*([KMGT]i?B?|B)?", re.IGNORECASE)
@@ -170,6 +157,7 @@ def add_frontend(sub: Any) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from kvsp_quic.app.config import ConfigError
     from kvsp_quic.app.demo import DemoOptions, render, run
 
     try:
@@ -188,6 +176,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_frontend(args: argparse.Namespace) -> int:
+    from kvsp_quic.app.config import FrontendFile, replace
     from kvsp_quic.app.serve import run_frontend
 
     cfg = _file(FrontendFile, args)
@@ -195,7 +184,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
     for name in ("controller", "model", "model_name", "block_tokens", "scope_key", "max_tokens"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
-    cfg = dataclasses.replace(cfg, frontend=dataclasses.replace(cfg.frontend, **overrides),
+    cfg = dataclasses.replace(cfg, frontend=replace(cfg.frontend, "frontend", **overrides),
                               **_server_overrides(cfg, args))
     _logging(args.log_level)
     asyncio.run(run_frontend(cfg, dev_dir=args.dev, policy_path=args.policy))
@@ -216,10 +205,12 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _file(cls: type[T], args: argparse.Namespace) -> T:
+    from kvsp_quic.app.config import load
     return load(cls, args.config) if args.config is not None else cls()
 
 
 def _server_overrides(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from kvsp_quic.app.config import ConfigError, ServerSection, TlsSection
     server = cfg.server
     changes: dict[str, Any] = {}
     if args.listen is not None or args.base_uri is not None:
@@ -243,6 +234,7 @@ def _logging(level: str) -> None:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
+    from kvsp_quic.app.config import IndexFile, replace
     from kvsp_quic.app.serve import run_index
 
     cfg = _file(IndexFile, args)
@@ -263,14 +255,15 @@ def cmd_index(args: argparse.Namespace) -> int:
         pc["start_hook"] = shlex.split(args.start_hook)
     if args.sleep_policy is not None:
         pc["sleep"] = args.sleep_policy
-    cfg = dataclasses.replace(cfg, index=dataclasses.replace(section, **overrides),
-                              controller=dataclasses.replace(cfg.controller, **pc), **_server_overrides(cfg, args))
+    cfg = dataclasses.replace(cfg, index=replace(section, "index", **overrides),
+                              controller=replace(cfg.controller, "controller", **pc), **_server_overrides(cfg, args))
     _logging(args.log_level)
     asyncio.run(run_index(cfg, dev_dir=args.dev, policy_path=args.policy))
     return 0
 
 
 def cmd_holder(args: argparse.Namespace) -> int:
+    from kvsp_quic.app.config import ConfigError, HolderFile, LocalStorageSection, replace
     from kvsp_quic.app.serve import run_holder
 
     cfg = _file(HolderFile, args)
@@ -289,13 +282,14 @@ def cmd_holder(args: argparse.Namespace) -> int:
             encryption_key_file=args.encryption_key_file)
     elif args.local_capacity is not None or args.encryption_key_file is not None:
         raise ConfigError("--local-capacity and --encryption-key-file need --local-storage DIR")
-    cfg = dataclasses.replace(cfg, holder=dataclasses.replace(section, **overrides), **_server_overrides(cfg, args))
+    cfg = dataclasses.replace(cfg, holder=replace(section, "holder", **overrides), **_server_overrides(cfg, args))
     _logging(args.log_level)
     asyncio.run(run_holder(cfg, dev_dir=args.dev, policy_path=args.policy))
     return 0
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
+    from kvsp_quic.app.config import RelayFile, replace
     from kvsp_quic.app.serve import run_relay
 
     cfg = _file(RelayFile, args)
@@ -304,13 +298,14 @@ def cmd_relay(args: argparse.Namespace) -> int:
     for name in ("index", "cache_bytes", "open_prefixes", "publish_records", "record_ttl_ms"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
-    cfg = dataclasses.replace(cfg, relay=dataclasses.replace(section, **overrides), **_server_overrides(cfg, args))
+    cfg = dataclasses.replace(cfg, relay=replace(section, "relay", **overrides), **_server_overrides(cfg, args))
     _logging(args.log_level)
     asyncio.run(run_relay(cfg, dev_dir=args.dev, policy_path=args.policy))
     return 0
 
 
 def cmd_instance(args: argparse.Namespace) -> int:
+    from kvsp_quic.app.config import ConfigError, InstanceFile, replace
     from kvsp_quic.app.serve import check_device, run_instance
 
     cfg = _file(InstanceFile, args)
@@ -322,7 +317,7 @@ def cmd_instance(args: argparse.Namespace) -> int:
             overrides[name] = getattr(args, name)
     if args.gpu is not None:
         overrides["device"] = f"cuda:{args.gpu}"
-    section = dataclasses.replace(cfg.instance, **overrides)
+    section = replace(cfg.instance, "instance", **overrides)
     check_device(section.device)  # before anything else: --gpu 0 without CUDA is one line
     if section.model is None:
         raise ConfigError("--model DIR (or instance.model in --config) is required")

@@ -1,9 +1,19 @@
-"""Configuration: one frozen dataclass per component, loaded from TOML, unknown keys rejected.
+"""Configuration: one frozen dataclass per section, loaded from TOML, unknown keys rejected.
 
-A server's file has the sections its dataclass names; a missing key takes the field's default, a missing
-required key, an unknown key, or a value of the wrong type is a :class:`ConfigError` whose one-line message
-names the file and the key (``config 'holder.toml': holder.replica_ttl_ms: must be an integer``). Relative
-paths are resolved against the file's directory.
+A role's section *is* that role's settings: its class extends the role's options dataclass (``[controller]`` is
+:class:`~kvsp_quic.roles.controller.ControllerConfig` itself; ``[holder]`` is a
+:class:`~kvsp_quic.roles.holder.HolderOptions`, ``[holder.leases]`` a :class:`~kvsp_quic.roles.leases.LeaseLimits`,
+``[index]`` an :class:`~kvsp_quic.roles.index.IndexOptions`, ``[instance]`` an
+:class:`~kvsp_quic.roles.instance.InstanceOptions` and a :class:`~kvsp_quic.roles.instance.ServiceOptions`,
+``[frontend]`` a :class:`~kvsp_quic.frontend.FrontendOptions`) with only the keys the composition root resolves
+itself (descriptor and key files, the index store, the URIs of other roles, the model). The role validates its
+fields once, in ``__post_init__``, raising ``ValueError("field: ...")``; the loader names the file and the key
+path (``config 'holder.toml': holder.replica_ttl_ms: must be positive``), as it does for a missing required key,
+an unknown key or a value of the wrong type. :func:`options_of` hands a section's options to the role's
+settings, which add what only exists at run time (base URI, descriptor objects, key octets); :func:`replace`
+applies command-line overrides with the same checks. One unit per quantity: durations are milliseconds (``*_ms``),
+sizes octets; :data:`RENAMED` keys are refused with their new name. Relative paths are resolved against the
+file's directory.
 
     [server]                      # every server role
     listen = "127.0.0.1:8443"     # HOST:PORT; the TCP and UDP ports have the same number
@@ -23,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 import types
 import typing
@@ -32,6 +43,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvsp_quic.fields import RecordError, base_uri
+from kvsp_quic.frontend import FrontendOptions
+from kvsp_quic.records import Link
+from kvsp_quic.roles.controller import ControllerConfig
+from kvsp_quic.roles.holder import HolderOptions
+from kvsp_quic.roles.index import IndexOptions
+from kvsp_quic.roles.instance import InstanceOptions, ServiceOptions
+from kvsp_quic.roles.leases import LeaseLimits
+from kvsp_quic.storage.tiers import LocalStorageOptions
+from moqt.relay.interfaces import RelayOptions
 
 T = TypeVar("T")
 
@@ -87,51 +107,15 @@ def host_port(text: str) -> tuple[str, int]:
 
 
 @dataclass(frozen=True)
-class IndexSection:
+class IndexSection(IndexOptions):
+    """``[index]``: the Index Service's options, its store, and the descriptor files whose geometry lets lookups
+    estimate costs."""
+
     store: typing.Literal["memory", "redis"] = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_cluster: bool = False
     redis_prefix: str = "kvsp:"
-    max_ttl_ms: int = 600_000  # replica TTLs are capped at this
-    max_lookup_keys: int = 8192
-    max_lookup_targets: int = 256
-    max_status_ttl_ms: int = 60_000
-    descriptors: list[Path] = field(default_factory=list)  # their geometry makes lookups estimate costs
-
-
-@dataclass(frozen=True)
-class ControllerSection:
-    """The Placement Controller, which runs in the Index Service's process (``kvsp-quic index``)."""
-
-    start_hook: list[str] = field(default_factory=list)  # argv of a command that starts an instance; [] = none
-    start_timeout_ms: int = 60_000  # how long a request waits for an instance the hook starts
-    start_interval_ms: int = 10_000  # at most one hook run per interval
-    max_cost_us: float | None = None  # a placement costlier than this looks for capacity (wake, start hook)
-    prefetch_deadline_ms: int = 1000
-    prefetch_lease_ms: int = 5000
-    request_timeout_ms: int = 10_000  # of each request to an instance (reshard plans: their deadline_ms)
-    tick_ms: int = 100  # failure checks
-    session_ttl_ms: int = 3_600_000
-    done_ttl_ms: int = 600_000
-    max_sessions: int = 100_000
-    reshard_deadline_ms: int = 5000
-    sleep: typing.Literal["load", "always", "never"] = "load"  # the policy for requested_state: sleeping
-    sleep_min_active: int = 1  # other active instances that must remain
-    sleep_min_spare: int = 1  # spare batch slots the others must have beyond the requester's load
-    sleep_max_kv_utilization: float = 0.9  # others fuller than this have no spare capacity
-
-    def __post_init__(self) -> None:
-        for name in ("start_timeout_ms", "start_interval_ms", "prefetch_deadline_ms", "prefetch_lease_ms",
-                     "request_timeout_ms", "tick_ms", "session_ttl_ms", "done_ttl_ms", "max_sessions",
-                     "reshard_deadline_ms"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"controller.{name}: must be positive")
-        if self.max_cost_us is not None and self.max_cost_us <= 0:
-            raise ConfigError("controller.max_cost_us: must be positive")
-        if self.sleep_min_active < 0 or self.sleep_min_spare < 0:
-            raise ConfigError("controller.sleep_min_active and sleep_min_spare: must not be negative")
-        if not 0.0 <= self.sleep_max_kv_utilization <= 1.0:
-            raise ConfigError("controller.sleep_max_kv_utilization: must be in [0, 1]")
+    descriptors: list[Path] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -140,45 +124,28 @@ class IndexFile:
     tls: TlsSection | None = None  # required unless --dev
     transport: dict[str, float] = field(default_factory=dict)  # fields of quic.tls.TransportSettings
     index: IndexSection = field(default_factory=IndexSection)
-    controller: ControllerSection = field(default_factory=ControllerSection)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
 
 
 @dataclass(frozen=True)
-class LocalStorageSection:
-    path: Path
-    capacity: int
-    read_mbit_per_s: int | None = None
+class LocalStorageSection(LocalStorageOptions):
+    """``[holder.local_storage]``: the tier's options, and the file of its encryption key."""
+
     encryption_key_file: Path | None = None  # 32 raw octets, or 64 hex characters: AES-256-GCM at rest
-    fsync: bool = True
 
 
-@dataclass(frozen=True)
-class LeaseSection:
-    max_ttl_ms: int = 60_000
-    max_octets_per_client: int = 16 << 30
-    max_leases_per_client: int = 1024
-    max_keys_per_lease: int = 1024
+@dataclass(frozen=True, kw_only=True)
+class HolderSection(HolderOptions):
+    """``[holder]``: the holder's options, and what the composition root resolves into its settings."""
 
-
-@dataclass(frozen=True)
-class HolderSection:
     index: str | None = None  # the Index Service's base URI; without one, replicas are not published
     descriptors: list[Path] = field(default_factory=list)  # the caches it serves (at least one)
-    host_capacity: int = 1 << 30
-    host_read_mbit_per_s: int | None = None
-    eviction: str = "lru"
-    replica_ttl_ms: int = 300_000
-    retention_ms: int | None = None
-    max_block_bytes: int = 1 << 30
     local_storage: LocalStorageSection | None = None
-    leases: LeaseSection = field(default_factory=LeaseSection)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.index is not None:
-            try:
-                base_uri(self.index, "holder.index")
-            except RecordError as exc:
-                raise ConfigError(exc.detail) from None
+            base_uri(self.index, "index")
 
 
 @dataclass(frozen=True)
@@ -189,33 +156,28 @@ class HolderFile:
     holder: HolderSection = field(default_factory=HolderSection)
 
 
-@dataclass(frozen=True)
-class RelaySection:
+@dataclass(frozen=True, kw_only=True)
+class RelaySection(RelayOptions):
+    """``[relay]``: the relay's options (:class:`moqt.relay.RelayOptions`), and what the composition root wires
+    around it: the Index Service link, the access rules' open prefixes, the sessions' data streams."""
+
     index: str | None = None  # the Index Service: upstreams for unpublished KVSP tracks, records of cached blocks
-    cache_bytes: int = 1 << 30  # payload octets of completed fetches kept (LRU)
     open_prefixes: list[str] = field(default_factory=list)  # non-KVSP namespaces relayed ("a/b"); none by default
     publish_records: bool = True  # with an index: advertise complete cached blocks with the relay's moqt:// URI
     record_ttl_ms: int = 60_000
-    upstream_timeout_ms: int = 10_000  # for the upstream's FETCH_OK, next piece, SUBSCRIBE_OK
     data_streams: int = 16  # upstream data streams a publisher's session may have open at once
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.index is not None:
-            try:
-                base_uri(self.index, "relay.index")
-            except RecordError as exc:
-                raise ConfigError(exc.detail) from None
-        for name in ("cache_bytes",):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"relay.{name}: must not be negative")
-        for name in ("record_ttl_ms", "upstream_timeout_ms", "data_streams"):
+            base_uri(self.index, "index")
+        for name in ("record_ttl_ms", "data_streams"):
             if getattr(self, name) <= 0:
-                raise ConfigError(f"relay.{name}: must be positive")
+                raise ValueError(f"{name}: must be positive")
         for i, prefix in enumerate(self.open_prefixes):
             fields_ = prefix.split("/")
             if not prefix or any(not part for part in fields_) or fields_[0] == "kvsp-1":
-                raise ConfigError(f"relay.open_prefixes[{i}]: {prefix!r} is not a namespace prefix ('a/b', not "
-                                  f"kvsp-1)")
+                raise ValueError(f"open_prefixes[{i}]: {prefix!r} is not a namespace prefix ('a/b', not kvsp-1)")
 
 
 @dataclass(frozen=True)
@@ -226,17 +188,23 @@ class RelayFile:
     relay: RelaySection = field(default_factory=RelaySection)
 
 
-
 @dataclass(frozen=True)
 class LinkSection:
+    """``[[instance.links]]``: a configured link (a :class:`~kvsp_quic.records.Link` whose ``rtt_us`` may be left
+    out)."""
+
     holder: str  # a holder's base URI (https or moqt)
     mbit_per_s: float
     rtt_us: float = 0.0
 
+    def link(self) -> Link:
+        return Link(holder=self.holder, mbit_per_s=self.mbit_per_s, rtt_us=self.rtt_us)
 
-@dataclass(frozen=True)
-class InstanceSection:
-    """``kvsp-quic instance``: the model, its cache, the roles it talks to (docs/inference.md)."""
+
+@dataclass(frozen=True, kw_only=True)
+class InstanceSection(InstanceOptions, ServiceOptions):
+    """``[instance]`` of ``kvsp-quic instance``: the role's options, the service's, and the model, its cache and
+    the roles it talks to, which the composition root resolves (docs/inference.md)."""
 
     model: Path | None = None  # a model directory (Hugging Face Llama layout); required
     device: str = "cpu"  # "cpu" or "cuda:N" (--gpu N)
@@ -245,41 +213,26 @@ class InstanceSection:
     block_tokens: int = 16
     model_name: str | None = None  # the descriptor's "model" (default: config.json's name, or the directory's)
     index: str | None = None  # the Index Service: lookups, and where the instance publishes its replicas
-    controller: str | None = None  # the Placement Controller: status reports and checkpoints
     scope_keys: list[Path] = field(default_factory=list)  # files of the scopes it serves (hex or raw octets)
     device_pages: int = 1024  # pages (blocks) of the device tier
     host_pages: int = 0  # pages of the host tier (pinned memory under CUDA)
-    status_ttl_ms: int = 3000
-    max_running: int = 4
-    max_queued: int = 64
-    max_directives: int = 64
-    max_tokens: int = 4096
-    checkpoint_tokens: int = 16
-    sleep_after_idle_ms: int | None = None
-    deterministic_greedy: bool = True
-    replica_ttl_ms: int = 60_000
-    session_lease_ms: int | None = None
+    replica_ttl_ms: int = 60_000  # of the records of the blocks it holds
     moqt: bool = True  # fetch moqt:// replicas first
     warmup_tokens: int = 64
     links: list[LinkSection] = field(default_factory=list)  # configured links (others are measured)
-    leases: LeaseSection = field(default_factory=LeaseSection)
+    leases: LeaseLimits = field(default_factory=LeaseLimits)
 
     def __post_init__(self) -> None:
-        for name in ("index", "controller"):
-            value = getattr(self, name)
-            if value is not None:
-                try:
-                    base_uri(value, f"instance.{name}")
-                except RecordError as exc:
-                    raise ConfigError(exc.detail) from None
-        for name in ("block_tokens", "device_pages", "status_ttl_ms", "max_running", "max_directives", "max_tokens",
-                     "checkpoint_tokens", "replica_ttl_ms"):
+        InstanceOptions.__post_init__(self)
+        ServiceOptions.__post_init__(self)
+        if self.index is not None:
+            base_uri(self.index, "index")
+        for name in ("block_tokens", "device_pages", "replica_ttl_ms"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"instance.{name}: must be positive")
-        if self.checkpoint_tokens > 64:
-            raise ConfigError("instance.checkpoint_tokens: at most 64 (spec: a checkpoint at least every 64 tokens)")
-        if self.host_pages < 0 or self.warmup_tokens < 0 or self.max_queued < 0:
-            raise ConfigError("instance.host_pages, warmup_tokens and max_queued must not be negative")
+                raise ValueError(f"{name}: must be positive")
+        for name in ("host_pages", "warmup_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must not be negative")
 
 
 @dataclass(frozen=True)
@@ -289,26 +242,23 @@ class InstanceFile:
     transport: dict[str, float] = field(default_factory=dict)
     instance: InstanceSection = field(default_factory=InstanceSection)
 
+
 @dataclass(frozen=True)
-class FrontendSection:
-    """``kvsp-quic frontend``: the OpenAI-compatible edge (docs/inference.md)."""
+class FrontendSection(FrontendOptions):
+    """``[frontend]``: the front end's options, and what the composition root resolves (docs/inference.md)."""
 
     controller: str | None = None  # the Placement Controller's base URI (required)
     model: Path | None = None  # the model directory: its tokenizer and descriptor (required)
     model_name: str | None = None  # the "model" of the OpenAI API and of the descriptor
     block_tokens: int = 16  # must match the instances' --block-tokens
     scope_key: Path | None = None  # the scope the front end's sessions belong to (hex or raw octets)
-    max_tokens: int = 4096
-    failover_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.controller is not None:
-            try:
-                base_uri(self.controller, "frontend.controller")
-            except RecordError as exc:
-                raise ConfigError(exc.detail) from None
-        if self.block_tokens < 1 or self.max_tokens < 1 or self.failover_timeout_s <= 0:
-            raise ConfigError("frontend.block_tokens, max_tokens and failover_timeout_s must be positive")
+            base_uri(self.controller, "controller")
+        if self.block_tokens < 1:
+            raise ValueError("block_tokens: must be positive")
 
 
 @dataclass(frozen=True)
@@ -319,7 +269,20 @@ class FrontendFile:
     frontend: FrontendSection = field(default_factory=FrontendSection)
 
 
+def options_of(section: Any, options: type[T]) -> dict[str, Any]:
+    """The fields of the dataclass *options* (a base of *section*'s class) as keyword arguments: a file's section
+    passed on to the role's settings, which extend the same options with what the composition root resolved."""
+    if not isinstance(section, options):
+        raise TypeError(f"{type(section).__name__} is not a {options.__name__}")
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(options)}  # type: ignore[arg-type]
+
+
 # -- loading -----------------------------------------------------------------------------------------------------
+
+
+RENAMED = {  # keys of earlier releases -> what to write now (durations are milliseconds everywhere)
+    "frontend.failover_timeout_s": "frontend.failover_timeout_ms (milliseconds)",
+}
 
 
 def load(cls: type[T], path: str | os.PathLike[str]) -> T:
@@ -351,6 +314,8 @@ def _build(cls: type[T], obj: Any, path: str, root: Path) -> T:
     unknown = sorted(set(obj) - set(known))
     if unknown:
         where = f"{path}.{unknown[0]}" if path else unknown[0]
+        if where in RENAMED:
+            raise ConfigError(f"{where}: renamed: write {RENAMED[where]}")
         raise ConfigError(f"{where}: unknown key (known: {', '.join(known) or 'none'})")
     kwargs: dict[str, Any] = {}
     for name, fld in known.items():
@@ -363,8 +328,33 @@ def _build(cls: type[T], obj: Any, path: str, root: Path) -> T:
         return cls(**kwargs)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}" if path else str(exc)) from None
+    except RecordError as exc:
+        raise ConfigError(_located(exc.detail or str(exc), path, known)) from None
     except (ValueError, TypeError) as exc:
-        raise ConfigError(f"{path or 'config'}: {exc}") from None
+        raise ConfigError(_located(str(exc), path, known)) from None
+
+
+def replace(section: T, where: str, **changes: Any) -> T:
+    """*section* with *changes* (command-line overrides), validated as the file is: a bad value is a
+    :class:`ConfigError` naming ``where.field``."""
+    known = {f.name: f for f in dataclasses.fields(section)}  # type: ignore[arg-type]
+    try:
+        return dataclasses.replace(section, **changes)  # type: ignore[type-var]
+    except ConfigError:
+        raise
+    except RecordError as exc:
+        raise ConfigError(_located(exc.detail or str(exc), where, known)) from None
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(_located(str(exc), where, known)) from None
+
+
+def _located(message: str, path: str, known: Mapping[str, Any]) -> str:
+    """A settings dataclass's error, located: ``"tick_ms: must be positive"`` from ``[controller]`` is
+    ``controller.tick_ms: must be positive``."""
+    m = re.match(r"(\w+)[:.\[]", message)
+    if m is not None and m.group(1) in known:
+        return f"{path}.{message}" if path else message
+    return f"{path or 'config'}: {message}"
 
 
 def _value(hint: Any, value: Any, where: str, root: Path) -> Any:
@@ -419,7 +409,6 @@ def _value(hint: Any, value: Any, where: str, root: Path) -> Any:
 
 __all__ = [
     "ConfigError",
-    "ControllerSection",
     "FrontendFile",
     "FrontendSection",
     "HolderFile",
@@ -428,7 +417,6 @@ __all__ = [
     "IndexSection",
     "InstanceFile",
     "InstanceSection",
-    "LeaseSection",
     "LinkSection",
     "LocalStorageSection",
     "RelayFile",
@@ -438,4 +426,6 @@ __all__ = [
     "build",
     "host_port",
     "load",
+    "options_of",
+    "replace",
 ]

@@ -29,7 +29,6 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +41,10 @@ from kvsp_quic.app.config import (
     RelayFile,
     ServerSection,
     TlsSection,
+    options_of,
 )
 from kvsp_quic.compat import CompatDescriptor
+from kvsp_quic.samples import example_descriptor
 
 log = logging.getLogger("kvsp.serve")
 
@@ -51,12 +52,6 @@ DEV_CLIENT = "dev"
 # A relay's per-stream receive window (unless [transport] stream_window says otherwise): it credits an upstream
 # FETCH back only as its fastest downstream forwards it, so this bounds how far ingest runs ahead of forwarding.
 RELAY_STREAM_WINDOW = 2 << 20
-
-
-def example_descriptor() -> CompatDescriptor:
-    """The Compatibility Descriptor of the spec's test vectors, the default of ``--dev`` holders."""
-    text = resources.files("kvsp_quic").joinpath("data/example-descriptor.json").read_text()
-    return CompatDescriptor.loads(text)
 
 
 @dataclass
@@ -169,11 +164,13 @@ async def run_index(cfg: IndexFile, *, dev_dir: Path | None, policy_path: Path |
                     stop: asyncio.Event | None = None, clock: Callable[[], float] = time.monotonic) -> None:
     """The Index Service with the Placement Controller: one process, one base URI (docs/wire.md)."""
     from http3.client import KvspClient
-    from http3.controller_app import HttpInstanceLink, controller_app
+    from http3.controller_app import controller_app
+    from http3.controller_link import HttpInstanceLink
+    from http3.controller_service import CommandStarter, ControllerService
     from kvsp_quic.metrics import Registry
-    from kvsp_quic.roles.controller import CommandStarter, ControllerConfig, PlacementController
-    from kvsp_quic.roles.index import IndexConfig, IndexService
-    from kvsp_quic.roles.status import LifecyclePolicy, SleepMode, SleepPolicy, StatusTable
+    from kvsp_quic.roles.controller import PlacementController
+    from kvsp_quic.roles.index import IndexConfig, IndexOptions, IndexService
+    from kvsp_quic.roles.status import LifecyclePolicy, StatusTable
 
     section, pc = cfg.index, cfg.controller
     descriptors = load_descriptors(section.descriptors)
@@ -183,26 +180,17 @@ async def run_index(cfg: IndexFile, *, dev_dir: Path | None, policy_path: Path |
     prepared = prepare("index", cfg.server, cfg.tls, cfg.transport, dev_dir=dev_dir, policy_path=policy_path)
     client = starter = None
     try:
-        config = IndexConfig.with_descriptors(
-            descriptors, max_ttl_ms=section.max_ttl_ms, max_lookup_keys=section.max_lookup_keys,
-            max_lookup_targets=section.max_lookup_targets, max_status_ttl_ms=section.max_status_ttl_ms)
-        sleep = SleepPolicy(SleepMode(pc.sleep), pc.sleep_min_active, pc.sleep_min_spare,
-                            pc.sleep_max_kv_utilization)
-        status = StatusTable(clock, policy=LifecyclePolicy(sleep), max_ttl_ms=section.max_status_ttl_ms)
+        config = IndexConfig.with_descriptors(descriptors, **options_of(section, IndexOptions))
+        status = StatusTable(clock, policy=LifecyclePolicy(pc.sleep_policy), max_ttl_ms=section.max_status_ttl_ms)
         service = IndexService(store, clock=clock, config=config, status=status)
         # The PC's requests to instances carry the index's certificate: the instances' policy gives it the
         # controller role.
-        client = KvspClient(prepared.files, settings=prepared.settings, timeout=pc.request_timeout_ms / 1000)
+        client = KvspClient(prepared.files, settings=prepared.settings, timeout=pc.request_timeout_s)
         starter = CommandStarter(pc.start_hook, pc_uri=prepared.base_uri) if pc.start_hook else None
-        controller = PlacementController(
-            service, HttpInstanceLink(client), clock=clock, starter=starter, metrics=Registry(),
-            identity=prepared.base_uri, config=ControllerConfig(
-                prefetch_deadline_ms=pc.prefetch_deadline_ms, prefetch_lease_ms=pc.prefetch_lease_ms,
-                start_timeout_ms=pc.start_timeout_ms, start_interval_ms=pc.start_interval_ms,
-                max_cost_us=pc.max_cost_us, session_ttl_ms=pc.session_ttl_ms, done_ttl_ms=pc.done_ttl_ms,
-                max_sessions=pc.max_sessions, reshard_deadline_ms=pc.reshard_deadline_ms))
+        role = PlacementController(service, clock=clock, metrics=Registry(), identity=prepared.base_uri, config=pc)
+        controller = ControllerService(role, HttpInstanceLink(client), starter=starter)
         base_path = _path_of(prepared.base_uri)
-        app = controller_app(service, controller, prepared.policy, base_path=base_path, tick_interval=pc.tick_ms / 1000)
+        app = controller_app(service, controller, prepared.policy, base_path=base_path, tick_interval=pc.tick_s)
         server = await serve_app(prepared, app)
     except BaseException:
         if client is not None:
@@ -243,9 +231,8 @@ async def run_holder(cfg: HolderFile, *, dev_dir: Path | None, policy_path: Path
     from kvsp_moqt.holder_tracks import holder_moqt_handlers
     from kvsp_moqt.tracks import moqt_uri_for
     from kvsp_quic.metrics import Registry
-    from kvsp_quic.roles.holder import Holder, HolderSettings
-    from kvsp_quic.roles.leases import LeaseLimits
-    from kvsp_quic.storage.tiers import LocalStorageConfig
+    from kvsp_quic.roles.holder import Holder, HolderOptions, HolderSettings
+    from kvsp_quic.storage.tiers import LocalStorageConfig, LocalStorageOptions
 
     section = cfg.holder
     descriptors = load_descriptors(section.descriptors)
@@ -256,16 +243,13 @@ async def run_holder(cfg: HolderFile, *, dev_dir: Path | None, policy_path: Path
     local = None
     if section.local_storage is not None:
         ls = section.local_storage
-        local = LocalStorageConfig(path=ls.path, capacity=ls.capacity, read_mbit_per_s=ls.read_mbit_per_s,
-                                   encryption_key=_read_key(ls.encryption_key_file), fsync=ls.fsync)
+        local = LocalStorageConfig(**options_of(ls, LocalStorageOptions),
+                                   encryption_key=_read_key(ls.encryption_key_file))
     prepared = prepare("holder", cfg.server, cfg.tls, cfg.transport, dev_dir=dev_dir, policy_path=policy_path)
     client = None
     try:
-        settings = HolderSettings(
-            base_uri=prepared.base_uri, descriptors=tuple(descriptors), host_capacity=section.host_capacity,
-            host_read_mbit_per_s=section.host_read_mbit_per_s, local_storage=local, eviction=section.eviction,
-            replica_ttl_ms=section.replica_ttl_ms, retention_ms=section.retention_ms,
-            max_block_bytes=section.max_block_bytes, leases=LeaseLimits(**vars(section.leases)))
+        settings = HolderSettings(prepared.base_uri, tuple(descriptors), local_storage=local,
+                                  **options_of(section, HolderOptions))
         holder = Holder(settings, clock=clock)
         recovered = holder.recover()
         if recovered:
@@ -306,9 +290,10 @@ async def run_relay(cfg: RelayFile, *, dev_dir: Path | None, policy_path: Path |
     from http3.client import KvspClient
     from http3.relay_app import relay_app
     from kvsp_moqt.index_link import IndexLink
-    from kvsp_quic.roles.relay import RelayRules
+    from kvsp_moqt.relay_policy import kvsp_relay
+    from kvsp_moqt.relay_rules import RelayRules
     from moqt.aio import MoqtPool, moqt_handlers
-    from moqt.relay import Relay, RelayConfig
+    from moqt.relay import RelayConfig, RelayOptions
 
     section = cfg.relay
     transport = {"stream_window": RELAY_STREAM_WINDOW, **cfg.transport}
@@ -321,14 +306,8 @@ async def run_relay(cfg: RelayFile, *, dev_dir: Path | None, policy_path: Path |
             client = KvspClient(prepared.files, settings=prepared.settings)
             pool = MoqtPool(prepared.files, settings=prepared.settings)
             link = IndexLink(client, section.index, pool, moqt_uri=moqt_uri, publish=section.publish_records,
-                             ttl_ms=section.record_ttl_ms, timeout=section.upstream_timeout_ms / 1000)
-        relay = Relay(rules, RelayConfig(moqt_uri=moqt_uri, cache_bytes=section.cache_bytes,
-                                         upstream_timeout=section.upstream_timeout_ms / 1000), resolver=link)
-        if link is not None:
-            def drop(fetch: Any) -> None:
-                relay.cache.remove(fetch.key)
-
-            link.on_corrupt = drop
+                             ttl_ms=section.record_ttl_ms, timeout=section.upstream_timeout_s)
+        relay = kvsp_relay(rules, RelayConfig(moqt_uri=moqt_uri, **options_of(section, RelayOptions)), link=link)
         server = await serve_app(prepared, relay_app(relay, prepared.policy, base_path=_path_of(prepared.base_uri)),
                                  quic_handlers=moqt_handlers(relay, data_streams=section.data_streams))
     except BaseException:
@@ -419,9 +398,7 @@ async def run_instance(cfg: InstanceFile, *, dev_dir: Path | None, policy_path: 
                        stop: asyncio.Event | None = None, clock: Callable[[], float] = time.monotonic) -> None:
     from gpu.engine import Engine
     from gpu.modelfiles import ModelError
-    from http3.instance_app import build_instance
-    from kvsp_quic.records import Link
-    from kvsp_quic.roles.leases import LeaseLimits
+    from kvsp_quic.app.instance import build_instance
 
     section = cfg.instance
     if section.model is None:
@@ -447,20 +424,12 @@ async def run_instance(cfg: InstanceFile, *, dev_dir: Path | None, policy_path: 
     except BaseException:
         engine.close()
         raise
-    settings = {"status_ttl_ms": section.status_ttl_ms, "max_running": section.max_running,
-                "max_queued": section.max_queued, "max_directives": section.max_directives,
-                "max_tokens": section.max_tokens, "checkpoint_tokens": section.checkpoint_tokens,
-                "sleep_after_idle_s": (None if section.sleep_after_idle_ms is None
-                                       else section.sleep_after_idle_ms / 1000),
-                "deterministic_greedy": section.deterministic_greedy}
     try:
         node = build_instance(
             engine, base_uri=prepared.base_uri, files=prepared.files, policy=prepared.policy, scope_keys=scope_keys,
-            index=section.index, controller=section.controller, epoch=int(started * 1000), clock=clock,
-            settings=settings, links=[Link(holder=x.holder, mbit_per_s=x.mbit_per_s, rtt_us=x.rtt_us)
-                                      for x in section.links],
-            replica_ttl_ms=section.replica_ttl_ms, lease_limits=LeaseLimits(**vars(section.leases)),
-            session_lease_ms=section.session_lease_ms, moqt=section.moqt, transport=prepared.settings)
+            index=section.index, epoch=int(started * 1000), clock=clock, options=section, service=section,
+            links=[x.link() for x in section.links], replica_ttl_ms=section.replica_ttl_ms,
+            lease_limits=section.leases, moqt=section.moqt, transport=prepared.settings)
         server = await serve_app(prepared, node.app, quic_handlers=node.quic_handlers)
     except BaseException:
         for sock in prepared.sockets:
@@ -475,7 +444,7 @@ async def run_instance(cfg: InstanceFile, *, dev_dir: Path | None, policy_path: 
     announce(prepared, instance_id=node.service.instance_id, epoch=node.role.epoch, compat_id=d.compat_id.hex(),
              descriptor=d.to_json(), device=str(engine.model.device), index=section.index,
              controller=section.controller, moqt=node.moqt_uri,
-             scope_ids=[k.hex() for k in node.service.keyers],
+             scope_ids=[k.hex() for k in node.role.keyers],
              scope_key=os.fspath(key_files[0]) if dev_dir is not None and key_files else None)
     try:
         await _wait(stop)
@@ -511,8 +480,7 @@ async def run_frontend(cfg: FrontendFile, *, dev_dir: Path | None, policy_path: 
     client = KvspClient(prepared.files, settings=prepared.settings)
     frontend = Frontend(client, section.controller, BlockKeyer(scope_key, descriptor.compat_id,
                                                                 descriptor.block_tokens),
-                        tokenizer, descriptor.model, max_tokens_limit=section.max_tokens,
-                        failover_timeout=section.failover_timeout_s)
+                        tokenizer, descriptor.model, options=section)
     try:
         server = await serve_app(prepared, frontend_app(frontend, prepared.policy,
                                                          base_path=_path_of(prepared.base_uri)))

@@ -18,7 +18,6 @@ Service and drives the holder's timers (:meth:`Holder.tick`). docs/wire.md ("Hol
 
 from __future__ import annotations
 
-import base64
 import collections
 import enum
 import heapq
@@ -54,6 +53,7 @@ from kvsp_quic.problems import (
     PreconditionRequired,
 )
 from kvsp_quic.records import LeaseRenewal, LeaseRequest, LeaseResponse, ReplicaRecord, ResidencyEntry
+from kvsp_quic.repr_digest import format_repr_digest
 from kvsp_quic.roles.leases import LeaseLimits, LeaseTable
 from kvsp_quic.storage.tiers import (
     HOST,
@@ -71,30 +71,58 @@ from kvsp_quic.storage.tiers import (
 )
 
 
-@dataclass(frozen=True)
-class HolderSettings:
-    base_uri: str  # the holder's base URI: the "holder" of its Replica Records and its identity
-    descriptors: tuple[CompatDescriptor, ...]  # the caches it serves
+@dataclass(frozen=True, kw_only=True)
+class HolderOptions:
+    """What a holder's operator sets: the ``[holder]`` section of ``kvsp-quic holder``'s file is these fields
+    (plus what the composition root resolves: the Index Service, the descriptor files, the local-storage tier with
+    its key file -- ``kvsp_quic.app.config.HolderSection``). Durations in milliseconds, sizes in octets."""
+
     host_capacity: int = 1 << 30  # octets of containers kept in memory
     host_read_mbit_per_s: int | None = None  # advertised for the host tier, when set
-    local_storage: LocalStorageConfig | None = None
     eviction: str = "lru"  # a name in kvsp_quic.storage.tiers.EVICTION_POLICIES, for every tier
     replica_ttl_ms: int = 300_000  # ttl_ms of published records; refreshed every third of it
     retention_ms: int | None = None  # drop replicas this long after they were stored (None: no limit)
     max_block_bytes: int = 1 << 30  # the largest container accepted by PUT
     leases: LeaseLimits = field(default_factory=LeaseLimits)
-    publish_backoff_s: tuple[float, float] = (0.5, 30.0)  # first and longest retry delay of a failed publish
+    publish_backoff_ms: tuple[int, int] = (500, 30_000)  # first and longest retry delay of a failed publish
 
     def __post_init__(self) -> None:
+        for name in ("host_capacity", "replica_ttl_ms", "max_block_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive")
+        for name in ("host_read_mbit_per_s", "retention_ms"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name}: must be positive")
+        first, longest = self.publish_backoff_ms
+        if not 0 < first <= longest:
+            raise ValueError("publish_backoff_ms: [first, longest] with 0 < first <= longest")
+        try:
+            eviction_policy(self.eviction)
+        except ValueError as exc:
+            raise ValueError(f"eviction: {exc}") from None
+
+    @property
+    def publish_backoff_s(self) -> tuple[float, float]:
+        return self.publish_backoff_ms[0] / 1000, self.publish_backoff_ms[1] / 1000
+
+
+@dataclass(frozen=True)
+class HolderSettings(HolderOptions):
+    """A holder's settings: its :class:`HolderOptions` and what it is (base URI, descriptors, local storage)."""
+
+    base_uri: str  # the holder's base URI: the "holder" of its Replica Records and its identity
+    descriptors: tuple[CompatDescriptor, ...]  # the caches it serves
+    local_storage: LocalStorageConfig | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         base_uri(self.base_uri, "holder base_uri", schemes=("https",))
         if not self.descriptors:
             raise ValueError("a holder serves at least one Compatibility Descriptor")
         ids = [d.compat_id for d in self.descriptors]
         if len(set(ids)) != len(ids):
             raise ValueError("the holder's descriptors repeat a Compatibility ID")
-        if self.replica_ttl_ms <= 0 or (self.retention_ms is not None and self.retention_ms <= 0):
-            raise ValueError("replica_ttl_ms and retention_ms must be positive")
-        eviction_policy(self.eviction)  # raises ValueError for an unknown name
 
 
 # -- The outbox of publish / withdraw intents ------------------------------------------------------------------------
@@ -263,7 +291,7 @@ class Fetched:
     @property
     def repr_digest_field(self) -> str:
         """The value of the Repr-Digest field (RFC 9530)."""
-        return f"sha-256=:{base64.b64encode(self.repr_digest).decode('ascii')}:"
+        return format_repr_digest(self.repr_digest)
 
 
 class BlockUpload:

@@ -72,22 +72,31 @@ class Geometry:
 
 
 @dataclass(frozen=True)
-class IndexConfig:
-    max_ttl_ms: int = DEFAULT_MAX_TTL_MS
+class IndexOptions:
+    """What an Index Service's operator sets: the ``[index]`` section of ``kvsp-quic index``'s file is these fields
+    (plus the store and the descriptor files the composition root resolves: ``kvsp_quic.app.config.IndexSection``)."""
+
+    max_ttl_ms: int = DEFAULT_MAX_TTL_MS  # replica TTLs are capped at this
     max_lookup_keys: int = DEFAULT_MAX_LOOKUP_KEYS
     max_lookup_targets: int = DEFAULT_MAX_LOOKUP_TARGETS
     max_status_ttl_ms: int = DEFAULT_MAX_STATUS_TTL_MS
-    geometry: Mapping[bytes, Geometry] = field(default_factory=lambda: MappingProxyType({}))  # by compat_id
 
     def __post_init__(self) -> None:
         for name in ("max_ttl_ms", "max_lookup_keys", "max_lookup_targets", "max_status_ttl_ms"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive")
+                raise ValueError(f"{name}: must be positive")
+
+
+@dataclass(frozen=True)
+class IndexConfig(IndexOptions):
+    """The Index Service's settings: its options and the geometry of the descriptors it knows."""
+
+    geometry: Mapping[bytes, Geometry] = field(default_factory=lambda: MappingProxyType({}))  # by compat_id
 
     @classmethod
-    def with_descriptors(cls, descriptors: list[CompatDescriptor], **kwargs: int) -> IndexConfig:
+    def with_descriptors(cls, descriptors: list[CompatDescriptor], **options: int) -> IndexConfig:
         geometry = {bytes(d.compat_id): Geometry.of(d) for d in descriptors}
-        return cls(geometry=MappingProxyType(geometry), **kwargs)
+        return cls(geometry=MappingProxyType(geometry), **options)
 
 
 Found = list[tuple[ReplicaRecord, ...]]

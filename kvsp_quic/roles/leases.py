@@ -27,14 +27,18 @@ from kvsp_quic.storage.tiers import BlockId
 
 @dataclass(frozen=True)
 class LeaseLimits:
+    """A holder's lease quotas (spec, Security Considerations): the ``[holder.leases]`` / ``[instance.leases]``
+    sections as they are."""
+
     max_ttl_ms: int = 60_000  # the longest lease a client may ask for (and renew to)
     max_octets_per_client: int = 16 << 30  # leased replica octets per client, over its unexpired leases
     max_leases_per_client: int = 1024
     max_keys_per_lease: int = 1024
 
     def __post_init__(self) -> None:
-        if min(self.max_ttl_ms, self.max_octets_per_client, self.max_leases_per_client, self.max_keys_per_lease) <= 0:
-            raise ValueError("lease limits must be positive")
+        for name in ("max_ttl_ms", "max_octets_per_client", "max_leases_per_client", "max_keys_per_lease"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive")
 
 
 @dataclass

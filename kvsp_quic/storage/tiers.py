@@ -38,6 +38,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvsp_quic.container import ContainerError, ContainerHeader, decode, replica_digest
+from kvsp_quic.policy_registry import PolicyRegistry
 from kvsp_quic.problems import DigestMismatch
 
 log = logging.getLogger("kvsp.tiers")
@@ -160,22 +161,17 @@ class LfuPolicy:
 
 
 EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LruPolicy, "fifo": FifoPolicy, "lfu": LfuPolicy}
+_EVICTION = PolicyRegistry("eviction", EVICTION_POLICIES)
 
 
 def register_eviction_policy(name: str, factory: Callable[[], EvictionPolicy]) -> None:
     """Make a policy available by *name* (lowercase) to configurations."""
-    if not re.fullmatch(r"[a-z][a-z0-9_-]*", name):
-        raise ValueError(f"eviction policy name {name!r} must be lowercase letters, digits, '-' or '_'")
-    EVICTION_POLICIES[name] = factory
+    _EVICTION.register(name, factory)
 
 
 def eviction_policy(name: str) -> EvictionPolicy:
-    try:
-        factory = EVICTION_POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r} (known: {', '.join(sorted(EVICTION_POLICIES))})") \
-            from None
-    return factory()
+    """A new instance of the policy registered as *name*; ``ValueError`` naming the known ones otherwise."""
+    return _EVICTION.create(name)
 
 
 # -- Tiers ----------------------------------------------------------------------------------------------------------
@@ -292,20 +288,32 @@ def key_id(key: bytes) -> bytes:
 
 
 @dataclass(frozen=True)
-class LocalStorageConfig:
-    """The ``local-storage`` tier of a holder."""
+class LocalStorageOptions:
+    """The ``local-storage`` tier of a holder as its operator sets it (``[holder.local_storage]``; the key file is
+    read by the composition root into :attr:`LocalStorageConfig.encryption_key`)."""
 
-    path: str | os.PathLike[str]
+    path: Path  # the directory
     capacity: int  # octets of files (container plus a small header)
     read_mbit_per_s: int | None = None  # advertised in Replica Records
-    encryption_key: bytes | None = field(default=None, repr=False)  # 32 octets: AES-256-GCM at rest
     fsync: bool = True  # fsync each file and the directory before a write counts as done
 
     def __post_init__(self) -> None:
+        if self.capacity <= 0:
+            raise ValueError("capacity: must be positive")
+        if self.read_mbit_per_s is not None and self.read_mbit_per_s <= 0:
+            raise ValueError("read_mbit_per_s: must be positive")
+
+
+@dataclass(frozen=True)
+class LocalStorageConfig(LocalStorageOptions):
+    """The ``local-storage`` tier of a holder: its options and the key it encrypts with."""
+
+    encryption_key: bytes | None = field(default=None, repr=False)  # 32 octets: AES-256-GCM at rest
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.encryption_key is not None and len(self.encryption_key) != 32:
             raise ValueError("local-storage encryption_key must be 32 octets (AES-256-GCM)")
-        if self.capacity <= 0:
-            raise ValueError("local-storage capacity must be positive")
 
 
 @dataclass(frozen=True)
