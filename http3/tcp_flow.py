@@ -1,5 +1,6 @@
-"""Send-side flow control of our TCP connections (HTTP/1.1 and HTTP/2): asyncio's ``pause_writing`` /
-``resume_writing`` and the coroutines that wait for the transport to drain."""
+"""What our TCP connections (HTTP/1.1 and HTTP/2) share: their state from accept to loss, one timer per
+connection, and send-side flow control (asyncio's ``pause_writing`` / ``resume_writing`` and the coroutines that
+wait for the transport to drain)."""
 
 from __future__ import annotations
 
@@ -7,24 +8,43 @@ import asyncio
 import logging
 from typing import Any
 
-from http3.asgi_bridge import ClientDisconnected
+from http3.asgi_bridge import AsgiContext, ClientDisconnected
 
 log = logging.getLogger("http3.tcp")
 
+WRITE_HIGH_WATER = 1 << 20  # the transport pauses our writing above this many buffered octets
+
 
 class WriteFlow:
-    """Mixed into :class:`~http3.tcp_h1.H1Connection` and :class:`~http3.tcp_h2.H2Connection`, which provide
-    ``loop``, ``closed``, ``settings``, ``info``, ``abort()`` and ``_on_timer()``, and set ``_write_paused =
-    False``, ``_drain_waiters = []`` and ``_timer = None`` in their constructors."""
+    """The base of :class:`~http3.tcp_h1.H1Connection` and :class:`~http3.tcp_h2.H2Connection`, which provide
+    ``abort()`` and ``_on_timer()`` and arm the timer once they are set up."""
 
     protocol_name = "HTTP"
-    loop: asyncio.AbstractEventLoop
-    closed: bool
-    settings: Any
-    info: dict[str, Any]
-    _write_paused: bool
-    _drain_waiters: list[asyncio.Future[None]]
-    _timer: asyncio.TimerHandle | None
+
+    def __init__(self, ctx: AsgiContext, transport: asyncio.Transport, conn_info: dict[str, Any]) -> None:
+        self.ctx = ctx
+        self.settings = ctx.settings
+        self.transport = transport
+        self.info = conn_info  # client, server, tls
+        self.loop = asyncio.get_running_loop()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.closed = False  # the transport is gone
+        self.closing = False  # graceful shutdown: no new requests or streams
+        self._write_paused = False
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self._last_rx = self.loop.time()
+        self._timer: asyncio.TimerHandle | None = None
+        self.done: asyncio.Future[None] = self.loop.create_future()  # the transport is gone
+        self.quiet: asyncio.Future[None] = self.loop.create_future()  # all written, close() called (or gone)
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+
+    def _lost(self) -> None:
+        """The end of ``connection_lost`` (after the protocol has told its requests): drain waiters fail, and
+        ``quiet`` and ``done`` resolve."""
+        self._fail_drain_waiters()
+        for future in (self.quiet, self.done):
+            if not future.done():
+                future.set_result(None)
 
     def abort(self) -> None:
         raise NotImplementedError

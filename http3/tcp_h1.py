@@ -39,7 +39,6 @@ BODY_HIGH_WATER = 1 << 20  # pause reading while the app has this much unread re
 PIPELINE_HIGH_WATER = 64 << 10  # pause reading while this much of a next (pipelined) request waits
 DISCARD_LIMIT = 8 << 20  # an unread request body rest larger than this closes the connection instead
 LINGER = 1.0  # seconds to keep reading (and discarding) before closing after an early response
-WRITE_HIGH_WATER = 1 << 20
 _CONTINUE = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
 
 
@@ -49,16 +48,9 @@ class H1Connection(WriteFlow, asyncio.Protocol):
     protocol_name = "HTTP/1.1"
 
     def __init__(self, ctx: AsgiContext, transport: asyncio.Transport, conn_info: dict[str, Any]) -> None:
-        self.ctx = ctx
-        self.settings = ctx.settings
-        self.transport = transport
-        self.info = conn_info  # client, server, tls
-        self.loop = asyncio.get_running_loop()
+        super().__init__(ctx, transport, conn_info)
         self.h11 = self._new_h11()
         self.exchange: Exchange | None = None
-        self.tasks: set[asyncio.Task[None]] = set()
-        self.closed = False  # the transport is gone
-        self.closing = False  # graceful shutdown: no keep-alive any more
         self._must_close = False  # close once the current response is out (413, 400)
         self._body_left: int | None = None  # octets of a Content-Length body still to come (counted here)
         self._pending = bytearray()  # what came after such a body: the next request
@@ -66,13 +58,6 @@ class H1Connection(WriteFlow, asyncio.Protocol):
         self._discarding = False  # the response is out, the rest of the request body is read and dropped
         self._discarded = 0
         self._reading_paused = False
-        self._write_paused = False
-        self._drain_waiters: list[asyncio.Future[None]] = []
-        self._last_rx = self.loop.time()
-        self._timer: asyncio.TimerHandle | None = None
-        self.done: asyncio.Future[None] = self.loop.create_future()  # the transport is gone
-        self.quiet: asyncio.Future[None] = self.loop.create_future()  # all written, close() called (or gone)
-        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
         self._arm_timer(self.settings.idle_timeout)
 
     def _new_h11(self) -> h11.Connection:
@@ -112,10 +97,7 @@ class H1Connection(WriteFlow, asyncio.Protocol):
         self._cancel_timer()
         if self.exchange is not None:
             self.exchange.body.disconnect()
-        self._fail_drain_waiters()
-        for future in (self.quiet, self.done):
-            if not future.done():
-                future.set_result(None)
+        self._lost()
 
     # -- server API ------------------------------------------------------------------------------------------
 

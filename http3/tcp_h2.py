@@ -42,7 +42,6 @@ log = logging.getLogger("http3.tcp")
 # hands over per read, so a frame rarely waits in the buffer).
 MAX_FRAME_SIZE = 256 << 10
 WRITE_BATCH = 1 << 20  # octets serialized per transport write before waiting for it to drain
-WRITE_HIGH_WATER = 1 << 20
 _MAX_WINDOW = 2**31 - 1
 _CONNECTION_HEADERS = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding",
                                  b"upgrade"})
@@ -164,22 +163,9 @@ class H2Connection(WriteFlow, asyncio.Protocol):
     protocol_name = "HTTP/2"
 
     def __init__(self, ctx: AsgiContext, transport: asyncio.Transport, conn_info: dict[str, Any]) -> None:
-        self.ctx = ctx
-        self.settings = settings = ctx.settings
-        self.transport = transport
-        self.info = conn_info
-        self.loop = asyncio.get_running_loop()
+        super().__init__(ctx, transport, conn_info)
+        settings = self.settings
         self.streams: dict[int, _Stream] = {}
-        self.tasks: set[asyncio.Task[None]] = set()
-        self.closed = False
-        self.closing = False
-        self._write_paused = False
-        self._drain_waiters: list[asyncio.Future[None]] = []
-        self._last_rx = self.loop.time()
-        self._timer: asyncio.TimerHandle | None = None
-        self.done: asyncio.Future[None] = self.loop.create_future()  # the transport is gone
-        self.quiet: asyncio.Future[None] = self.loop.create_future()  # all written, close() called (or gone)
-        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
 
         conn = H2Core(h2.config.H2Configuration(client_side=False, header_encoding=None))
         conn.local_settings = h2.settings.Settings(client=False, initial_values={
@@ -238,10 +224,7 @@ class H2Connection(WriteFlow, asyncio.Protocol):
         for stream in list(self.streams.values()):
             stream.lost()
         self.streams.clear()
-        self._fail_drain_waiters()
-        for future in (self.quiet, self.done):
-            if not future.done():
-                future.set_result(None)
+        self._lost()
 
     # -- server API ------------------------------------------------------------------------------------------
 

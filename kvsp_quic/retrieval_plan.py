@@ -1,5 +1,6 @@
 """Pure logic of block retrieval (no I/O, no clock of its own): which replica to try first, how an attempt
-failed, what to remember about it, and the strict reader of ``Repr-Digest``. ``http3/retrieval.py`` drives it.
+failed, what to remember about it. ``http3/retrieval.py`` drives it; it verifies ``Repr-Digest`` with
+:mod:`kvsp_quic.repr_digest` (re-exported here).
 
 Spec, "Block Retrieval and Storage": clients MUST verify Repr-Digest, and, when the returned codec is the
 replica's, the layer digests of the returned layers and, when all layers were retrieved, the replica digest.
@@ -19,10 +20,7 @@ Replicas whose residency does not cover the wanted layers are not candidates (th
 
 from __future__ import annotations
 
-import base64
-import binascii
 import enum
-import string
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +28,7 @@ from typing import Any, Protocol
 
 from kvsp_quic.cost import part_cost
 from kvsp_quic.records import Link, ReplicaRecord
+from kvsp_quic.repr_digest import ReprDigestError, format_repr_digest, parse_repr_digest
 
 LayerRange = tuple[int, int]  # inclusive
 
@@ -246,220 +245,6 @@ class DefaultRanking:
                 keyed.append(((1, 0.0, tier_rank(record, layers), scheme, i), record))
         keyed.sort(key=lambda item: item[0])
         return [record for _key, record in keyed]
-
-
-# -- Repr-Digest (RFC 9530), a Structured Fields Dictionary (RFC 8941) ----------------------------------------
-
-
-class ReprDigestError(ValueError):
-    """The Repr-Digest field is missing, not a valid Structured Fields Dictionary, or has no usable sha-256."""
-
-
-def parse_repr_digest(value: str | None) -> bytes:
-    """The SHA-256 digest carried by a ``Repr-Digest`` field value (RFC 9530), strictly parsed.
-
-    The value must be a valid RFC 8941 Dictionary (members of other algorithms, and parameters, are parsed and
-    ignored); its ``sha-256`` member must be a Byte Sequence of 32 octets. Anything else raises
-    :class:`ReprDigestError`.
-    """
-    if value is None:
-        raise ReprDigestError("the response has no Repr-Digest field")
-    members = _SfParser(value).dictionary()
-    if "sha-256" not in members:
-        raise ReprDigestError(f"Repr-Digest {value!r} has no sha-256 member")
-    digest = members["sha-256"]
-    if not isinstance(digest, bytes):
-        raise ReprDigestError("Repr-Digest: the sha-256 member is not a Byte Sequence")
-    if len(digest) != 32:
-        raise ReprDigestError(f"Repr-Digest: the sha-256 member has {len(digest)} octets, not 32")
-    return digest
-
-
-def format_repr_digest(digest: bytes) -> str:
-    return f"sha-256=:{base64.b64encode(digest).decode('ascii')}:"
-
-
-_LCALPHA = frozenset(string.ascii_lowercase)
-_KEY_CHARS = frozenset(string.ascii_lowercase + string.digits + "_-.*")
-_ALPHA = frozenset(string.ascii_letters)
-_DIGITS = frozenset(string.digits)
-_TCHARS = frozenset("!#$%&'*+-.^_`|~" + string.ascii_letters + string.digits + ":/")
-_B64 = frozenset(string.ascii_letters + string.digits + "+/=")
-
-
-class _Token(str):
-    __slots__ = ()
-
-
-class _SfParser:
-    """RFC 8941 section 4.2 parsing of a Dictionary: members map to their bare item (parameters are checked
-    and dropped); inner lists are parsed and kept as lists."""
-
-    def __init__(self, text: str) -> None:
-        self.s = text
-        self.i = 0
-
-    def fail(self, message: str) -> ReprDigestError:
-        return ReprDigestError(f"Repr-Digest {self.s!r}: {message} (at offset {self.i})")
-
-    def peek(self) -> str:
-        return self.s[self.i] if self.i < len(self.s) else ""
-
-    def skip(self, chars: str) -> None:
-        while self.i < len(self.s) and self.s[self.i] in chars:
-            self.i += 1
-
-    def dictionary(self) -> dict[str, Any]:
-        if not self.s.isascii():
-            raise self.fail("not ASCII")
-        self.skip(" ")
-        out: dict[str, Any] = {}
-        while self.i < len(self.s):
-            key = self.key()
-            if self.peek() == "=":
-                self.i += 1
-                out[key] = self.inner_list() if self.peek() == "(" else self.bare_item()
-            else:
-                out[key] = True
-            self.params()
-            self.skip(" \t")
-            if self.i == len(self.s):
-                return out
-            if self.peek() != ",":
-                raise self.fail("expected ',' between members")
-            self.i += 1
-            self.skip(" \t")
-            if self.i == len(self.s):
-                raise self.fail("trailing ','")
-        return out
-
-    def key(self) -> str:
-        start = self.i
-        if self.peek() not in _LCALPHA and self.peek() != "*":
-            raise self.fail("a key starts with a lowercase letter or '*'")
-        self.i += 1
-        while self.peek() and self.peek() in _KEY_CHARS:
-            self.i += 1
-        return self.s[start:self.i]
-
-    def params(self) -> None:
-        while self.peek() == ";":
-            self.i += 1
-            self.skip(" ")
-            self.key()
-            if self.peek() == "=":
-                self.i += 1
-                self.bare_item()
-
-    def inner_list(self) -> list[Any]:
-        self.i += 1  # "("
-        items: list[Any] = []
-        while self.i < len(self.s):
-            self.skip(" ")
-            if self.peek() == ")":
-                self.i += 1
-                return items
-            items.append(self.bare_item())
-            self.params()
-            if self.peek() not in (" ", ")"):
-                raise self.fail("expected ' ' or ')' in an inner list")
-        raise self.fail("unterminated inner list")
-
-    def bare_item(self) -> Any:
-        c = self.peek()
-        if c == "-" or c in _DIGITS:
-            return self.number()
-        if c == '"':
-            return self.string()
-        if c == ":":
-            return self.byte_sequence()
-        if c == "?":
-            return self.boolean()
-        if c in _ALPHA or c == "*":
-            return self.token()
-        raise self.fail("expected an item")
-
-    def number(self) -> int | float:
-        start = self.i
-        if self.peek() == "-":
-            self.i += 1
-        if self.peek() not in _DIGITS:
-            raise self.fail("a number needs a digit")
-        digits = ""
-        decimal = False
-        while self.peek():
-            c = self.peek()
-            if c in _DIGITS:
-                digits += c
-            elif c == "." and not decimal:
-                if len(digits) > 12:
-                    raise self.fail("a decimal has at most 12 integer digits")
-                digits += c
-                decimal = True
-            else:
-                break
-            self.i += 1
-            if len(digits) > (16 if decimal else 15):
-                raise self.fail("number too long")
-        if decimal:
-            frac = digits.split(".", 1)[1]
-            if not 1 <= len(frac) <= 3:
-                raise self.fail("a decimal has 1 to 3 fraction digits")
-            return float(self.s[start:self.i])
-        return int(self.s[start:self.i])
-
-    def string(self) -> str:
-        self.i += 1
-        out = []
-        while self.i < len(self.s):
-            c = self.s[self.i]
-            self.i += 1
-            if c == "\\":
-                nxt = self.peek()
-                if nxt not in ('"', "\\"):
-                    raise self.fail("bad escape in a string")
-                out.append(nxt)
-                self.i += 1
-            elif c == '"':
-                return "".join(out)
-            elif not 0x20 <= ord(c) <= 0x7E:
-                raise self.fail("a string holds printable ASCII only")
-            else:
-                out.append(c)
-        raise self.fail("unterminated string")
-
-    def token(self) -> _Token:
-        start = self.i
-        self.i += 1
-        while self.peek() and self.peek() in _TCHARS:
-            self.i += 1
-        return _Token(self.s[start:self.i])
-
-    def byte_sequence(self) -> bytes:
-        end = self.s.find(":", self.i + 1)
-        if end < 0:
-            raise self.fail("unterminated Byte Sequence")
-        content = self.s[self.i + 1:end]
-        if not set(content) <= _B64:
-            raise self.fail("a Byte Sequence holds base64 characters only")
-        self.i = end + 1
-        stripped = content.rstrip("=")
-        if "=" in stripped or len(content) - len(stripped) > 2:
-            raise self.fail("'=' may only pad the end of a Byte Sequence")
-        if len(content) % 4 and len(stripped) != len(content):
-            raise self.fail("a padded Byte Sequence must be a multiple of 4 characters")
-        try:  # RFC 8941 4.2.7: parsers SHOULD NOT fail when "=" padding is absent
-            return base64.b64decode(stripped + "=" * (-len(stripped) % 4), validate=True)
-        except (binascii.Error, ValueError):
-            raise self.fail("a Byte Sequence is not valid base64") from None
-
-    def boolean(self) -> bool:
-        self.i += 1
-        c = self.peek()
-        if c not in ("0", "1"):
-            raise self.fail("a Boolean is ?0 or ?1")
-        self.i += 1
-        return c == "1"
 
 
 __all__ = [

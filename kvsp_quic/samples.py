@@ -7,12 +7,19 @@ a consumer that interprets them as numbers never meets NaN or infinity.
 from __future__ import annotations
 
 import os
+from importlib import resources
 from typing import Any
 
 import numpy as np
 
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.problems import BadRequest
+
+
+def example_descriptor() -> CompatDescriptor:
+    """The Compatibility Descriptor of the spec's test vectors (package data), the default of ``--dev`` roles."""
+    text = resources.files("kvsp_quic").joinpath("data/example-descriptor.json").read_text()
+    return CompatDescriptor.loads(text)
 
 
 def float32_to_bf16_bits(values: np.ndarray) -> np.ndarray:

@@ -1,7 +1,9 @@
-"""Drive an ASGI app directly with a hand-built scope and collect what it sends (no server, no sockets)."""
+"""ASGI helpers of the tests: drive an app directly with a hand-built scope and collect what it sends (no server,
+no sockets), and :class:`Router`, several role apps below their base paths on one test server."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
@@ -60,6 +62,16 @@ def http_scope(method: str = "GET", path: str = "/", *, pem: str | None = None, 
     return scope
 
 
+async def read_body(receive: Callable[[], Awaitable[Message]]) -> bytes:
+    """The whole request body, as an app under test reads it from *receive*."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            return body
+
+
 async def call(app: App, scope: MutableMapping[str, Any], body: bytes = b"") -> Sent:
     sent = Sent()
     requests = [{"type": "http.request", "body": body, "more_body": False}]
@@ -72,3 +84,53 @@ async def call(app: App, scope: MutableMapping[str, Any], body: bytes = b"") -> 
 
     await app(scope, receive, send)
     return sent
+
+
+class Router:
+    """Serves several role apps below their base paths (``apps["/is/"]``, ``apps["/h1/"]``, ...) on one server and
+    answers the lifespan itself; a path under no base path gets 404. It logs every request, counts block GETs (in
+    all and concurrent per base path) and can slow them down by *block_delay* seconds."""
+
+    def __init__(self) -> None:
+        self.apps: dict[str, Any] = {}
+        self.log: list[tuple[str, str, str]] = []  # (method, path, query)
+        self.block_gets = 0
+        self.block_delay = 0.0
+        self.inflight: dict[str, int] = {}  # block GETs in progress, by base path
+        self.max_inflight: dict[str, int] = {}
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        path: str = scope["path"]
+        prefix = "/" + path.split("/")[1] + "/"
+        app = self.apps.get(prefix)
+        self.log.append((scope["method"], path, scope["query_string"].decode()))
+        if app is None:
+            await send({"type": "http.response.start", "status": 404, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        block_get = scope["method"] == "GET" and "/blocks/" in path
+        if block_get:
+            self.block_gets += 1
+            self.inflight[prefix] = self.inflight.get(prefix, 0) + 1
+            self.max_inflight[prefix] = max(self.max_inflight.get(prefix, 0), self.inflight[prefix])
+        try:
+            if block_get and self.block_delay:
+                await asyncio.sleep(self.block_delay)
+            await app(scope, receive, send)
+        finally:
+            if block_get:
+                self.inflight[prefix] -= 1
+
+    def requests(self, prefix: str) -> list[tuple[str, str, str]]:
+        """The logged requests below the base path *prefix*."""
+        return [entry for entry in self.log if entry[1].startswith(prefix)]

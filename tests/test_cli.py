@@ -9,25 +9,16 @@ import numpy as np
 import pytest
 
 from kvsp_quic import container as c
-from kvsp_quic.app.cli import main
 from kvsp_quic.compat import CompatDescriptor
 from tests import vectors
+from tests.helpers import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC_DESCRIPTOR = ROOT / "examples" / "descriptor.json"
 
 
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse usage errors and --help
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_keys_prints_the_spec_vectors(capsys) -> None:
-    code, out, err = run(capsys, "keys", "--descriptor", str(SPEC_DESCRIPTOR), "--scope-key",
+    code, out, err = run_cli(capsys, "keys", "--descriptor", str(SPEC_DESCRIPTOR), "--scope-key",
                          vectors.SCOPE_KEY.hex(), "--tokens", ",".join(map(str, vectors.TOKENS)))
     assert code == 0, err
     assert json.loads(out) == {"compat_id": vectors.COMPAT_ID, "scope_id": vectors.SCOPE_ID,
@@ -39,7 +30,7 @@ def test_keys_prints_the_spec_vectors(capsys) -> None:
 def test_keys_from_a_tokens_file(capsys, tmp_path: Path, text: str) -> None:
     tokens = tmp_path / "tokens.txt"
     tokens.write_text(text)
-    code, out, _ = run(capsys, "keys", "--descriptor", str(SPEC_DESCRIPTOR), "--scope-key",
+    code, out, _ = run_cli(capsys, "keys", "--descriptor", str(SPEC_DESCRIPTOR), "--scope-key",
                        vectors.SCOPE_KEY.hex(), "--tokens-file", str(tokens))
     assert code == 0 and json.loads(out)["block_keys"] == [vectors.K0, vectors.K1]
 
@@ -52,7 +43,7 @@ def test_keys_from_a_tokens_file(capsys, tmp_path: Path, text: str) -> None:
     (["--scope-key", "00" * 32, "--tokens-file", "/nonexistent/t"], "No such file"),
 ])
 def test_keys_errors_are_one_line(capsys, args: list[str], message: str) -> None:
-    code, out, err = run(capsys, "keys", "--descriptor", str(SPEC_DESCRIPTOR), *args)
+    code, out, err = run_cli(capsys, "keys", "--descriptor", str(SPEC_DESCRIPTOR), *args)
     assert code == 1 and out == ""
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
 
@@ -60,16 +51,16 @@ def test_keys_errors_are_one_line(capsys, args: list[str], message: str) -> None
 def test_keys_with_a_bad_descriptor(capsys, tmp_path: Path) -> None:
     bad = tmp_path / "d.json"
     bad.write_text(json.dumps(dict(vectors.DESCRIPTOR, kv_dtype="int4")))
-    code, _, err = run(capsys, "keys", "--descriptor", str(bad), "--scope-key", "00" * 32, "--tokens", "1")
+    code, _, err = run_cli(capsys, "keys", "--descriptor", str(bad), "--scope-key", "00" * 32, "--tokens", "1")
     assert code == 1 and "Element Types registry" in err and str(bad) in err
 
 
 def test_pack_then_inspect(capsys, tmp_path: Path) -> None:
     out_file = tmp_path / "block.kvb"
-    code, _, err = run(capsys, "container", "pack", "--descriptor", str(SPEC_DESCRIPTOR), "--tokens", "4",
+    code, _, err = run_cli(capsys, "container", "pack", "--descriptor", str(SPEC_DESCRIPTOR), "--tokens", "4",
                        "--layers", "0-31", "--random", "7", "-o", str(out_file))
     assert code == 0, err
-    code, out, err = run(capsys, "container", "inspect", str(out_file), "--descriptor", str(SPEC_DESCRIPTOR))
+    code, out, err = run_cli(capsys, "container", "inspect", str(out_file), "--descriptor", str(SPEC_DESCRIPTOR))
     assert code == 0, err
     report = json.loads(out)
     _header, layers = c.decode(out_file.read_bytes(), CompatDescriptor.load(SPEC_DESCRIPTOR))
@@ -80,10 +71,10 @@ def test_pack_then_inspect(capsys, tmp_path: Path) -> None:
     assert report["complete_block"] is True
     # The same seed gives the same octets; without a descriptor there is no replica digest.
     again = tmp_path / "again.kvb"
-    run(capsys, "container", "pack", "--descriptor", str(SPEC_DESCRIPTOR), "--tokens", "4", "--layers", "0-31",
+    run_cli(capsys, "container", "pack", "--descriptor", str(SPEC_DESCRIPTOR), "--tokens", "4", "--layers", "0-31",
         "--random", "7", "-o", str(again))
     assert again.read_bytes() == out_file.read_bytes()
-    code, out, _ = run(capsys, "container", "inspect", str(out_file))
+    code, out, _ = run_cli(capsys, "container", "inspect", str(out_file))
     assert code == 0 and "replica_digest" not in json.loads(out)
 
 
@@ -93,7 +84,7 @@ def test_pack_from_npy(capsys, tmp_path: Path) -> None:
     src = tmp_path / "kv.npy"
     np.save(src, values)
     out_file = tmp_path / "b.kvb"
-    code, _, err = run(capsys, "container", "pack", "--descriptor", str(SPEC_DESCRIPTOR), "--tokens", "4",
+    code, _, err = run_cli(capsys, "container", "pack", "--descriptor", str(SPEC_DESCRIPTOR), "--tokens", "4",
                        "--layers", "5-6", "--npy", str(src), "-o", str(out_file))
     assert code == 0, err
     header, layers = c.decode(out_file.read_bytes(), d)
@@ -101,10 +92,10 @@ def test_pack_from_npy(capsys, tmp_path: Path) -> None:
     k5 = np.frombuffer(layers[0].k, dtype="<u2").view(np.uint16)
     expected = (values[0, 0].view(np.uint32) + 0x7FFF + ((values[0, 0].view(np.uint32) >> 16) & 1)) >> 16
     assert np.array_equal(k5, expected.astype(np.uint16).ravel())
-    code, _, err = run(capsys, "container", "pack", "--descriptor", str(SPEC_DESCRIPTOR), "--tokens", "4",
+    code, _, err = run_cli(capsys, "container", "pack", "--descriptor", str(SPEC_DESCRIPTOR), "--tokens", "4",
                        "--layers", "5-7", "--npy", str(src), "-o", str(out_file))
     assert code == 1 and "holds 2 layers" in err
-    code, _, err = run(capsys, "container", "pack", "--descriptor", str(SPEC_DESCRIPTOR), "--tokens", "8",
+    code, _, err = run_cli(capsys, "container", "pack", "--descriptor", str(SPEC_DESCRIPTOR), "--tokens", "8",
                        "--layers", "5-6", "--npy", str(src), "-o", str(out_file))
     assert code == 1 and "expected (layers, 2, 8, 8, 128)" in err
 
@@ -118,11 +109,11 @@ def test_pack_from_npy(capsys, tmp_path: Path) -> None:
 ])
 def test_inspect_malformed_is_one_line(capsys, tmp_path: Path, mutate, message: str) -> None:
     good = tmp_path / "good.kvb"
-    run(capsys, "container", "pack", "--descriptor", str(SPEC_DESCRIPTOR), "--tokens", "4", "--layers", "0-1",
+    run_cli(capsys, "container", "pack", "--descriptor", str(SPEC_DESCRIPTOR), "--tokens", "4", "--layers", "0-1",
         "--random", "1", "-o", str(good))
     bad = tmp_path / "bad.kvb"
     bad.write_bytes(mutate(good.read_bytes()))
-    code, out, err = run(capsys, "container", "inspect", str(bad))
+    code, out, err = run_cli(capsys, "container", "inspect", str(bad))
     assert code == 1 and out == "" and message in err and err.count("\n") == 1
 
 
@@ -130,23 +121,23 @@ def test_inspect_checks_geometry_against_the_descriptor(capsys, tmp_path: Path) 
     other = tmp_path / "other.json"
     other.write_text(json.dumps(dict(vectors.DESCRIPTOR, head_dim=64)))
     blob = tmp_path / "b.kvb"
-    run(capsys, "container", "pack", "--descriptor", str(SPEC_DESCRIPTOR), "--tokens", "4", "--layers", "0-1",
+    run_cli(capsys, "container", "pack", "--descriptor", str(SPEC_DESCRIPTOR), "--tokens", "4", "--layers", "0-1",
         "--random", "1", "-o", str(blob))
-    code, _, err = run(capsys, "container", "inspect", str(blob), "--descriptor", str(other))
+    code, _, err = run_cli(capsys, "container", "inspect", str(blob), "--descriptor", str(other))
     assert code == 1 and "K/V lengths 8192/8192" in err
 
 
 def test_usage_errors_and_help(capsys) -> None:
-    code, _, err = run(capsys, "container", "pack", "--descriptor", "x", "--tokens", "0", "--layers", "0-1",
+    code, _, err = run_cli(capsys, "container", "pack", "--descriptor", "x", "--tokens", "0", "--layers", "0-1",
                        "--random", "1", "-o", "y")
     assert code == 2 and "must be positive" in err
-    code, _, err = run(capsys, "container", "pack", "--descriptor", "x", "--tokens", "1", "--layers", "3-1",
+    code, _, err = run_cli(capsys, "container", "pack", "--descriptor", "x", "--tokens", "1", "--layers", "3-1",
                        "--random", "1", "-o", "y")
     assert code == 2 and "empty layer range" in err
     for cmd in (["keys"], ["container", "inspect"], ["container", "pack"], ["container"], []):
-        code, out, _ = run(capsys, *cmd, "--help")
+        code, out, _ = run_cli(capsys, *cmd, "--help")
         assert code == 0 and "usage:" in out
-    code, _, err = run(capsys)
+    code, _, err = run_cli(capsys)
     assert code == 2 and "usage:" in err
 
 

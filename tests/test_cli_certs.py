@@ -10,22 +10,13 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from kvsp_quic.app.cli import main
 from quic import pki
 from quic.tls import scope_identity
 from tests.asgi import http_scope
+from tests.helpers import run_cli
 
 H1 = "https://127.0.0.1:4433/kvsp/"
 INDEX = "https://index.example:8443/"
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse usage errors and --help
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def load(path: str | Path) -> x509.Certificate:
@@ -42,7 +33,7 @@ def eku(cert: x509.Certificate) -> list[x509.ObjectIdentifier]:
 
 def test_init_prints_and_writes_the_pki(capsys, tmp_path: Path) -> None:
     d = tmp_path / "pki"
-    code, out, err = run(capsys, "certs", "init", str(d), "--role", f"h1={H1}", "--role", f"index={INDEX}",
+    code, out, err = run_cli(capsys, "certs", "init", str(d), "--role", f"h1={H1}", "--role", f"index={INDEX}",
                          "--client", "alice")
     assert code == 0, err
     report = json.loads(out)
@@ -74,14 +65,14 @@ def test_init_prints_and_writes_the_pki(capsys, tmp_path: Path) -> None:
 def test_reuse_keeps_files_and_reissues_what_changed(capsys, tmp_path: Path) -> None:
     d = tmp_path / "pki"
     args = ["certs", "init", str(d), "--role", f"h1={H1}", "--role", f"index={INDEX}", "--client", "alice"]
-    assert run(capsys, *args)[0] == 0
+    assert run_cli(capsys, *args)[0] == 0
     before = {p.name: p.read_bytes() for p in d.iterdir()}
-    code, out, _ = run(capsys, *args)
+    code, out, _ = run_cli(capsys, *args)
     assert code == 0 and [p["created"] for p in json.loads(out)["principals"]] == [False, False, False]
     assert {p.name: p.read_bytes() for p in d.iterdir()} == before  # byte-identical, CA included
 
     moved = "https://127.0.0.1:4434/kvsp/"
-    code, out, _ = run(capsys, "certs", "init", str(d), "--role", f"h1={moved}", "--role", f"index={INDEX}",
+    code, out, _ = run_cli(capsys, "certs", "init", str(d), "--role", f"h1={moved}", "--role", f"index={INDEX}",
                        "--client", "alice", "--client", "bob")
     assert code == 0
     assert {p["name"]: p["created"] for p in json.loads(out)["principals"]} == {
@@ -96,7 +87,7 @@ def test_reuse_keeps_files_and_reissues_what_changed(capsys, tmp_path: Path) -> 
 
 def test_extra_hosts(capsys, tmp_path: Path) -> None:
     d = tmp_path / "pki"
-    code, _, err = run(capsys, "certs", "init", str(d), "--role", f"index={INDEX}", "--client", "alice",
+    code, _, err = run_cli(capsys, "certs", "init", str(d), "--role", f"index={INDEX}", "--client", "alice",
                        "--host", "localhost", "--host", "::1", "--host", "127.0.0.1")
     assert code == 0, err
     names = sans(load(d / "index.pem"))
@@ -104,16 +95,16 @@ def test_extra_hosts(capsys, tmp_path: Path) -> None:
     assert names.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("::1"), ipaddress.ip_address("127.0.0.1")]
     assert sans(load(d / "alice.pem")).get_values_for_type(x509.DNSName) == []  # clients get no hosts
     # The same hosts: nothing is reissued; another set of hosts: the role certificates are.
-    code, out, _ = run(capsys, "certs", "init", str(d), "--role", f"index={INDEX}", "--client", "alice",
+    code, out, _ = run_cli(capsys, "certs", "init", str(d), "--role", f"index={INDEX}", "--client", "alice",
                        "--host", "LOCALHOST", "--host", "0:0::1", "--host", "127.0.0.1")
     assert code == 0 and [p["created"] for p in json.loads(out)["principals"]] == [False, False]
-    code, out, _ = run(capsys, "certs", "init", str(d), "--role", f"index={INDEX}", "--client", "alice")
+    code, out, _ = run_cli(capsys, "certs", "init", str(d), "--role", f"index={INDEX}", "--client", "alice")
     assert code == 0 and [p["created"] for p in json.loads(out)["principals"]] == [True, False]
     assert sans(load(d / "index.pem")).get_values_for_type(x509.IPAddress) == []
 
 
 def test_only_a_ca(capsys, tmp_path: Path) -> None:
-    code, out, _ = run(capsys, "certs", "init", str(tmp_path / "new" / "dir"))
+    code, out, _ = run_cli(capsys, "certs", "init", str(tmp_path / "new" / "dir"))
     assert code == 0 and json.loads(out) == {"ca": str(tmp_path / "new" / "dir" / "ca.pem"), "principals": []}
     assert load(tmp_path / "new" / "dir" / "ca.pem").extensions.get_extension_for_class(x509.BasicConstraints).value.ca
 
@@ -132,7 +123,7 @@ def test_only_a_ca(capsys, tmp_path: Path) -> None:
     (["--host", "bad host"], "host 'bad host': not an IP address or DNS name"),
 ])
 def test_errors_are_one_line(capsys, tmp_path: Path, args: list[str], message: str) -> None:
-    code, out, err = run(capsys, "certs", "init", str(tmp_path / "d"), *args)
+    code, out, err = run_cli(capsys, "certs", "init", str(tmp_path / "d"), *args)
     assert code == 1 and out == ""
     assert message in err and err.startswith("kvsp-quic: error: ") and err.count("\n") == 1
 
@@ -141,31 +132,31 @@ def test_unreadable_ca_is_an_error(capsys, tmp_path: Path) -> None:
     d = tmp_path / "pki"
     d.mkdir()
     (d / "ca.pem").write_text("not a certificate")
-    code, out, err = run(capsys, "certs", "init", str(d), "--client", "alice")
+    code, out, err = run_cli(capsys, "certs", "init", str(d), "--client", "alice")
     assert code == 1 and out == "" and f"cannot load {d / 'ca'}.pem/.key" in err and err.count("\n") == 1
     assert not (d / "alice.pem").exists()
     (d / "ca.pem").unlink()  # a key without its certificate is not silently replaced either
     (d / "ca.key").write_text("x")
-    code, _, err = run(capsys, "certs", "init", str(d), "--client", "alice")
+    code, _, err = run_cli(capsys, "certs", "init", str(d), "--client", "alice")
     assert code == 1 and "cannot load" in err and err.count("\n") == 1
 
 
 def test_directory_errors(capsys, tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
-    code, _, err = run(capsys, "certs", "init", str(blocker / "sub"), "--client", "alice")
+    code, _, err = run_cli(capsys, "certs", "init", str(blocker / "sub"), "--client", "alice")
     assert code == 1 and "kvsp-quic: error:" in err and err.count("\n") == 1
 
 
 def test_help_and_usage(capsys) -> None:
     for cmd in (["certs"], ["certs", "init"]):
-        code, out, _ = run(capsys, *cmd, "--help")
+        code, out, _ = run_cli(capsys, *cmd, "--help")
         assert code == 0 and "usage:" in out
-    code, out, _ = run(capsys, "certs", "init", "--help")
+    code, out, _ = run_cli(capsys, "certs", "init", "--help")
     assert "--role NAME=BASE_URI" in out and "--client NAME" in out and "--host H" in out
-    code, _, err = run(capsys, "certs")
+    code, _, err = run_cli(capsys, "certs")
     assert code == 2 and "usage:" in err
-    code, _, err = run(capsys, "certs", "init")
+    code, _, err = run_cli(capsys, "certs", "init")
     assert code == 2 and "DIR" in err
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,11 +19,11 @@ import pytest
 from http3.client import KvspClient
 from http3.retrieval import BlockFetcher
 from kvsp_quic import container
-from kvsp_quic.app.serve import example_descriptor
 from kvsp_quic.keys import BlockKeyer
 from kvsp_quic.records import LeaseRequest
-from kvsp_quic.samples import random_sections
+from kvsp_quic.samples import example_descriptor, random_sections
 from quic.tls import TlsFiles
+from tests.helpers import Process
 from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
 
 DESCRIPTOR = example_descriptor()  # 32 layers, 4-token blocks, 8 heads x 128 bf16: 512 KiB of K and V a block
@@ -32,35 +31,6 @@ SCOPE_KEY = bytes(range(32))
 KEYER = BlockKeyer(SCOPE_KEY, DESCRIPTOR.compat_id, DESCRIPTOR.block_tokens)
 CONTAINER_SIZE = len(container.encode(random_sections(DESCRIPTOR, 4, 0, 31, 0), first_layer=0, token_count=4,
                                       descriptor=DESCRIPTOR, digests=False))
-
-
-class Process:
-    """A kvsp-quic server subcommand, stopped (SIGTERM, then SIGKILL) when the test ends."""
-
-    def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvsp_quic", *args, "--log-level", "WARNING"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()  # exactly one JSON line once it serves
-        if not line:
-            raise RuntimeError(f"{args[0]} did not start: {self.proc.stderr.read() if self.proc.stderr else ''}")
-        self.ready: dict[str, Any] = json.loads(line)
-
-    def stop(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        assert self.proc.stdout is not None and self.proc.stderr is not None
-        rest = self.proc.stdout.read()
-        err = self.proc.stderr.read()
-        self.proc.stdout.close()
-        self.proc.stderr.close()
-        assert rest == "", "a server prints exactly one line on stdout"
-        return err
 
 
 @pytest.fixture(params=["memory", "redis"])

@@ -31,19 +31,12 @@ from kvsp_quic.roles.leases import LeaseLimits
 from kvsp_quic.samples import random_sections
 from kvsp_quic.storage.tiers import BlockId, LocalStorageConfig
 from tests.conftest import small_descriptor
+from tests.helpers import Clock
 
 BASE = "https://h1.example/kvsp/"
 SCOPE = bytes.fromhex("6d1c6481cd428737da312c089db3832a")
 OTHER_SCOPE = bytes(16)
 TTL_MS = 30_000
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def principal(name: str = "ii", scopes: Any = ALL) -> Principal:
@@ -374,7 +367,7 @@ def test_publish_refreshes_every_third_of_the_ttl(make, d: CompatDescriptor, clo
 
 
 def test_failed_requests_back_off_exponentially(make, d: CompatDescriptor, clock: Clock) -> None:  # type: ignore[no-untyped-def]
-    h = make(publish_backoff_s=(0.5, 2.0))
+    h = make(publish_backoff_ms=(500, 2000))
     put(h, d, 1)
     delays = []
     for _ in range(4):

@@ -22,11 +22,12 @@ from kvsp_quic import container as c
 from kvsp_quic.auth import Policy
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.keys import uri_id
-from kvsp_quic.records import LeaseResponse, ReplicaRecord
+from kvsp_quic.records import LeaseRequest, LeaseResponse, ReplicaRecord
 from kvsp_quic.roles.holder import Holder, HolderSettings
 from kvsp_quic.roles.leases import LeaseLimits
 from kvsp_quic.samples import random_sections
 from quic.tls import scope_identity
+from tests.asgi import read_body
 from tests.conftest import small_descriptor
 from tests.pki import TestPki, make_pki
 
@@ -202,7 +203,8 @@ async def test_blocks_over_tcp_too(setup: Setup, certs: TestPki) -> None:
 
 
 async def lease_request(setup: Setup, client: KvspClient, keys: list[str], ttl_ms: int = 10_000) -> Response:
-    payload = {"compat_id": setup.d.compat_id.hex(), "scope_id": SCOPE, "block_keys": keys, "ttl_ms": ttl_ms}
+    payload = LeaseRequest(setup.d.compat_id, bytes.fromhex(SCOPE), tuple(bytes.fromhex(k) for k in keys),
+                           ttl_ms).to_json()
     return await client.request("POST", setup.url("leases"), headers={"content-type": JSON},
                                 content=json.dumps(payload).encode())
 
@@ -274,12 +276,7 @@ class FakeIndex:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
-        raw = b""
-        while True:
-            message = await receive()
-            raw += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        raw = await read_body(receive)
         record = json.loads(raw) if raw else None
         if record is not None:
             ReplicaRecord.from_json(record)  # a valid record, as the IS would check
@@ -304,7 +301,7 @@ async def test_publisher_publishes_refreshes_retries_and_withdraws(certs: TestPk
     await server.start("127.0.0.1", 0)
     size = len(body(d, 1))
     holder = Holder(HolderSettings(HOLDER_URI, (d,), host_capacity=size, replica_ttl_ms=900,
-                                   publish_backoff_s=(0.05, 0.2)))
+                                   publish_backoff_ms=(50, 200)))
     client = KvspClient(certs.files("holder"))
     publisher = ReplicaPublisher(holder, client, server.base_uri("/is/"))
     principal = POLICY.principal(ALICE)
@@ -333,7 +330,7 @@ async def test_publisher_publishes_refreshes_retries_and_withdraws(certs: TestPk
 
 
 async def test_publisher_stops_cleanly_while_the_index_is_unreachable(certs: TestPki, d: CompatDescriptor) -> None:
-    holder = Holder(HolderSettings(HOLDER_URI, (d,), publish_backoff_s=(0.05, 0.1)))
+    holder = Holder(HolderSettings(HOLDER_URI, (d,), publish_backoff_ms=(50, 100)))
     client = KvspClient(certs.files("holder"), connect_timeout=0.2, retries=0)
     publisher = ReplicaPublisher(holder, client, "https://127.0.0.1:9/is/", timeout=0.5)  # nothing listens
     principal = POLICY.principal(ALICE)

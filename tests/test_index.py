@@ -36,6 +36,7 @@ from kvsp_quic.roles.index import Geometry, IndexConfig, IndexService
 from kvsp_quic.roles.status import InstanceStatus, StatusTable
 from kvsp_quic.storage.index_store import IndexStore, pack_body, unpack_body
 from kvsp_quic.storage.memory_index import MemoryIndexStore
+from tests.helpers import Clock
 from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
 
 S1, S2 = bytes([1]) * 16, bytes([2]) * 16
@@ -88,19 +89,11 @@ def hid(uri: str) -> str:
     return k.holder_id(uri)
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @dataclass
 class Env:
     service: IndexService
     store: IndexStore
-    clock: FakeClock
+    clock: Clock
     realtime: bool  # the store expires on real time (Redis)
 
     async def advance(self, ms: float) -> None:
@@ -139,7 +132,7 @@ def make_config(**changes: Any) -> IndexConfig:
 
 @pytest.fixture(params=["memory", "redis"])
 async def env(request: pytest.FixtureRequest) -> AsyncIterator[Env]:
-    clock = FakeClock()
+    clock = Clock()
     if request.param == "memory":
         store: IndexStore = MemoryIndexStore()
         yield Env(IndexService(store, clock=clock, config=make_config()), store, clock, False)
@@ -358,7 +351,7 @@ async def test_estimates_need_the_geometry_and_a_live_status(env: Env) -> None:
 
 
 def test_status_reports_and_epochs() -> None:
-    clock = FakeClock()
+    clock = Clock()
     service = IndexService(MemoryIndexStore(), clock=clock, config=make_config(max_status_ttl_ms=2000))
     report = service.report_status
     assert report(who(II7), hid(II7), status(epoch=5)).state is InstanceState.ACTIVE
@@ -381,7 +374,7 @@ def test_status_reports_and_epochs() -> None:
 
 
 def test_status_authorization() -> None:
-    service = IndexService(MemoryIndexStore(), clock=FakeClock(), config=make_config())
+    service = IndexService(MemoryIndexStore(), clock=Clock(), config=make_config())
     with pytest.raises(Forbidden, match="its own status"):
         service.report_status(who(II7), hid(II9), status(II9))
     with pytest.raises(BadRequest, match="not the reporting instance"):
@@ -396,7 +389,7 @@ def test_status_policy_hook() -> None:
                    now: float) -> InstanceState:
             return InstanceState.DRAINING if record.requested_state is InstanceState.SLEEPING else record.state
 
-    table = StatusTable(FakeClock(), policy=AcceptSleep())
+    table = StatusTable(Clock(), policy=AcceptSleep())
     assert table.report(status(requested_state=InstanceState.SLEEPING)).state is InstanceState.DRAINING
     assert table.state(II7) is InstanceState.DRAINING
     assert [e.instance for e in table.live()] == [II7]
@@ -435,7 +428,7 @@ async def test_store_round_trips_every_shape(env: Env) -> None:
 
 
 async def test_memory_sweep() -> None:
-    clock = FakeClock()
+    clock = Clock()
     store = MemoryIndexStore()
     service = IndexService(store, clock=clock, config=make_config())
     for i in range(10):

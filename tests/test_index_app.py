@@ -34,6 +34,7 @@ from kvsp_quic.records import (
     InstanceStatusRecord,
     Link,
     LookupMatch,
+    LookupRequest,
     LookupResponse,
     Record,
     ReplicaRecord,
@@ -203,8 +204,8 @@ async def test_lookup(h: Harness) -> None:
         assert (await h.publish("h1", replica(i, holder=H1))).status == 201
     assert (await h.publish("ii7", replica(0, holder=II7))).status == 201
     assert (await h.call("ii7", "PUT", f"instances/{k.instance_id(II7)}/status", status_json(II7))).status == 200
-    body = {"scope_id": S1.hex(), "compat_id": C1.hex(), "block_keys": [bk(i).hex() for i in range(5)],
-            "targets": [II7, "https://ii9.example/kvsp/"]}
+    body = LookupRequest(S1, C1, tuple(bk(i) for i in range(5)),
+                         targets=(II7, "https://ii9.example/kvsp/")).to_json()
     response = await h.call("alice", "POST", "lookup", body)
     assert response.status == 200 and response.headers["content-type"] == MEDIA_TYPE
     result = LookupResponse.loads(response.content or b"")

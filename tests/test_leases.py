@@ -9,16 +9,9 @@ import pytest
 from kvsp_quic.problems import LeaseQuota, NotFound
 from kvsp_quic.roles.leases import LeaseLimits, LeaseTable
 from kvsp_quic.storage.tiers import BlockId
+from tests.helpers import Clock
 
 A, B = "urn:kvsp:client:alice", "urn:kvsp:client:bob"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def bid(n: int) -> BlockId:
@@ -27,7 +20,7 @@ def bid(n: int) -> BlockId:
 
 @pytest.fixture
 def clock() -> Clock:
-    return Clock()
+    return Clock(100.0)
 
 
 @pytest.fixture
