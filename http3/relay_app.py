@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -22,6 +22,12 @@ from kvsp_quic.metrics import Registry
 RULES = (Rule("GET", "status", ANY_ROLE),)
 
 
+class RelayStatus(Protocol):
+    """What the app reads of the relay (:class:`moqt.relay.Relay`): its counters as a JSON object."""
+
+    def status(self) -> dict[str, Any]: ...
+
+
 def _flat(prefix: str, value: Any) -> Iterator[tuple[str, float]]:
     if isinstance(value, bool):
         return
@@ -32,7 +38,7 @@ def _flat(prefix: str, value: Any) -> Iterator[tuple[str, float]]:
             yield from _flat(f"{prefix}_{key}" if prefix else str(key), inner)
 
 
-def relay_app(relay: Any, policy: Policy, *, base_path: str = "/") -> ASGIApp:
+def relay_app(relay: RelayStatus, policy: Policy, *, base_path: str = "/") -> ASGIApp:
     registry = Registry()
     gauge = registry.gauge("kvsp_relay", "The relay's counters (connections, cache, fetches, ...)", ("counter",))
     gauge.collect(lambda: [({"counter": name}, value) for name, value in _flat("", relay.status())])

@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 from kvsp_quic import fields as f
 from kvsp_quic.fields import ScopeId
 from kvsp_quic.problems import Forbidden, ScopeDenied
+from kvsp_quic.tomlfile import read_toml
 
 
 class Role(enum.StrEnum):
@@ -120,13 +121,7 @@ class Policy:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Policy:
         where = f"policy {os.fspath(path)!r}"
-        try:
-            with open(path, "rb") as fh:
-                obj = tomllib.load(fh)
-        except OSError as exc:
-            raise PolicyError(f"cannot read {where}: {exc.strerror or exc}") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise PolicyError(f"{where}: not valid TOML ({exc})") from None
+        obj = read_toml(path, where, PolicyError)
         return cls.from_dict(obj, source=where)
 
     @classmethod

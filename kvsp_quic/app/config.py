@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import tomllib
 import types
 import typing
 from collections.abc import Mapping
@@ -51,6 +50,7 @@ from kvsp_quic.roles.index import IndexOptions
 from kvsp_quic.roles.instance import InstanceOptions, ServiceOptions
 from kvsp_quic.roles.leases import LeaseLimits
 from kvsp_quic.storage.tiers import LocalStorageOptions
+from kvsp_quic.tomlfile import read_toml
 from moqt.relay.interfaces import RelayOptions
 
 T = TypeVar("T")
@@ -103,6 +103,15 @@ def host_port(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+@dataclass(frozen=True)
+class ServerFile:
+    """What every server role's file has; each role's file adds its section(s)."""
+
+    server: ServerSection = field(default_factory=ServerSection)
+    tls: TlsSection | None = None  # required unless --dev
+    transport: dict[str, float] = field(default_factory=dict)  # fields of quic.tls.TransportSettings
+
+
 # -- the roles ----------------------------------------------------------------------------------------------------
 
 
@@ -119,10 +128,7 @@ class IndexSection(IndexOptions):
 
 
 @dataclass(frozen=True)
-class IndexFile:
-    server: ServerSection = field(default_factory=ServerSection)
-    tls: TlsSection | None = None  # required unless --dev
-    transport: dict[str, float] = field(default_factory=dict)  # fields of quic.tls.TransportSettings
+class IndexFile(ServerFile):
     index: IndexSection = field(default_factory=IndexSection)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
 
@@ -149,10 +155,7 @@ class HolderSection(HolderOptions):
 
 
 @dataclass(frozen=True)
-class HolderFile:
-    server: ServerSection = field(default_factory=ServerSection)
-    tls: TlsSection | None = None
-    transport: dict[str, float] = field(default_factory=dict)
+class HolderFile(ServerFile):
     holder: HolderSection = field(default_factory=HolderSection)
 
 
@@ -181,10 +184,7 @@ class RelaySection(RelayOptions):
 
 
 @dataclass(frozen=True)
-class RelayFile:
-    server: ServerSection = field(default_factory=ServerSection)
-    tls: TlsSection | None = None
-    transport: dict[str, float] = field(default_factory=dict)
+class RelayFile(ServerFile):
     relay: RelaySection = field(default_factory=RelaySection)
 
 
@@ -236,10 +236,7 @@ class InstanceSection(InstanceOptions, ServiceOptions):
 
 
 @dataclass(frozen=True)
-class InstanceFile:
-    server: ServerSection = field(default_factory=ServerSection)
-    tls: TlsSection | None = None
-    transport: dict[str, float] = field(default_factory=dict)
+class InstanceFile(ServerFile):
     instance: InstanceSection = field(default_factory=InstanceSection)
 
 
@@ -262,10 +259,7 @@ class FrontendSection(FrontendOptions):
 
 
 @dataclass(frozen=True)
-class FrontendFile:
-    server: ServerSection = field(default_factory=ServerSection)
-    tls: TlsSection | None = None
-    transport: dict[str, float] = field(default_factory=dict)
+class FrontendFile(ServerFile):
     frontend: FrontendSection = field(default_factory=FrontendSection)
 
 
@@ -288,13 +282,7 @@ RENAMED = {  # keys of earlier releases -> what to write now (durations are mill
 def load(cls: type[T], path: str | os.PathLike[str]) -> T:
     """The dataclass *cls* from the TOML file at *path*."""
     where = f"config {os.fspath(path)!r}"
-    try:
-        with open(path, "rb") as fh:
-            obj = tomllib.load(fh)
-    except OSError as exc:
-        raise ConfigError(f"cannot read {where}: {exc.strerror or exc}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{where}: not valid TOML ({exc})") from None
+    obj = read_toml(path, where, ConfigError)
     return build(cls, obj, source=where, root=Path(path).resolve().parent)
 
 
