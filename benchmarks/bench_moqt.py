@@ -1,6 +1,6 @@
 """MOQT FETCH of a KVSP block: our publisher (a Holder's tracks) vs a raw, tuned aioquic stream, in the same run.
 
-    python -m benchmarks.bench_moqt [--reps 7] [--layers 32] [--layer-kib 512]
+    python -m benchmarks.bench_moqt [--reps 7] [--layers 32] [--layer-kib 512] [--datagram 1452,8952,16384]
 
 The subject: a 16 MiB block (32 layers of 512 KiB: K and V of 256 KiB each) stored in a Holder, served by
 kvsp_moqt.holder_tracks.HolderTracks on a QuicListener (both drafts) in its own process; the client
@@ -8,7 +8,7 @@ kvsp_moqt.holder_tracks.HolderTracks on a QuicListener (both drafts) in its own 
 an established session) FETCHes group 0 and verifies every layer's SHA-256 against the Replica Record as it
 arrives (kvsp_moqt.holder_tracks.fetch_layers). Also measured: the same FETCH without verification (the adapter alone).
 Baseline: benchmarks.bench_h3's raw server: one QUIC stream carrying the same octets between plain aioquic
-endpoints with the same tuning (16 KiB datagrams, 64 MiB windows, 4 MiB socket buffers), no MOQT, no hashing.
+endpoints with the same tuning (the same datagram size, 64 MiB windows, 4 MiB socket buffers), no MOQT, no hashing.
 The baseline opens a new connection per transfer (handshake not timed), so it starts with a cold congestion
 window; the MOQT FETCHes run on an established session, and once more on a new connection each ("new
 connection") for the like-for-like comparison. Time to first layer: from sending the FETCH (the raw request) to
@@ -34,7 +34,14 @@ from typing import Any
 from aioquic.quic import events
 from aioquic.quic.connection import QuicConnection
 
-from benchmarks.bench_h3 import SETTINGS, RawClientProtocol, start_server
+from benchmarks.bench_h3 import (
+    DATAGRAM,
+    SETTINGS,
+    RawClientProtocol,
+    add_datagram_argument,
+    per_datagram,
+    start_server,
+)
 from kvsp_moqt.holder_tracks import HolderTracks, fetch_layers
 from kvsp_moqt.tracks import fetch_range, moqt_record, record_track
 from kvsp_quic import container as c
@@ -199,10 +206,13 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--layer-kib", type=int, default=512)
+    add_datagram_argument(parser)
     parser.add_argument("--serve", nargs=3, metavar=("CERT_DIR", "LAYERS", "LAYER_KIB"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         asyncio.run(serve(args.serve[0], int(args.serve[1]), int(args.serve[2])))
+        return
+    if per_datagram(args, "benchmarks.bench_moqt"):
         return
     from tests.pki import make_pki
 
@@ -211,11 +221,12 @@ def main() -> None:
         rows = asyncio.run(measure(tmp, args.reps, args.layers, args.layer_kib))
     base = rows[0][1]
     print(f"{os.cpu_count()} CPUs; one block of {args.layers} layers x {args.layer_kib} KiB "
-          f"({args.layers * args.layer_kib >> 10} MiB) per FETCH; medians of {args.reps}\n")
-    print("| path | MB/s | vs raw (same run) | time to first layer |")
-    print("|---|---|---|---|")
+          f"({args.layers * args.layer_kib >> 10} MiB) per FETCH; QUIC datagrams of {DATAGRAM} octets; "
+          f"medians of {args.reps}\n")
+    print("| path | datagram | MB/s | vs raw (same run) | time to first layer |")
+    print("|---|---|---|---|---|")
     for label, mbs, first in rows:
-        print(f"| {label} | {mbs:.0f} | {mbs / base:.2f} | {first * 1000:.1f} ms |")
+        print(f"| {label} | {DATAGRAM} | {mbs:.0f} | {mbs / base:.2f} | {first * 1000:.1f} ms |")
 
 
 if __name__ == "__main__":

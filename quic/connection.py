@@ -17,6 +17,16 @@ The gaps of aioquic 1.7.2 (pinned; FACTS.md) are closed here, and nowhere else:
    reports each one it is done with (:meth:`KvspQuicConnection.uni_stream_done`).
 4. aioquic parses the peer's ``max_udp_payload_size`` transport parameter and then ignores it
    (:meth:`KvspQuicConnection.respect_peer_udp_payload`).
+5. aioquic's pacer lets a burst of at most 16 *packets* out before it waits for a timer, so the rate it allows
+   falls with the datagram size: 16 x 1452 octets per event-loop timer tick (about a millisecond) is ~20 MB/s.
+   :class:`OctetBurstPacer` counts the burst in octets (:meth:`KvspQuicConnection.set_pacing_burst`; the default,
+   ``TransportSettings.pacing_burst``, is what 16 packets of loopback's 16 KiB datagrams allowed), so a
+   connection paces the same octets per tick whatever its datagram size (RFC 9002 7.7: a sender that knows the
+   path absorbs larger bursts MAY use a larger limit).
+6. aioquic acknowledges 1-RTT packets only when its ACK timer (1 ms) fires, however many arrived, so a sender
+   whose congestion window is a few small packets waits a timer tick for every window. :meth:`KvspQuicConnection.
+   ack_now` lets the transport acknowledge at the end of a batch of datagrams (RFC 9000 13.2.2: a receiver
+   SHOULD acknowledge after two ack-eliciting packets; one ACK per batch is what :mod:`quic.udp` is for).
 """
 
 from __future__ import annotations
@@ -24,12 +34,13 @@ from __future__ import annotations
 import ipaddress
 import logging
 import ssl
-from typing import Any
+from typing import Any, cast
 
 from aioquic import tls
 from aioquic.buffer import Buffer  # type: ignore[attr-defined]  # re-exported from aioquic._buffer
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet import pull_quic_transport_parameters
+from aioquic.quic.recovery import QuicPacketPacer
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 from cryptography.x509.oid import ExtendedKeyUsageOID
@@ -115,6 +126,18 @@ def verify_client_certificate(cert: x509.Certificate | None, chain: list[x509.Ce
         raise tls.AlertUnsupportedCertificate("certificate is not valid for client authentication")
     # Dates and the chain up to the CA (aioquic's verifier; with no server name it checks no name).
     tls.verify_certificate(certificate=cert, chain=chain, cadata=cadata, cafile=cafile)
+
+
+class OctetBurstPacer(QuicPacketPacer):
+    """aioquic's pacer with its burst allowance in octets (``burst``) rather than 16 packets (module docstring,
+    point 5). The pacing *rate* is aioquic's: the congestion window per smoothed RTT."""
+
+    burst: int = 256 << 10
+
+    def update_rate(self, congestion_window: int, smoothed_rtt: float) -> None:
+        super().update_rate(congestion_window, smoothed_rtt)
+        rate = congestion_window / max(smoothed_rtt, 1e-6)
+        self.bucket_max = max(2 * self._max_datagram_size, min(congestion_window // 4, self.burst)) / rate
 
 
 class KvspQuicConnection(QuicConnection):
@@ -234,6 +257,23 @@ class KvspQuicConnection(QuicConnection):
         self._kvsp_uni_done += 1
         return self._kvsp_uni_budget is not None
 
+    # -- acknowledgements ------------------------------------------------------------------------------------------
+
+    def ack_now(self, now: float) -> None:
+        """Acknowledge the 1-RTT packets received so far in the next transmit, not when the ACK timer fires."""
+        space = self._spaces.get(tls.Epoch.ONE_RTT)
+        if space is not None and space.ack_at is not None and space.ack_at > now:
+            space.ack_at = now
+
+    # -- pacing ---------------------------------------------------------------------------------------------------
+
+    def set_pacing_burst(self, burst: int) -> None:
+        """Let the pacer send up to *burst* octets (at least two datagrams, at most a quarter of the congestion
+        window) before it waits, whatever the datagram size (:class:`OctetBurstPacer`)."""
+        pacer = self._loss._pacer
+        pacer.__class__ = OctetBurstPacer
+        cast(OctetBurstPacer, pacer).burst = burst
+
     # -- the peer's UDP payload limit ------------------------------------------------------------------------------
 
     def respect_peer_udp_payload(self) -> int | None:
@@ -281,12 +321,19 @@ class KvspQuicConnection(QuicConnection):
             limit.used = used
 
     def _write_stream_limits(self, builder: Any, space: Any, stream: Any) -> None:
-        if stream.max_stream_data_local:
-            window = self._kvsp_stream_window
-            consumed = stream.receiver.starting_offset() - self._kvsp_unread.get(stream.stream_id, 0)
-            target = consumed + window
-            if target - stream.max_stream_data_local >= window // 4:
-                stream.max_stream_data_local = target
+        # Called for every stream in every packet aioquic builds: return at once when no frame is due.
+        local = stream.max_stream_data_local
+        if not local:  # a stream of ours that receives nothing
+            return
+        window = self._kvsp_stream_window
+        if stream.max_stream_data_local_sent == local and \
+                stream.receiver.highest_offset + window - local < window >> 2:  # consumed <= highest: none due
+            return
+        target = stream.receiver.starting_offset() - self._kvsp_unread.get(stream.stream_id, 0) + window
+        if target - local >= window >> 2:
+            stream.max_stream_data_local = target
+        elif stream.max_stream_data_local_sent == local:
+            return
         highest, stream.receiver.highest_offset = stream.receiver.highest_offset, 0  # no doubling either
         try:
             super()._write_stream_limits(builder, space, stream)

@@ -8,6 +8,16 @@ connection processes the whole batch before it transmits (one ACK for many packe
 
 It is an ``asyncio.DatagramTransport`` for aioquic's protocols: ``sendto``, ``close``, ``get_extra_info``.
 :func:`bind_udp` makes the socket, with the buffer sizes of ``TransportSettings.socket_buffer``.
+
+Sending, :meth:`BatchedUdpTransport.send_datagrams` takes all the datagrams one transmit built and hands runs of
+equal-sized ones to the kernel in one ``sendmsg`` with generic segmentation offload (Linux ``UDP_SEGMENT``: the
+kernel cuts the buffer into datagrams of the given size, the last one may be shorter): one system call, and one
+trip through the socket layer, per up to 64 datagrams instead of one each. Where the kernel refuses it (not Linux,
+a kernel before 4.18, a device without checksum offload: ``EIO``) the transport says so once in the log and sends
+one datagram per call from then on. Receiving, the socket asks for generic receive offload (``UDP_GRO``) where
+the kernel has it: a run of datagrams from one sender (on loopback, a GSO send as it was sent) arrives in one
+``recvmsg`` with its segment size, and is cut back into its datagrams here, in order, before the protocol sees
+them.
 """
 
 from __future__ import annotations
@@ -17,12 +27,20 @@ import collections
 import contextlib
 import logging
 import socket
+import struct
+import sys
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 log = logging.getLogger("kvsp.udp")
 
 _MAX_DATAGRAM = 65536
 _MAX_QUEUED = 4096  # datagrams waiting for the socket to accept writes; beyond that they are dropped (QUIC recovers)
+UDP_SEGMENT = getattr(socket, "UDP_SEGMENT", 103)  # Linux 4.18+, include/uapi/linux/udp.h
+_GSO_MAX_SEGMENTS = 64  # UDP_MAX_SEGMENTS of Linux before 6.9 (128 since)
+UDP_GRO = getattr(socket, "UDP_GRO", 104)  # Linux 5.0+: coalesced runs come with their segment size
+_GRO_CMSG_SPACE = socket.CMSG_SPACE(4) if hasattr(socket, "CMSG_SPACE") else 0
+_GSO_MAX_OCTETS = 65000  # one UDP datagram's payload before segmentation: at most 65507 octets over IPv4
 
 
 class BatchProtocol(Protocol):
@@ -44,11 +62,25 @@ class BatchedUdpTransport(asyncio.DatagramTransport):
         self._queue: collections.deque[tuple[bytes, Any]] = collections.deque()
         self._closing = False
         self._writing = False
+        self.gso = hasattr(socket, "SOL_UDP") and sock.family in (socket.AF_INET, socket.AF_INET6)
+        self.system_calls = 0  # sends handed to the kernel (a GSO batch counts once): for tests and benchmarks
+        self.datagrams_sent = 0
+        self.gro = False
+        if self.gso:  # the receiving half of offload: runs of datagrams arrive as one buffer
+            try:
+                sock.setsockopt(socket.SOL_UDP, UDP_GRO, 1)
+                self.gro = True
+            except OSError:
+                pass
+        self.receive_calls = 0
         sock.setblocking(False)
         loop.add_reader(sock.fileno(), self._read_ready)
         protocol.connection_made(self)
 
     def _read_ready(self) -> None:
+        if self.gro:
+            self._read_ready_gro()
+            return
         recv = self._sock.recvfrom
         handle = self._protocol.datagram_received
         got = 0
@@ -62,8 +94,43 @@ class BatchedUdpTransport(asyncio.DatagramTransport):
                 break
             got += 1
             handle(data, addr)
+        self.receive_calls += got
         if got:
             self._protocol.datagrams_done()
+
+    def _read_ready_gro(self) -> None:
+        recv = self._sock.recvmsg
+        handle = self._protocol.datagram_received
+        got = calls = 0
+        while got < self._batch:
+            try:
+                data, ancillary, _flags, addr = recv(_MAX_DATAGRAM, _GRO_CMSG_SPACE)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                log.debug("UDP receive error: %s", exc)
+                break
+            calls += 1
+            segment = 0
+            for level, kind, value in ancillary:
+                if level == socket.SOL_UDP and kind == UDP_GRO:
+                    segment = int.from_bytes(value[:4], sys.byteorder)
+            if segment and len(data) > segment:
+                for offset in range(0, len(data), segment):
+                    handle(data[offset:offset + segment], addr)
+                    got += 1
+            else:
+                handle(data, addr)
+                got += 1
+        self.receive_calls += calls
+        if got:
+            self._protocol.datagrams_done()
+
+    def stop_receive_offload(self) -> None:
+        """Receive one datagram per call from now on (benchmarks compare; a kernel that misbehaves)."""
+        if self.gro:
+            self._sock.setsockopt(socket.SOL_UDP, UDP_GRO, 0)
+            self.gro = False
 
     def sendto(self, data: Any, addr: Any = None) -> None:
         if self._closing:
@@ -71,6 +138,8 @@ class BatchedUdpTransport(asyncio.DatagramTransport):
         if not self._queue:
             try:
                 self._sock.sendto(data, addr)
+                self.system_calls += 1
+                self.datagrams_sent += 1
                 return
             except (BlockingIOError, InterruptedError):
                 pass
@@ -83,11 +152,52 @@ class BatchedUdpTransport(asyncio.DatagramTransport):
             self._writing = True
             self._loop.add_writer(self._sock.fileno(), self._write_ready)
 
+    def send_datagrams(self, datagrams: Sequence[tuple[bytes, Any]]) -> None:
+        """Send what one transmit built, in order: runs of equal-sized datagrams to one address (the last of a run
+        may be shorter) in one GSO system call each."""
+        if not self.gso or self._queue or self._closing or len(datagrams) < 2:
+            for data, addr in datagrams:
+                self.sendto(data, addr)
+            return
+        i, n = 0, len(datagrams)
+        while i < n:
+            data, addr = datagrams[i]
+            size = len(data)
+            limit = min(n, i + _GSO_MAX_SEGMENTS, i + max(1, _GSO_MAX_OCTETS // size))
+            j = i + 1
+            while j < limit:
+                other, other_addr = datagrams[j]
+                if other_addr != addr or len(other) > size:
+                    break
+                j += 1
+                if len(other) < size:  # a shorter one ends the run
+                    break
+            if j - i == 1 or not self.gso or self._queue:
+                self.sendto(data, addr)
+                i += 1
+                continue
+            try:
+                self._sock.sendmsg([b"".join([d for d, _ in datagrams[i:j]])],
+                                   [(socket.SOL_UDP, UDP_SEGMENT, struct.pack("=H", size))], 0, addr)
+                self.system_calls += 1
+                self.datagrams_sent += j - i
+            except (BlockingIOError, InterruptedError):
+                for k in range(i, j):  # queued one by one: _write_ready sends them when the socket drains
+                    self.sendto(*datagrams[k])
+            except OSError as exc:
+                log.info("UDP segmentation offload refused (%s): sending one datagram per system call", exc)
+                self.gso = False
+                for k in range(i, j):
+                    self.sendto(*datagrams[k])
+            i = j
+
     def _write_ready(self) -> None:
         while self._queue:
             data, addr = self._queue[0]
             try:
                 self._sock.sendto(data, addr)
+                self.system_calls += 1
+                self.datagrams_sent += 1
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:

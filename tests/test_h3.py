@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import os
 import ssl
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -294,3 +295,43 @@ def test_server_name_check(certs: TestPki) -> None:
             check_server_name(cert, wrong)
     with pytest.raises(tls.AlertBadCertificate):
         check_server_name(x509.load_pem_x509_certificate(certs.ca.read_bytes()), "127.0.0.1")
+
+
+@pytest.mark.parametrize("datagram", [1452, 8952])
+async def test_real_packet_sizes_round_trip(certs: TestPki, datagram: int) -> None:
+    """HTTP/3 with the datagrams of 1500 and 9000 octet MTUs: octets exact both ways, no datagram above the size,
+    and the server's datagrams leave in segmentation-offload runs (fewer system calls than datagrams)."""
+    settings = replace(SMALL_WINDOWS, max_datagram_size=datagram)
+    app = App()
+    listener = QuicListener(certs.files("server"), {"h3": h3_handler(app)}, settings=settings)
+    app.listener = listener
+    await listener.start("127.0.0.1", 0)
+    sizes: list[int] = []
+    try:
+        async with KvspClient(certs.files("alice"), settings=settings, timeout=60) as client:
+            body = os.urandom(3 << 20)
+            response = await client.request("PUT", url(listener, "/up"), content=body)
+            assert response.content is not None
+            assert response.content.endswith(hashlib.sha256(body).hexdigest().encode())
+            conn = next(c for conns in client._pool._conns.values() for c in conns)
+            receive = conn._quic.receive_datagram
+
+            def counting(data: bytes, addr: Any, now: float) -> None:
+                sizes.append(len(data))
+                receive(data, addr, now=now)
+
+            conn._quic.receive_datagram = counting  # type: ignore[method-assign]  # the real one, counted
+            digest, n = hashlib.sha256(), 0
+            async with client.stream("GET", url(listener, f"/download/{8 << 20}")) as r:
+                async for chunk in r.aiter_bytes():
+                    digest.update(chunk)
+                    n += len(chunk)
+        assert n == 8 << 20
+        assert digest.hexdigest() == hashlib.sha256(bytes(range(256)) * ((8 << 20) // 256)).hexdigest()
+        assert max(sizes) <= datagram and sizes.count(datagram) > (8 << 20) // datagram // 2
+        transport = listener._transport
+        assert transport is not None
+        if transport.gso:
+            assert transport.system_calls < transport.datagrams_sent / 4
+    finally:
+        await listener.close()

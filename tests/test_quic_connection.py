@@ -3,10 +3,17 @@ connections, a client and a server with mutual TLS, exchanging their datagrams i
 
 What is checked is what the class adds to aioquic: receive windows that slide with what the application
 *consumed* (``hold`` / ``release``), not with what arrived; the budget of peer unidirectional streams; the peer's
-``max_udp_payload_size`` respected; the client certificate asked for and verified.
+``max_udp_payload_size`` respected; the client certificate asked for and verified; and the per-packet work at
+real datagram sizes: pacing bursts in octets, ACKs per batch, merged stream events, segmentation offload (the
+last over real UDP sockets).
 """
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from typing import Any
 
 import pytest
 from aioquic.buffer import Buffer  # type: ignore[attr-defined]  # re-exported from aioquic._buffer
@@ -15,7 +22,9 @@ from aioquic.quic.packet import pull_quic_transport_parameters, push_quic_transp
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from quic.connection import KvspQuicConnection
+from quic.protocol import coalesce_stream_data
 from quic.tls import TransportSettings, quic_configuration
+from quic.udp import BatchedUdpTransport, bind_udp
 from tests.pki import SERVER_URI, TestPki, make_pki
 
 CLIENT_ADDR = ("127.0.0.1", 40000)
@@ -229,3 +238,174 @@ def test_a_peer_that_states_no_limit_changes_nothing(certs: TestPki) -> None:
     before = pair.client._max_datagram_size
     assert pair.client.respect_peer_udp_payload() is None
     assert pair.client._max_datagram_size == before == TransportSettings().max_datagram_size
+
+
+# -- real packet sizes: the pacer's burst, batched sends, merged stream events ---------------------------------------
+
+
+def transfer_time(certs: TestPki, settings: TransportSettings, burst: int | None, size: int,
+                  ack_now: bool = False) -> float:
+    """Simulated seconds for *size* octets from client to server (one stream) at *settings*' datagram size."""
+    pair = Pair(certs, settings=settings)
+    if burst is not None:
+        pair.client.set_pacing_burst(burst)
+        pair.server.set_pacing_burst(burst)
+    sid = pair.client.get_next_available_stream_id()
+    start = pair.now
+    pair.client.send_stream_data(sid, bytes(size), end_stream=True)
+    while not pair.ended("server", sid):
+        for data, _ in pair.client.datagrams_to_send(now=pair.now):
+            pair.sizes["client"].append(len(data))
+            pair.server.receive_datagram(data, CLIENT_ADDR, now=pair.now)
+        if ack_now:  # as KvspQuicProtocol does at the end of a batch of datagrams
+            pair.server.ack_now(pair.now)
+        pair._collect("server", pair.server)
+        for data, _ in pair.server.datagrams_to_send(now=pair.now):
+            pair.client.receive_datagram(data, SERVER_ADDR, now=pair.now)
+        pair._collect("client", pair.client)
+        pair.now += 0.001  # an event loop's timer tick
+        assert pair.now - start < 60, "the transfer stalled"
+    assert pair.received("server", sid) == bytes(size)
+    assert max(pair.sizes["client"]) <= settings.max_datagram_size
+    return pair.now - start
+
+
+def test_the_pacer_counts_its_burst_in_octets(certs: TestPki) -> None:
+    conn = Pair(certs, settings=TransportSettings(max_datagram_size=1452)).client
+    pacer = conn._loss._pacer
+    pacer.update_rate(congestion_window=8 << 20, smoothed_rtt=0.01)
+    rate = (8 << 20) / 0.01
+    assert round(pacer.bucket_max * rate) == 16 * 1452  # aioquic's: 16 packets, whatever their size
+    conn.set_pacing_burst(256 * KIB)
+    pacer.update_rate(congestion_window=8 << 20, smoothed_rtt=0.01)
+    assert round(pacer.bucket_max * rate) == 256 * KIB
+    pacer.update_rate(congestion_window=64 * KIB, smoothed_rtt=0.01)  # never more than a quarter of the window
+    assert round(pacer.bucket_max * (64 * KIB) / 0.01) == 16 * KIB
+
+
+def test_octet_bursts_make_small_datagrams_as_fast_as_large_ones(certs: TestPki) -> None:
+    """On a clock that ticks every millisecond, as an event loop's timers do, aioquic's 16-packet bursts hold a
+    1452-octet connection to a fraction of the rate a 16 KiB one gets; counted in octets, the burst does not."""
+    size = 8 << 20
+    small = TransportSettings(max_datagram_size=1452)
+    packets = transfer_time(certs, small, None, size)
+    octets = transfer_time(certs, small, 256 * KIB, size)
+    large = transfer_time(certs, TransportSettings(max_datagram_size=16384), None, size)
+    assert octets < packets / 3  # in octets: ~0.11 s for 8 MiB; in packets ~0.36 s (16 KiB datagrams: ~0.04 s)
+    assert large < packets / 3
+
+
+def test_ack_now_acknowledges_at_once(certs: TestPki) -> None:
+    pair = Pair(certs)
+    sid = pair.client.get_next_available_stream_id()
+    pair.client.send_stream_data(sid, bytes(3000), end_stream=False)
+    for data, _ in pair.client.datagrams_to_send(now=pair.now):
+        pair.server.receive_datagram(data, CLIENT_ADDR, now=pair.now)
+    assert pair.server.datagrams_to_send(now=pair.now) == []  # aioquic waits for its ACK timer
+    pair.server.ack_now(pair.now)
+    acks = pair.server.datagrams_to_send(now=pair.now)
+    assert len(acks) == 1
+    for data, _ in acks:
+        pair.client.receive_datagram(data, SERVER_ADDR, now=pair.now)
+    assert pair.client._loss.bytes_in_flight == 0  # everything the client sent is acknowledged
+
+
+def test_adjacent_stream_events_merge_in_order(certs: TestPki) -> None:
+    conn = Pair(certs).client
+    conn._events.clear()
+    ping = qe.PingAcknowledged(uid=7)
+    conn._events.extend([qe.StreamDataReceived(b"a", False, 0), qe.StreamDataReceived(b"b", False, 0),
+                         qe.StreamDataReceived(b"c", False, 4), ping, qe.StreamDataReceived(b"d", False, 4),
+                         qe.StreamDataReceived(b"e", True, 4), qe.StreamDataReceived(b"f", True, 8),
+                         qe.StreamDataReceived(b"g", False, 0)])
+    coalesce_stream_data(conn)
+    got: list[Any] = []
+    while (event := conn.next_event()) is not None:
+        got.append((event.stream_id, event.data, event.end_stream) if isinstance(event, qe.StreamDataReceived)
+                   else event)
+    assert got == [(0, b"ab", False), (4, b"c", False), ping, (4, b"de", True), (8, b"f", True), (0, b"g", False)]
+    coalesce_stream_data(conn)  # an empty queue stays empty
+    assert conn.next_event() is None
+
+
+class Recorder:
+    def connection_made(self, transport: Any) -> None: ...
+
+    def datagram_received(self, data: bytes, addr: Any) -> None: ...
+
+    def datagrams_done(self) -> None: ...
+
+
+def receive_all(sock: socket.socket) -> list[bytes]:
+    got = []
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            got.append(sock.recv(65536))
+    return got
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+async def test_runs_of_datagrams_go_out_in_one_system_call_each(host: str) -> None:
+    receiver = bind_udp(host, 0, 1 << 20)
+    other = bind_udp(host, 0, 1 << 20)
+    sender = BatchedUdpTransport(asyncio.get_running_loop(), bind_udp(host, 0, 1 << 20), Recorder())
+    try:
+        to, elsewhere = receiver.getsockname(), other.getsockname()
+        datagrams = [(bytes([i]) * 1452, to) for i in range(5)] + [(b"s" * 700, to)]  # one run, a short end
+        datagrams += [(b"x" * 1452, to), (b"y" * 1452, to)]  # a second run
+        datagrams += [(b"z" * 1452, elsewhere)]  # another address: a run of its own
+        datagrams += [(bytes([i % 256]) * 1452, to) for i in range(100)]  # more than one call can carry
+        sender.send_datagrams(datagrams)
+        assert receive_all(receiver) == [d for d, a in datagrams if a == to]
+        assert receive_all(other) == [b"z" * 1452]
+        assert sender.datagrams_sent == len(datagrams)
+        if sender.gso:  # this kernel segments: 44 datagrams of 1452 octets fit one 64 KiB send
+            assert sender.system_calls == 1 + 1 + 1 + 3
+        sender.gso = False  # as after the kernel refused: one call per datagram, same octets
+        sender.send_datagrams(datagrams)
+        assert receive_all(receiver) == [d for d, a in datagrams if a == to]
+        assert sender.datagrams_sent == 2 * len(datagrams)
+    finally:
+        sender.close()
+        receiver.close()
+        other.close()
+
+
+class Collector(Recorder):
+    def __init__(self) -> None:
+        self.datagrams: list[bytes] = []
+        self.batches = 0
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        self.datagrams.append(data)
+
+    def datagrams_done(self) -> None:
+        self.batches += 1
+
+
+async def test_runs_of_datagrams_are_received_as_sent() -> None:
+    loop = asyncio.get_running_loop()
+    collector = Collector()
+    receiver = BatchedUdpTransport(loop, bind_udp("127.0.0.1", 0, 4 << 20), collector)
+    sender = BatchedUdpTransport(loop, bind_udp("127.0.0.1", 0, 4 << 20), Recorder())
+    try:
+        to = receiver.get_extra_info("sockname")
+        datagrams = [(bytes([i % 256]) * 1452, to) for i in range(150)] + [(b"end" * 100, to)]
+        sender.send_datagrams(datagrams)
+        async with asyncio.timeout(5):
+            while len(collector.datagrams) < len(datagrams):
+                await asyncio.sleep(0.01)
+        assert collector.datagrams == [d for d, _ in datagrams]  # cut back into datagrams, in order
+        assert collector.batches >= len(datagrams) // 64  # a batch is still at most 64 datagrams
+        if receiver.gro and sender.gso:  # the kernel kept the runs together: a few calls, not 151
+            assert receiver.receive_calls < len(datagrams) // 4
+        receiver.stop_receive_offload()
+        collector.datagrams.clear()
+        sender.send_datagrams(datagrams)
+        async with asyncio.timeout(5):
+            while len(collector.datagrams) < len(datagrams):
+                await asyncio.sleep(0.01)
+        assert collector.datagrams == [d for d, _ in datagrams]
+    finally:
+        sender.close()
+        receiver.close()
