@@ -3,6 +3,9 @@
 HTTP/3 first (pooled connections, concurrent streams, streamed bodies under flow control, mutual TLS); when an
 origin cannot be reached over QUIC (UDP blocked, no answer, h3 refused) the client falls back to HTTP/1.1 (or,
 with ``fallback_http2``, HTTP/2) over TLS on the same port and remembers that for ``fallback_ttl`` seconds.
+``prefer="tcp"`` (for every origin, or per origin) goes to the TCP path first: the faster one for bulk blocks
+here. HTTP/1.1 is :mod:`http3.h1_client` (keep-alive pool, bodies decrypted straight into the caller's buffer or
+a verifying :class:`~kvsp_quic.container.ContainerDecoder` with :meth:`Response.receive_into`); HTTP/2 is httpx.
 Requests time out; only idempotent requests with a replayable body are retried, and only after a transport
 failure, never after an HTTP answer. A pooled HTTP/3 connection on which a request timed out or the connection
 failed is dropped from the pool at once (its other streams may finish; it closes after the last), so a dead peer
@@ -22,12 +25,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import httpx
 
+from http3.h1_client import BufferSink, H1ConnectTimeout, H1Pool, H1TransportError, IntoBuffer, copy_into
 from http3.h3_client import H3ClientConnection, H3ConnectError, H3Pool, H3Response, H3StreamError
 from kvsp_quic.problems import Problem, problem_from_json
 from quic.tls import TlsFiles, TransportSettings, ssl_client_context
@@ -72,7 +76,8 @@ class Response:
 
     def __init__(self, status: int, headers: Headers, http_version: str, chunks: AsyncIterator[bytes],
                  closer: Callable[[], Any], read_timeout: float | None,
-                 on_timeout: Callable[[], None] | None = None) -> None:
+                 on_timeout: Callable[[], None] | None = None,
+                 receive_into: Callable[[BufferSink], Awaitable[int]] | None = None) -> None:
         self.status = status
         self.headers = headers
         self.http_version = http_version
@@ -80,6 +85,7 @@ class Response:
         self._closer = closer
         self._read_timeout = read_timeout
         self._on_timeout = on_timeout  # the connection went silent: the pool drops it
+        self._receive_into = receive_into  # the transport delivers the body into a sink itself
         self.content: bytes | None = None
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
@@ -93,13 +99,48 @@ class Response:
                 if self._on_timeout is not None:
                     self._on_timeout()
                 raise RequestTimeout(f"no response data for {self._read_timeout} s") from None
-            except (H3StreamError, httpx.TransportError) as exc:
+            except (H3StreamError, H1TransportError, httpx.TransportError) as exc:
                 raise TransportError(f"response body broken: {exc}") from None
             yield chunk
 
+    async def readinto(self, buffer: bytes | bytearray | memoryview) -> int:
+        """Read the whole body into *buffer* (writable, at least the body's size); the octets read. Over the
+        lean HTTP/1.1 path TLS decrypts straight into *buffer*."""
+        return await self.receive_into(IntoBuffer(buffer))
+
+    async def receive_into(self, sink: BufferSink) -> int:
+        """Deliver the whole body to *sink* (``get_buffer(sizehint)`` / ``buffer_updated(n)``, the shape of
+        :class:`kvsp_quic.container.ContainerDecoder`, which verifies each layer as it completes); the octets
+        delivered. Over the lean HTTP/1.1 path TLS decrypts straight into the sink's buffers; otherwise each
+        chunk is copied in. The whole body must arrive within the read timeout; an exception the sink raises
+        (a digest mismatch) comes out as it is."""
+        try:
+            if self._receive_into is not None:
+                try:
+                    async with asyncio.timeout(self._read_timeout):
+                        return await self._receive_into(sink)
+                except TimeoutError:
+                    if self._on_timeout is not None:
+                        self._on_timeout()
+                    raise RequestTimeout(f"the response body did not arrive within {self._read_timeout} s") from None
+                except H1TransportError as exc:
+                    raise TransportError(f"response body broken: {exc}") from None
+            pos = 0
+            async for chunk in self.aiter_bytes():
+                pos += copy_into(sink, chunk)
+            return pos
+        finally:
+            await self.aclose()
+
     async def aread(self) -> bytes:
         if self.content is None:
-            self.content = b"".join([chunk async for chunk in self.aiter_bytes()])
+            length = self.headers.get("content-length") if self._receive_into is not None else None
+            if length is not None and length.isdigit():
+                buffer = bytearray(int(length))
+                n = await self.readinto(buffer)
+                self.content = bytes(buffer) if n == len(buffer) else bytes(buffer[:n])
+            else:
+                self.content = b"".join([chunk async for chunk in self.aiter_bytes()])
             await self.aclose()
         return self.content
 
@@ -128,9 +169,16 @@ class Response:
 
 
 class KvspClient:
+    """*prefer*: the transport to try first -- ``"h3"`` (the default: HTTP/3, falling back to TCP when QUIC cannot
+    reach the origin) or ``"tcp"`` (HTTP/1.1 over TLS, or HTTP/2 with *fallback_http2*), for every origin, or a
+    mapping from ``"host:port"`` to either, with ``"*"`` for the rest. Where both reach an origin, the TCP path is
+    the faster one for bulk blocks on this implementation (``docs/performance.md``); :meth:`prefer_transport`
+    changes it for one origin later."""
+
     def __init__(self, files: TlsFiles, *, settings: TransportSettings = TransportSettings(),
                  connect_timeout: float = 5.0, timeout: float = 30.0, retries: int = 2, h3: bool = True,
                  fallback_ttl: float = 300.0, fallback_http2: bool = False, fallback: bool = True,
+                 prefer: str | Mapping[str, str] = "h3",
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.files = files
         self.settings = settings
@@ -142,12 +190,26 @@ class KvspClient:
         self._clock = clock
         self._pool = H3Pool(files, settings, connect_timeout)
         self._no_h3: dict[tuple[str, int], float] = {}  # origin -> when to try HTTP/3 again
-        # The TCP fallback speaks HTTP/1.1 unless told otherwise: over httpx, HTTP/2 downloads run at a third of
-        # HTTP/1.1's speed (httpx keeps a 64 KiB stream window; benchmarks/RESULTS.md), and KVSP traffic is bulk.
-        alpn = ("h2", "http/1.1") if fallback_http2 else ("http/1.1",)
-        self._tcp = httpx.AsyncClient(
-            http2=fallback_http2, verify=ssl_client_context(files, alpn=alpn),
-            timeout=httpx.Timeout(timeout, connect=connect_timeout), limits=httpx.Limits(max_connections=64))
+        prefs = {"*": prefer} if isinstance(prefer, str) else dict(prefer)
+        self._prefer_default = _check_transport(prefs.pop("*", "h3"))
+        self._prefer: dict[tuple[str, int], str] = {}
+        for origin, transport in prefs.items():
+            self.prefer_transport(origin, transport)
+        # The TCP path speaks HTTP/1.1 with our lean client (http3.h1_client) unless told otherwise: httpx costs
+        # ~5x the CPU per octet, and over httpx HTTP/2 downloads run at a third of HTTP/1.1's speed (httpx keeps a
+        # 64 KiB stream window; benchmarks/RESULTS.md). KVSP traffic is bulk.
+        self._h1 = H1Pool(ssl_client_context(files, alpn=("http/1.1",)), connect_timeout=connect_timeout,
+                          max_idle=64)
+        self._tcp: httpx.AsyncClient | None = None
+        if fallback_http2:
+            self._tcp = httpx.AsyncClient(
+                http2=True, verify=ssl_client_context(files, alpn=("h2", "http/1.1")),
+                timeout=httpx.Timeout(timeout, connect=connect_timeout), limits=httpx.Limits(max_connections=64))
+
+    def prefer_transport(self, origin: str, transport: str) -> None:
+        """Try *transport* (``"h3"`` or ``"tcp"``) first for *origin* (``"host:port"`` or a URL of it)."""
+        key = _origin(origin if "://" in origin else f"https://{origin}")
+        self._prefer[key] = _check_transport(transport)
 
     async def __aenter__(self) -> KvspClient:
         return self
@@ -157,7 +219,9 @@ class KvspClient:
 
     async def aclose(self) -> None:
         await self._pool.aclose()
-        await self._tcp.aclose()
+        await self._h1.aclose()
+        if self._tcp is not None:
+            await self._tcp.aclose()
 
     def pooled(self, url: str) -> int:
         """How many pooled HTTP/3 connections to *url*'s origin could take the next request."""
@@ -168,7 +232,7 @@ class KvspClient:
         origin = _origin(url)
         if not self.h3_enabled or self._no_h3.get(origin, 0.0) > self._clock():
             return "tcp"
-        return "h3"
+        return self._prefer.get(origin, self._prefer_default)
 
     async def request(self, method: str, url: str, *, headers: Mapping[str, str] | None = None,
                       content: Body = None, timeout: float | None = None,
@@ -254,6 +318,25 @@ class KvspClient:
 
     async def _send_tcp(self, method: str, url: str, headers: Mapping[str, str], content: Body,
                         timeout: float) -> Response:
+        if self._tcp is not None:
+            return await self._send_httpx(method, url, headers, content, timeout)
+        parts = urlsplit(url)
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        if not target.isascii():
+            target = quote(target, safe="/?&=%:@!$'()*+,;~-._")
+        fields = [(k.lower().encode("ascii"), _field_value(v)) for k, v in headers.items()]
+        try:
+            h1 = await self._h1.request(parts.hostname or "", parts.port or 443, method, target, fields, content)
+        except H1ConnectTimeout:
+            raise RequestTimeout(f"{method} {url}: connect timed out") from None
+        except H1TransportError as exc:
+            raise TransportError(f"{method} {url}: {exc}") from None
+        return Response(h1.status, Headers(h1.headers), h1.http_version, h1.aiter_bytes(), h1.aclose, timeout,
+                        receive_into=h1.receive_into if method != "HEAD" else None)
+
+    async def _send_httpx(self, method: str, url: str, headers: Mapping[str, str], content: Body,
+                          timeout: float) -> Response:
+        assert self._tcp is not None
         body: Any = bytes(content) if isinstance(content, bytearray | memoryview) else content
         request = self._tcp.build_request(method, url, headers=dict(headers), content=body)
         try:
@@ -264,6 +347,19 @@ class KvspClient:
             raise TransportError(f"{method} {url}: {exc or type(exc).__name__}") from None
         return Response(response.status_code, Headers(response.headers.raw), response.http_version,
                         response.aiter_raw(), response.aclose, timeout)
+
+
+def _check_transport(transport: str) -> str:
+    if transport not in ("h3", "tcp"):
+        raise ValueError(f"a transport preference is 'h3' or 'tcp', not {transport!r}")
+    return transport
+
+
+def _field_value(value: str) -> bytes:
+    try:
+        return value.encode("latin-1")
+    except UnicodeEncodeError:
+        return value.encode("utf-8")
 
 
 def _origin(url: str) -> tuple[str, int]:

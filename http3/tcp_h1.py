@@ -39,10 +39,12 @@ BODY_HIGH_WATER = 1 << 20  # pause reading while the app has this much unread re
 PIPELINE_HIGH_WATER = 64 << 10  # pause reading while this much of a next (pipelined) request waits
 DISCARD_LIMIT = 8 << 20  # an unread request body rest larger than this closes the connection instead
 LINGER = 1.0  # seconds to keep reading (and discarding) before closing after an early response
+FLUSH_AT = 1 << 20  # corked response octets are written once this many are waiting
+READ_SIZE = 256 << 10  # the most one read takes off the connection
 _CONTINUE = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
 
 
-class H1Connection(WriteFlow, asyncio.Protocol):
+class H1Connection(WriteFlow, asyncio.BufferedProtocol):
     """One HTTP/1.1 connection; installed by :class:`http3.tcp_server.TcpServer` once ALPN chose it."""
 
     protocol_name = "HTTP/1.1"
@@ -58,12 +60,24 @@ class H1Connection(WriteFlow, asyncio.Protocol):
         self._discarding = False  # the response is out, the rest of the request body is read and dropped
         self._discarded = 0
         self._reading_paused = False
+        self._rx_view = memoryview(bytearray(READ_SIZE))
+        self._out: list[Buffer] = []  # response octets corked until the response ends, FLUSH_AT, or the next turn
+        self._out_size = 0
+        self._flush_handle: asyncio.Handle | None = None
         self._arm_timer(self.settings.idle_timeout)
 
     def _new_h11(self) -> h11.Connection:
         return h11.Connection(h11.SERVER, max_incomplete_event_size=self.settings.max_header_bytes)
 
-    # -- asyncio.Protocol -----------------------------------------------------------------------------------
+    # -- asyncio.BufferedProtocol ---------------------------------------------------------------------------
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        """TLS decrypts into one reused buffer, up to :data:`READ_SIZE` octets per read (asyncio's copying path
+        allocates a 256 KiB object per 16 KiB TLS record instead); each read becomes one ``bytes`` object."""
+        return self._rx_view
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(bytes(self._rx_view[:nbytes]))
 
     def data_received(self, data: bytes) -> None:
         self._last_rx = self.loop.time()
@@ -267,6 +281,7 @@ class H1Connection(WriteFlow, asyncio.Protocol):
             self.loop.call_soon(self._process)
 
     def _close(self) -> None:
+        self.flush()
         if not self.closed and not self.transport.is_closing():
             self.transport.close()
         if not self.quiet.done():
@@ -281,7 +296,7 @@ class H1Connection(WriteFlow, asyncio.Protocol):
     def _on_body_wait(self) -> None:
         if self._continue_wanted and self.h11.our_state is h11.SEND_RESPONSE:
             self._continue_wanted = False
-            self.write(self.h11.send_with_data_passthrough(_CONTINUE) or [])
+            self.write(self.h11.send_with_data_passthrough(_CONTINUE) or [], flush=True)
 
     def _update_reading(self) -> None:
         if self.closed:
@@ -299,9 +314,26 @@ class H1Connection(WriteFlow, asyncio.Protocol):
                 self._last_rx = self.loop.time()
                 self.transport.resume_reading()
 
-    def write(self, chunks: Sequence[Buffer]) -> None:
-        if not self.closed and not self.transport.is_closing():
-            self.transport.writelines(chunks)
+    def write(self, chunks: Sequence[Buffer], *, flush: bool = False) -> None:
+        """Cork *chunks*: they go to the transport together (one TLS write, one send) when the response ends,
+        when :data:`FLUSH_AT` octets wait, or at the loop's next turn, whichever comes first. A block response
+        whose head and sections are sent without the app yielding thus leaves in one write."""
+        if self.closed or self.transport.is_closing():
+            return
+        self._out += chunks
+        self._out_size += sum(len(c) for c in chunks)
+        if flush or self._out_size >= FLUSH_AT:
+            self.flush()
+        elif self._flush_handle is None and self._out:
+            self._flush_handle = self.loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        out, self._out, self._out_size = self._out, [], 0
+        if out and not self.closed and not self.transport.is_closing():
+            self.transport.writelines(out)
 
     # -- timers ----------------------------------------------------------------------------------------------
 
@@ -370,10 +402,11 @@ class _H1Sink:
         except h11.LocalProtocolError as exc:  # e.g. more body than the app's content-length said
             conn.abort()
             raise RuntimeError(f"ASGI app sent an invalid response: {exc}") from None
-        conn.write(chunks)
+        conn.write(chunks, flush=end)
         if end:
             conn.response_done()
         await conn.drain()
 
     def reset(self) -> None:
+        self.conn.flush()  # what the app sent goes out before the reset, as it did before corking
         self.conn.abort()
