@@ -140,7 +140,8 @@ class Cluster:
     def uri(self, name: str) -> str:
         return self.server.base_uri(f"/{name}/")
 
-    async def instance(self, *, controller: bool = True, warmup: int = 0, **settings: Any) -> InstanceNode:
+    async def instance(self, *, controller: bool = True, warmup: int = 0, prefer_transport: str = "h3",
+                       moqt: bool = True, **settings: Any) -> InstanceNode:
         engine = Engine.load(str(self.model_dir), block_tokens=B, device_pages=256)
         await engine.warmup(warmup)
         tcp, udp = bind_pair("127.0.0.1", 0, 1 << 20)
@@ -148,7 +149,8 @@ class Cluster:
         node = build_instance(engine, base_uri=base, files=self.certs.files("server"), policy=instance_policy(),
                               scope_keys=[SCOPE_KEY], index=self.uri("is"), options=InstanceOptions(**settings),
                               service=ServiceOptions(controller=self.uri("pc") if controller else None,
-                                                     request_timeout_ms=5000))
+                                                     request_timeout_ms=5000, prefer_transport=prefer_transport),
+                              moqt=moqt)
         node.service.publisher.max_sleep = 0.05  # type: ignore[union-attr]
         server = RoleServer(node.app, self.certs.files("server"), quic_handlers=node.quic_handlers)
         await server.start(sockets=(tcp, udp))
@@ -289,6 +291,27 @@ async def directive_state(cl: Cluster, node: InstanceNode, directive: uuid.UUID)
         if state["state"] != "pending":
             return state  # type: ignore[no-any-return]
         await asyncio.sleep(0.02)
+
+
+# -- blocks over the TCP path ----------------------------------------------------------------------------------------
+
+
+async def test_with_the_tcp_path_preferred_blocks_load_over_http_1_1_and_the_tokens_equal_a_recompute(
+        cluster: Cluster, reference: LlamaModel) -> None:
+    cl = cluster
+    d = reference.descriptor(B)
+    keys = await produce(cl, reference, PROMPT, 6)
+    node = await cl.instance(prefer_transport="tcp", moqt=False)
+    assert node.client.transport_for(cl.uri("h1")) == "tcp"
+    base = node.role.settings.base_uri
+    sid = uuid.uuid4()
+    r = await post(cl.alice, f"{base}sessions/{sid}/start", start_body(
+        sid, PROMPT, max_tokens=6, d=d, blocks=[{"block_key": k.hex(), "sources": [cl.uri("h1")]} for k in keys]))
+    assert r.status == 201, r.content
+    lines = await read_stream(cl.alice, f"{base}sessions/{sid}/tokens?from=0")
+    assert tokens_of(lines) == await expected_tokens(reference, PROMPT, 6, TokenSampler("greedy"))
+    session = node.role.sessions.get(sid)
+    assert session.loaded_blocks == 6 and session.block_sources == {"HTTP/1.1": 6}
 
 
 # -- prefetch, then a session that uses the loaded blocks ----------------------------------------------------------

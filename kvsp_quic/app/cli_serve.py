@@ -121,6 +121,9 @@ def add_commands(sub: Any) -> None:
     inst.add_argument("--warmup-tokens", type=int, metavar="N", help="tokens of the start-up prefill (default 64)")
     inst.add_argument("--no-moqt", action="store_false", default=None, dest="moqt",
                       help="fetch blocks over HTTP only (default: moqt:// replicas first)")
+    inst.add_argument("--prefer-transport", choices=["h3", "tcp"], default=None, dest="prefer_transport",
+                      help="https requests try this first: h3 (default) or tcp (HTTP/1.1 over TLS, faster for bulk "
+                           "blocks here); the other is the fallback")
     inst.set_defaults(handler=cmd_instance)
 
     add_frontend(sub)
@@ -312,7 +315,7 @@ def cmd_instance(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {}
     for name in ("model", "model_name", "block_tokens", "dtype", "kv_dtype", "index", "controller", "scope_keys",
                  "device_pages", "host_pages", "status_ttl_ms", "max_running", "max_tokens", "checkpoint_tokens",
-                 "sleep_after_idle_ms", "replica_ttl_ms", "warmup_tokens", "moqt", "device"):
+                 "sleep_after_idle_ms", "replica_ttl_ms", "warmup_tokens", "moqt", "device", "prefer_transport"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
     if args.gpu is not None:

@@ -115,7 +115,8 @@ def build_instance(engine: Engine, *, base_uri: str, files: TlsFiles, policy: Po
     holder = CacheHolder(HolderSettings(base_uri, (d,), replica_ttl_ms=replica_ttl_ms,
                                         leases=lease_limits if lease_limits is not None else LeaseLimits()),
                          engine.cache, clock=clock)
-    client = KvspClient(files, settings=transport, timeout=service.request_timeout_s)
+    client = KvspClient(files, settings=transport, timeout=service.request_timeout_s,
+                        prefer=service.prefer_transport)
     moqt_uri = moqt_uri_for(base_uri)
     http = HttpSource(client, timeout=service.request_timeout_s)
     https_of: dict[str, str] = {}

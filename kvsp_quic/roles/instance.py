@@ -133,10 +133,16 @@ class ServiceOptions:
     request_timeout_ms: int = 10_000  # of each request to the Index Service, the PC, holders
     checkpoint_retry_ms: int = 500
     load_timeout_ms: int | None = 30_000  # a block still arriving after this long is recomputed (None: waits)
+    # The transport tried first for https requests (blocks, lookups, checkpoints): "h3", or "tcp" (HTTP/1.1 over
+    # TLS, the faster path for bulk blocks on this implementation: docs/performance.md). The other one is the
+    # fallback either way; moqt:// replicas are fetched over MOQT first regardless (the [instance] moqt flag).
+    prefer_transport: str = "h3"
 
     def __post_init__(self) -> None:
         if self.controller is not None:
             f.base_uri(self.controller, "controller")
+        if self.prefer_transport not in ("h3", "tcp"):
+            raise ValueError(f"prefer_transport: 'h3' or 'tcp', not {self.prefer_transport!r}")
         for name in ("session_lease_ms", "request_timeout_ms", "checkpoint_retry_ms", "load_timeout_ms"):
             value = getattr(self, name)
             if value is not None and value < 1:
