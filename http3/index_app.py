@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
@@ -34,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from http3.app_kit import NO_STORE, kvsp_json, read_json_body, role_app
+from http3.app_kit import NO_STORE, kvsp_json, kvsp_json_body, read_json_body, role_app
 from http3.asgi_types import ASGIApp
 from http3.authz import Rule, principal_of
 from http3.metrics_app import TransferMetrics, mount_metrics
@@ -59,7 +60,14 @@ INDEX_RULES: tuple[Rule, ...] = (
 
 
 
+def lookup_body(response: LookupResponse) -> bytes:
+    """The body of a lookup answer: ``dumps(lookup_json(response))``, byte for byte
+    (:meth:`LookupResponse.to_json_bytes`)."""
+    return response.to_json_bytes()
+
+
 def lookup_json(response: LookupResponse) -> dict[str, Any]:
+    """The lookup answer as JSON values (:func:`lookup_body` writes the same, faster)."""
     out: dict[str, Any] = {
         "matched": response.matched,
         "blocks": [{"block_key": m.block_key.hex(), "replicas": [r.to_json() for r in m.replicas]}
@@ -74,9 +82,12 @@ def _block_key(request: Request) -> bytes:
     return f.block_key(request.path_params["block_key"], "block_key (path)")
 
 
+_URI_ID_RE = re.compile(r"[A-Za-z0-9_-]{43}")
+
+
 def _uri_id(request: Request, name: str) -> str:
     value = str(request.path_params[name])
-    if len(value) != 43 or not all(c.isascii() and (c.isalnum() or c in "-_") for c in value):
+    if not _URI_ID_RE.fullmatch(value):
         raise BadRequest(f"{name} (path): must be 43 base64url characters (SHA-256 of a base URI)")
     return value
 
@@ -98,7 +109,7 @@ def index_routes(service: IndexService, *, max_body_bytes: int = DEFAULT_MAX_BOD
         holder_id = _uri_id(request, "holder_id")
         record = ReplicaRecord.loads(await read_json_body(request, max_body_bytes))
         result = await service.publish(principal, holder_id, block_key, record)
-        return kvsp_json(result.record.to_json(), 201 if result.created else 200)
+        return kvsp_json_body(result.record.to_json_bytes(), 201 if result.created else 200)
 
     async def delete_replica(request: Request) -> Response:
         principal = principal_of(request)
@@ -109,10 +120,10 @@ def index_routes(service: IndexService, *, max_body_bytes: int = DEFAULT_MAX_BOD
     async def lookup(request: Request) -> Response:
         principal = principal_of(request)
         body = LookupRequest.loads(await read_json_body(request, max_body_bytes))
-        found = await service.lookup(principal, body)
+        matched, answer = await service.lookup_json(principal, body)
         if kvsp is not None:
-            kvsp.lookup("index", len(body.block_keys), found.matched)
-        return kvsp_json(lookup_json(found))
+            kvsp.lookup("index", len(body.block_keys), matched)
+        return kvsp_json_body(answer)
 
     async def put_status(request: Request) -> Response:
         principal = principal_of(request)
@@ -174,4 +185,5 @@ async def sweeper(service: IndexService, interval: float, limit: int) -> None:
             log.exception("sweeping expired index entries failed")
 
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "INDEX_RULES", "index_app", "index_routes", "lookup_json", "running", "sweeper"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "INDEX_RULES", "index_app", "index_routes", "lookup_body", "lookup_json",
+           "running", "sweeper"]

@@ -7,8 +7,11 @@ UUIDs must be in the canonical 8-4-4-4-12 form.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import re
+import struct
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, NewType, TypeVar
@@ -138,10 +141,57 @@ def array(value: Any, path: str, item: Callable[[Any, str], T], *, nonempty: boo
 
 
 def hex_octets(value: Any, path: str, size: int) -> bytes:
+    if value.__class__ is str and len(value) == 2 * size:  # the fast path: decode, then insist on the exact text
+        try:
+            raw = bytes.fromhex(value)
+        except ValueError:
+            raw = b""
+        if raw.hex() == value:  # lowercase only, no whitespace (fromhex skips it)
+            return raw
     text = string(value, path)
     if len(text) != 2 * size or not _HEX_RE.fullmatch(text):
         raise fail(path, f"must be {2 * size} lowercase hex characters")
-    return bytes.fromhex(text)
+    return bytes.fromhex(text)  # a str subclass
+
+
+def hex_array(value: Any, path: str, size: int, *, nonempty: bool = False) -> tuple[bytes, ...]:
+    """An array of *size*-octet lowercase hex strings (Block Keys, layer digests), validated in one pass: the
+    same result and the same errors as ``array(value, path, lambda v, p: hex_octets(v, p, size))``."""
+    if value.__class__ is list and value:
+        width = 2 * size
+        try:
+            joined = "".join(value)
+        except TypeError:  # an item is not a string
+            joined = ""
+        if len(joined) == width * len(value) and set(map(len, value)) == {width}:
+            try:
+                raw = bytes.fromhex(joined)
+            except ValueError:
+                raw = b""
+            if raw.hex() == joined:
+                return split_octets(raw, size)
+    return array(value, path, lambda v, p: hex_octets(v, p, size), nonempty=nonempty)
+
+
+_SPLIT_RUN = 64
+
+
+def split_octets(raw: bytes, size: int) -> tuple[bytes, ...]:
+    """*raw* cut into ``bytes`` of *size* octets (its length a multiple of *size*), with struct: four times faster
+    than slicing. Runs of 64, so that the compiled structs stay few and small whatever the count."""
+    count = len(raw) // size
+    if count <= _SPLIT_RUN:
+        return _splitter(size, count).unpack(raw)
+    full = count - count % _SPLIT_RUN
+    out = tuple(itertools.chain.from_iterable(_splitter(size, _SPLIT_RUN).iter_unpack(memoryview(raw)[:full * size])))
+    if full < count:
+        out += _splitter(size, count - full).unpack_from(raw, full * size)
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _splitter(size: int, count: int) -> struct.Struct:
+    return struct.Struct(f"{size}s" * count)
 
 
 def hex32(value: Any, path: str) -> bytes:
@@ -186,22 +236,32 @@ def uuid_string(value: Any, path: str) -> uuid.UUID:
 def base_uri(value: Any, path: str, *, schemes: tuple[str, ...] = ("https",)) -> str:
     """An absolute base URI with one of *schemes*, a host, no query or fragment, ending with "/"."""
     text = string(value, path)
+    problem = _base_uri_problem(text, schemes)
+    if problem is not None:
+        raise fail(path, problem)
+    return text
+
+
+@functools.lru_cache(maxsize=4096)
+def _base_uri_problem(text: str, schemes: tuple[str, ...]) -> str | None:
+    """What is wrong with *text* as a base URI, or None. Cached: a control plane sees the same few holder URIs
+    in every record."""
     try:
         parts = urlsplit(text)
         port = parts.port
     except ValueError as exc:
-        raise fail(path, f"not a valid URI ({exc})") from None
+        return f"not a valid URI ({exc})"
     if parts.scheme not in schemes:
-        raise fail(path, f"scheme must be {' or '.join(schemes)}, got {parts.scheme or 'none'!r}")
+        return f"scheme must be {' or '.join(schemes)}, got {parts.scheme or 'none'!r}"
     if not parts.hostname:
-        raise fail(path, "URI has no host")
+        return "URI has no host"
     if parts.query or parts.fragment or "#" in text or "?" in text:
-        raise fail(path, "a base URI has no query or fragment")
+        return "a base URI has no query or fragment"
     if not parts.path.endswith("/"):
-        raise fail(path, "a base URI must end with '/'")
+        return "a base URI must end with '/'"
     if port == 0:
-        raise fail(path, "port 0 is not valid")
-    return text
+        return "port 0 is not valid"
+    return None
 
 
 def https_uri(value: Any, path: str) -> str:

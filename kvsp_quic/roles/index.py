@@ -25,7 +25,7 @@ Decisions (docs/wire.md, "Index Service"):
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -42,6 +42,7 @@ from kvsp_quic.records import (
     ReplicaRecord,
     StateMessage,
     TargetEstimate,
+    lookup_answer,
 )
 from kvsp_quic.roles.status import StatusTable, endpoint
 from kvsp_quic.storage.index_store import IndexStore, with_ttl
@@ -173,8 +174,7 @@ class IndexService:
 
     # -- lookup -------------------------------------------------------------------------------------------------
 
-    async def lookup(self, principal: Principal, request: LookupRequest) -> LookupResponse:
-        """POST lookup."""
+    def _admit(self, principal: Principal, request: LookupRequest) -> None:
         n, limit = len(request.block_keys), self.config.max_lookup_keys
         if n > limit:
             raise ContentTooLarge(f"a lookup carries at most {limit} block keys, got {n}")
@@ -183,11 +183,31 @@ class IndexService:
             raise ContentTooLarge(f"a lookup names at most {self.config.max_lookup_targets} targets, "
                                   f"got {len(targets)}")
         require_scope(principal, request.scope_id)
+
+    async def lookup_json(self, principal: Principal, request: LookupRequest) -> tuple[int, bytes]:
+        """POST lookup, answered as the JSON body: (matched, ``lookup(...).to_json_bytes()``). A store that can
+        write its matches as JSON itself (``lookup_rendered``, the memory store) does, when no targets are asked
+        for and no instance is marked failed; otherwise the records are built and written."""
+        render: Callable[[bytes, bytes, Sequence[bytes], float], tuple[int, list[bytes]]] | None = getattr(
+            self.store, "lookup_rendered", None)
+        if render is not None and request.targets is None:
+            self._admit(principal, request)
+            if not self.status.failed_endpoints():
+                matched, blocks = render(request.scope_id, request.compat_id, request.block_keys, self.clock())
+                return matched, lookup_answer(matched, blocks, None)
+        response = await self.lookup(principal, request)
+        return response.matched, response.to_json_bytes()
+
+    async def lookup(self, principal: Principal, request: LookupRequest) -> LookupResponse:
+        """POST lookup."""
+        self._admit(principal, request)
+        targets = request.targets
         found = await self.store.lookup(request.scope_id, request.compat_id, request.block_keys, self.clock())
         failed = self.status.failed_endpoints()
         if failed:  # replicas at an instance the PC saw fail are unreachable: do not send anyone there
             found = _without(found, failed)
-        blocks = tuple(LookupMatch(key, replicas) for key, replicas in zip(request.block_keys, found, strict=False))
+        of_store = LookupMatch.of_store
+        blocks = tuple([of_store(key, replicas) for key, replicas in zip(request.block_keys, found, strict=False)])
         estimates = None if targets is None else tuple(self.estimates(request.compat_id, targets, found))
         return LookupResponse(len(blocks), blocks, estimates)
 

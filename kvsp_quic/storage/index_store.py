@@ -32,8 +32,9 @@ import struct
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import orjson
+
 from kvsp_quic.compat import STORAGE_TIERS
-from kvsp_quic.fields import BlockKey, CompatId, ScopeId
 from kvsp_quic.records import ReplicaRecord, ResidencyEntry
 
 
@@ -110,19 +111,19 @@ def pack_body(record: ReplicaRecord) -> bytes:
 
 
 def unpack_body(body: bytes, block_key: bytes, scope_id: bytes, compat_id: bytes, holder: str,
-                ttl_ms: int, offset: int = 0) -> ReplicaRecord:
-    """The record :func:`pack_body` packed (at *offset* of *body*), with the fields stored apart.
+                ttl_ms: int, offset: int = 0, digest: bytes | None = None) -> ReplicaRecord:
+    """The record :func:`pack_body` packed (at *offset* of *body*), with the fields stored apart. *digest*: the
+    record's digest when the caller kept it (else, for a record with layer digests, it is their SHA-256).
 
     The record is rebuilt without running its constructor checks again: it passed them when it was published,
     and the encoding round-trips exactly (tests/test_index.py checks that against the validated constructor).
     """
     codec, n_res, flags, size = _HEAD.unpack_from(body, offset)
     pos = offset + _HEAD.size
-    digest: bytes | None = None
     if not flags & _FLAG_LAYER_DIGESTS:
         digest = body[pos:pos + 32]
         pos += 32
-    end = pos + n_res * _RES.size
+    end = pos + n_res * _RES_SIZE
     res_raw = body[pos:end]
     residency = _residency_cache.get(res_raw)
     if residency is None:
@@ -135,19 +136,78 @@ def unpack_body(body: bytes, block_key: bytes, scope_id: bytes, compat_id: bytes
     if flags & _FLAG_LAYER_DIGESTS:
         (n,) = _U32.unpack_from(body, pos)
         pos += 4
-        raw = body[pos:pos + 32 * n]
+        layer_digests = _digests_struct(n).unpack_from(body, pos)
+        if digest is None:
+            digest = hashlib.sha256(body[pos:pos + 32 * n]).digest()
         pos += 32 * n
-        layer_digests = _digests_struct(n).unpack(raw)
-        digest = hashlib.sha256(raw).digest()
     moqt_namespace: str | None = None
     if flags & _FLAG_MOQT:
         (n,) = _U16.unpack_from(body, pos)
         pos += 2
         moqt_namespace = body[pos:pos + n].decode("utf-8")
-    return unchecked_replica(
-        block_key=BlockKey(block_key), compat_id=CompatId(compat_id), scope_id=ScopeId(scope_id), holder=holder,
-        codec=codec, size=size, digest=digest, residency=residency, ttl_ms=ttl_ms, layer_digests=layer_digests,
-        moqt_namespace=moqt_namespace)
+    record = _new(ReplicaRecord)
+    _set(record, "block_key", block_key)
+    _set(record, "compat_id", compat_id)
+    _set(record, "scope_id", scope_id)
+    _set(record, "holder", holder)
+    _set(record, "codec", codec)
+    _set(record, "size", size)
+    _set(record, "digest", digest)
+    _set(record, "residency", residency)
+    _set(record, "ttl_ms", ttl_ms)
+    _set(record, "layer_digests", layer_digests)
+    _set(record, "moqt_namespace", moqt_namespace)
+    return record
+
+
+_set = object.__setattr__
+_new = object.__new__
+_RES_SIZE = _RES.size
+_residency_json_cache: dict[bytes, bytes] = {}
+
+
+def render_into(parts: list[bytes], body: bytes, head: bytes, ttl_ms: int, offset: int = 0,
+                digest: bytes | None = None) -> None:
+    """Append to *parts* the JSON of the record :func:`pack_body` packed (at *offset*), exactly as
+    ``unpack_body(...).to_json_bytes()`` writes it, without building the record: *head* is its JSON up to the
+    holder (``{"block_key":"..","compat_id":"..","scope_id":"..","holder":".."``), *digest* as for unpack_body.
+    In pieces: a lookup joins its whole answer once."""
+    codec, n_res, flags, size = _HEAD.unpack_from(body, offset)
+    pos = offset + _HEAD.size
+    if not flags & _FLAG_LAYER_DIGESTS:
+        digest = body[pos:pos + 32]
+        pos += 32
+    end = pos + n_res * _RES_SIZE
+    res_raw = body[pos:end]
+    residency = _residency_json_cache.get(res_raw)
+    if residency is None:
+        residency = orjson.dumps([{"tier": STORAGE_TIERS[t], "layers": [a, b]} if not r else
+                                  {"tier": STORAGE_TIERS[t], "layers": [a, b], "read_mbit_per_s": r}
+                                  for t, a, b, r in _RES.iter_unpack(res_raw)])
+        if len(_residency_json_cache) < _RESIDENCY_CACHE_MAX:
+            _residency_json_cache[res_raw] = residency
+    pos = end
+    layers = b""
+    if flags & _FLAG_LAYER_DIGESTS:
+        (n,) = _U32.unpack_from(body, pos)
+        pos += 4
+        raw = body[pos:pos + 32 * n]
+        pos += 32 * n
+        if digest is None:
+            digest = hashlib.sha256(raw).digest()
+        layers = raw.hex(",", 32).replace(",", '","').encode()
+    assert digest is not None
+    parts.append(head)
+    parts.append(b',"codec":%d,"size":%d,"digest":"sha-256:%s","residency":%s,"ttl_ms":%d' % (
+        codec, size, digest.hex().encode(), residency, ttl_ms))
+    if layers:
+        parts.append(b',"layer_digests":["')
+        parts.append(layers)
+        parts.append(b'"]')
+    if flags & _FLAG_MOQT:
+        (n,) = _U16.unpack_from(body, pos)
+        parts.append(b',"moqt_namespace":' + orjson.dumps(body[pos + 2:pos + 2 + n].decode("utf-8")))
+    parts.append(b"}")
 
 
 def unchecked_replica(**values: Any) -> ReplicaRecord:
@@ -172,4 +232,4 @@ def with_ttl(record: ReplicaRecord, ttl_ms: int) -> ReplicaRecord:
     return unchecked_replica(**values)
 
 
-__all__ = ["IndexStore", "pack_body", "remaining_ms", "unchecked_replica", "unpack_body", "with_ttl"]
+__all__ = ["IndexStore", "pack_body", "remaining_ms", "render_into", "unchecked_replica", "unpack_body", "with_ttl"]
