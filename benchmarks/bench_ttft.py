@@ -3,13 +3,14 @@ over HTTP/3, vs recomputed -- every server a ``kvsp-quic`` process of its own.
 
     python -m benchmarks.bench_ttft [--reps 3] [--tokens 8192] [--block-tokens 256] [--json]
 
-Processes (all ``--dev`` with one directory: mutual TLS with the dev CA, 127.0.0.1): ``kvsp-quic index``, and four
+Processes (all ``--dev`` with one directory: mutual TLS with the dev CA, 127.0.0.1): ``kvsp-quic index``, and five
 ``kvsp-quic instance --device cpu`` of the reference model of benchmarks/bench_prefill.py (8 layers, hidden 512,
 2 KV heads of 64, vocabulary 32000, bf16; blocks of 256 tokens are 1 MiB of K and V):
 
 * ``A`` computes each prompt from scratch (the recompute baseline) and so holds, and publishes, its blocks
   (``https`` records and their ``moqt://`` twins);
-* ``HTTP`` (``--no-moqt``) and ``MOQT`` start the same prompt with the lookup's blocks listed at ``A``
+* ``HTTP`` (``--no-moqt``), ``TCP`` (``--no-moqt --prefer-transport tcp``: the blocks over HTTP/1.1) and ``MOQT``
+  start the same prompt with the lookup's blocks listed at ``A``
   (``POST sessions/{id}/start`` with ``"blocks"``, as the Placement Controller sends it): 31 blocks stream from
   ``A`` into the prefill (layer l computed once layer l of every block is in) and the last 256 tokens are computed;
 * ``PRE`` gets a prefetch directive for the 31 blocks first (``POST prefetch``, leases at ``A``, polled until
@@ -146,7 +147,8 @@ async def bench(args: argparse.Namespace, tmp: Path) -> list[tuple[str, float | 
     common = ["instance", "--dev", str(dev), "--device", "cpu", "--model", str(model_dir), "--block-tokens", str(b),
               "--index", index.base, "--device-pages", str(pages), "--warmup-tokens", str(2 * b), "--config",
               str(config), "--max-tokens", "16"]
-    procs = {"A": Proc("A", *common), "HTTP": Proc("HTTP", *common, "--no-moqt"), "MOQT": Proc("MOQT", *common),
+    procs = {"A": Proc("A", *common), "HTTP": Proc("HTTP", *common, "--no-moqt"),
+             "TCP": Proc("TCP", *common, "--no-moqt", "--prefer-transport", "tcp"), "MOQT": Proc("MOQT", *common),
              "PRE": Proc("PRE", *common)}
     rows: list[tuple[str, float | None, float | None, str]] = []
     try:
@@ -177,6 +179,7 @@ async def bench(args: argparse.Namespace, tmp: Path) -> list[tuple[str, float | 
                 runs["recompute"] = await first_token(api, a, prompt, d, scope, [])
                 await published(api, index.base, d, scope, keys, a.base)
                 runs["http"] = await first_token(api, procs["HTTP"], prompt, d, scope, listed)
+                runs["tcp"] = await first_token(api, procs["TCP"], prompt, d, scope, listed)
                 runs["moqt"] = await first_token(api, procs["MOQT"], prompt, d, scope, listed)
                 load = await prefetch(api, procs["PRE"], d, scope, usable, a.base)
                 runs["prefetched"] = await first_token(api, procs["PRE"], prompt, d, scope, listed)
@@ -188,6 +191,7 @@ async def bench(args: argparse.Namespace, tmp: Path) -> list[tuple[str, float | 
                         assert info["loaded_blocks"] == len(usable) and info["computed_tokens"] == n - len(usable) * b
                 sources = {label: info["block_sources"] for label, (_t, _tok, info) in runs.items()}
                 assert set(sources["http"]) == {"HTTP/3"}, sources
+                assert set(sources["tcp"]) == {"HTTP/1.1"}, sources
                 assert all(s.startswith("MOQT") for s in sources["moqt"]), sources
                 assert set(sources["prefetched"]) == set(sources["resident"]) == {"resident"}, sources
                 if warm:
@@ -207,6 +211,8 @@ async def bench(args: argparse.Namespace, tmp: Path) -> list[tuple[str, float | 
                      imed["recompute"], "1.0x (baseline)"))
         for label, title in (("http", f"prefix loaded over HTTP/3 from instance A ({loaded} tokens), "
                                       f"{args.tokens - loaded} computed"),
+                             ("tcp", "prefix loaded over HTTP/1.1 (the TCP path, --prefer-transport tcp), the rest "
+                                     "computed"),
                              ("moqt", "prefix loaded over MOQT from instance A, the rest computed")):
             rows.append((title, med[label], imed[label], f"**{base_t / med[label]:.1f}x faster**; "
                                                           f"blocks: {notes[label]}"))
