@@ -110,6 +110,18 @@ def pack_body(record: ReplicaRecord) -> bytes:
     return b"".join(parts)
 
 
+def _read_head(body: bytes, offset: int, digest: bytes | None) -> tuple[int, int, int, bytes | None, bytes, int]:
+    """(codec, flags, size, digest, packed residency, end of the residency) of the record at *offset*: the part of
+    :func:`pack_body`'s encoding that :func:`unpack_body` and :func:`render_into` both read first."""
+    codec, n_res, flags, size = _HEAD.unpack_from(body, offset)
+    pos = offset + _HEAD.size
+    if not flags & _FLAG_LAYER_DIGESTS:
+        digest = body[pos:pos + 32]
+        pos += 32
+    end = pos + n_res * _RES.size
+    return codec, flags, size, digest, body[pos:end], end
+
+
 def unpack_body(body: bytes, block_key: bytes, scope_id: bytes, compat_id: bytes, holder: str,
                 ttl_ms: int, offset: int = 0, digest: bytes | None = None) -> ReplicaRecord:
     """The record :func:`pack_body` packed (at *offset* of *body*), with the fields stored apart. *digest*: the
@@ -118,13 +130,7 @@ def unpack_body(body: bytes, block_key: bytes, scope_id: bytes, compat_id: bytes
     The record is rebuilt without running its constructor checks again: it passed them when it was published,
     and the encoding round-trips exactly (tests/test_index.py checks that against the validated constructor).
     """
-    codec, n_res, flags, size = _HEAD.unpack_from(body, offset)
-    pos = offset + _HEAD.size
-    if not flags & _FLAG_LAYER_DIGESTS:
-        digest = body[pos:pos + 32]
-        pos += 32
-    end = pos + n_res * _RES_SIZE
-    res_raw = body[pos:end]
+    codec, flags, size, digest, res_raw, end = _read_head(body, offset, digest)
     residency = _residency_cache.get(res_raw)
     if residency is None:
         residency = tuple(ResidencyEntry(STORAGE_TIERS[t], (a, b), r or None)
@@ -162,7 +168,6 @@ def unpack_body(body: bytes, block_key: bytes, scope_id: bytes, compat_id: bytes
 
 _set = object.__setattr__
 _new = object.__new__
-_RES_SIZE = _RES.size
 _residency_json_cache: dict[bytes, bytes] = {}
 
 
@@ -172,13 +177,7 @@ def render_into(parts: list[bytes], body: bytes, head: bytes, ttl_ms: int, offse
     ``unpack_body(...).to_json_bytes()`` writes it, without building the record: *head* is its JSON up to the
     holder (``{"block_key":"..","compat_id":"..","scope_id":"..","holder":".."``), *digest* as for unpack_body.
     In pieces: a lookup joins its whole answer once."""
-    codec, n_res, flags, size = _HEAD.unpack_from(body, offset)
-    pos = offset + _HEAD.size
-    if not flags & _FLAG_LAYER_DIGESTS:
-        digest = body[pos:pos + 32]
-        pos += 32
-    end = pos + n_res * _RES_SIZE
-    res_raw = body[pos:end]
+    codec, flags, size, digest, res_raw, end = _read_head(body, offset, digest)
     residency = _residency_json_cache.get(res_raw)
     if residency is None:
         residency = orjson.dumps([{"tier": STORAGE_TIERS[t], "layers": [a, b]} if not r else
