@@ -303,7 +303,7 @@ async def main_async(args: argparse.Namespace) -> None:
         if not args.no_pin and len(os.sched_getaffinity(0)) >= 2:
             for pid in (holder.pid, raw.pid):
                 os.sched_setaffinity(pid, {0})
-            os.sched_setaffinity(0, {1})
+            os.sched_setaffinity(0, {int(x) for x in args.client_cpus.split(",")})
         bench = Bench(work, holder, ready, raw, raw_port)
         rows: list[str] = []
         try:
@@ -349,6 +349,8 @@ def main() -> None:
     p.add_argument("--no-h3", action="store_true", help="only the TCP path and the ceiling")
     p.add_argument("--before", action="store_true", help="also httpx over HTTP/1.1, the TCP path before")
     p.add_argument("--no-pin", action="store_true", help="do not pin the processes to CPUs 0 and 1")
+    p.add_argument("--client-cpus", default="1", help="the CPUs of this (the client) process; 0,1 lets the client's "
+                   "threads use the servers' CPU too (the servers stay on CPU 0)")
     p.add_argument("--serve-raw", nargs=2, metavar=("CERT_DIR", "NAME"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_raw:
