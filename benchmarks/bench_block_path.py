@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -54,6 +55,7 @@ SETTINGS = TransportSettings()
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
+@functools.cache  # built once: a caller holds its descriptor (and its compat_id) across requests
 def descriptor(name: str) -> CompatDescriptor:
     layers, tokens = SIZES[name]
     return CompatDescriptor.from_json({

@@ -229,7 +229,9 @@ class KvspClient:
 
     def transport_for(self, url: str) -> str:
         """"h3" or "tcp": what the next request to *url*'s origin will try first."""
-        origin = _origin(url)
+        return self._transport_for(_origin(url))
+
+    def _transport_for(self, origin: tuple[str, int]) -> str:
         if not self.h3_enabled or self._no_h3.get(origin, 0.0) > self._clock():
             return "tcp"
         return self._prefer.get(origin, self._prefer_default)
@@ -285,11 +287,12 @@ class KvspClient:
 
     async def _send_once(self, method: str, url: str, headers: Mapping[str, str], content: Body,
                          timeout: float, used: list[H3ClientConnection]) -> Response:
-        parts = urlsplit(url)
-        if parts.scheme != "https" or not parts.hostname:
+        parts = urlsplit(url)  # parsed once per request: the origin and the target come from these parts
+        host = parts.hostname
+        if parts.scheme != "https" or not host:
             raise ValueError(f"KVSP URLs are https://host[:port]/...; got {url!r}")
-        origin = _origin(url)
-        if self.transport_for(url) == "h3":
+        origin = (host, parts.port or 443)
+        if self._transport_for(origin) == "h3":
             try:
                 conn = await self._pool.get(*origin)
             except H3ConnectError as exc:
@@ -300,7 +303,7 @@ class KvspClient:
             else:
                 used.append(conn)
                 return await self._send_h3(conn, method, parts, headers, content, timeout)
-        return await self._send_tcp(method, url, headers, content, timeout)
+        return await self._send_tcp(method, url, parts, origin, headers, content, timeout)
 
     async def _send_h3(self, conn: H3ClientConnection, method: str, parts: Any, headers: Mapping[str, str],
                        content: Body, timeout: float) -> Response:
@@ -316,17 +319,16 @@ class KvspClient:
         return Response(h3.status, Headers(h3.headers), "HTTP/3", h3.aiter_bytes(), h3.aclose, timeout,
                         on_timeout=lambda: self._pool.discard(conn))
 
-    async def _send_tcp(self, method: str, url: str, headers: Mapping[str, str], content: Body,
-                        timeout: float) -> Response:
+    async def _send_tcp(self, method: str, url: str, parts: Any, origin: tuple[str, int],
+                        headers: Mapping[str, str], content: Body, timeout: float) -> Response:
         if self._tcp is not None:
             return await self._send_httpx(method, url, headers, content, timeout)
-        parts = urlsplit(url)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         if not target.isascii():
             target = quote(target, safe="/?&=%:@!$'()*+,;~-._")
         fields = [(k.lower().encode("ascii"), _field_value(v)) for k, v in headers.items()]
         try:
-            h1 = await self._h1.request(parts.hostname or "", parts.port or 443, method, target, fields, content)
+            h1 = await self._h1.request(*origin, method, target, fields, content)
         except H1ConnectTimeout:
             raise RequestTimeout(f"{method} {url}: connect timed out") from None
         except H1TransportError as exc:

@@ -320,3 +320,14 @@ async def test_hot_path_answers_as_the_full_app(pki: TestPki, holders: dict[str,
     assert [row[0] for row in answers["hot"]] == [403, 415, 428, 400, 201, 412, 200, 200, 404, 400, 404, 400, 403,
                                                   404, 200]
     assert answers["hot"] == answers["full"]
+
+
+async def test_kvsp_client_refuses_urls_it_cannot_send(pki: TestPki, server: TcpServer) -> None:
+    """The URL is split once per request: the scheme and the host are still checked before anything is sent, and
+    a target with a query string still reaches its path."""
+    async with KvspClient(pki.files("alice"), prefer="tcp") as client:
+        for url in ("http://127.0.0.1/big", "https:///big", "ftp://127.0.0.1/big"):
+            with pytest.raises(ValueError, match="KVSP URLs are https"):
+                await client.request("GET", url)
+        response = await client.request("GET", f"https://127.0.0.1:{server.port}/big?layers=0-1&x=%41")
+        assert response.status == 200 and response.content == BIG and response.http_version == "HTTP/1.1"
