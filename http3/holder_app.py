@@ -26,10 +26,8 @@ from starlette.routing import Route
 from http3.app_kit import (
     BLOCK_MEDIA_TYPE,
     NO_STORE,
-    check_declared_length,
     kvsp_json,
     read_json_body,
-    require_media_type,
     role_app,
 )
 from http3.asgi_types import ASGIApp, Message, Receive, Scope, Send
@@ -42,7 +40,7 @@ from kvsp_quic.metrics import Registry, holder_collectors
 from kvsp_quic.problems import ContentTooLarge, NotFound, Problem, UnsupportedMediaType
 from kvsp_quic.records import LeaseRenewal, LeaseRequest
 from kvsp_quic.roles.holder import Fetched, Holder, parse_codec, parse_layers
-from quic.tls import identity_of_pem
+from quic.tls import scope_identity
 
 MAX_JSON_BYTES = 64 << 10
 _COALESCE = 64 << 10  # sections smaller than this are sent together
@@ -63,38 +61,93 @@ RULES = (
 # -- responses ---------------------------------------------------------------------------------------------------
 
 
-class BlockResponse(Response):
-    """200 with the container streamed from its parts: the header octets, then each K and V section view."""
+def _block_head(fetched: Fetched) -> list[tuple[bytes, bytes]]:
+    return [(b"content-type", _BLOCK_TYPE), (b"content-length", b"%d" % fetched.size),
+            (b"repr-digest", fetched.repr_digest_field.encode("ascii")),
+            (b"cache-control", b"private, immutable, max-age=%d" % fetched.max_age_s)]
 
-    media_type = BLOCK_MEDIA_TYPE
 
-    def __init__(self, fetched: Fetched) -> None:
-        self.fetched = fetched
-        self.status_code = 200
-        self.background = None
-        self.init_headers({
-            "content-type": BLOCK_MEDIA_TYPE,
-            "content-length": str(fetched.size),
-            "repr-digest": fetched.repr_digest_field,
-            "cache-control": f"private, immutable, max-age={fetched.max_age_s}",
-        })
+async def serve_block_get(holder: Holder, principal: Principal, path: tuple[str, str, str], query_string: bytes,
+                          method: str, send: Send) -> int:
+    """``GET`` (or ``HEAD``) ``blocks/{compat}/{scope}/{block_key}[?layers=a-b][&codec=n]``: 200 with the
+    container streamed from its parts (the header octets, then each K and V section view; a HEAD gets the headers
+    of the GET with no content). Returns the body octets sent."""
+    compat, scope_id, key = _block_ids(path)
+    layers = codec = None
+    if query_string:
+        query = dict(parse_qsl(query_string.decode("latin-1"), keep_blank_values=True))
+        layers = parse_layers(query["layers"]) if "layers" in query else None
+        codec = parse_codec(query["codec"]) if "codec" in query else None
+    fetched = holder.fetch(principal, compat, scope_id, key, layers=layers, codec=codec)
+    await send({"type": "http.response.start", "status": 200, "headers": _block_head(fetched)})
+    if method == "HEAD":
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return 0
+    await _send_sections(fetched, send)
+    return fetched.size
+
+
+async def serve_block_put(holder: Holder, principal: Principal, path: tuple[str, str, str],
+                          headers: list[tuple[bytes, bytes]], receive: Receive, send: Send) -> tuple[int, int]:
+    """``PUT blocks/{compat}/{scope}/{block_key}``: the body fed chunk by chunk into the holder's incremental
+    decoder; 201 with the Replica Record. Returns (octets received, octets sent); (n, 0) when the client left."""
+    compat, scope_id, key = _block_ids(path)
+    content_type = declared = if_none_match = None
+    for name, value in headers:
+        if name == b"content-type" and content_type is None:
+            content_type = value.decode("latin-1").split(";", 1)[0].strip().lower()
+        elif name == b"content-length" and declared is None:
+            declared = value.decode("latin-1")
+        elif name == b"if-none-match" and if_none_match is None:
+            if_none_match = value.decode("latin-1")
+    if content_type != BLOCK_MEDIA_TYPE:
+        raise UnsupportedMediaType(f"the request body must be {BLOCK_MEDIA_TYPE}, not {content_type or 'unlabelled'}")
+    limit = holder.settings.max_block_bytes
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ContentTooLarge(f"the request body of {declared} octets exceeds the limit of {limit}")
+    upload = holder.begin_store(principal, compat, scope_id, key, if_none_match)
+    received = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return received, 0  # the client left: nothing to answer, the partial upload is dropped
+        body = message.get("body", b"")
+        if body:
+            received += len(body)
+            upload.feed(body)
+        if not message.get("more_body", False):
+            break
+    record = upload.finish()
+    out = json.dumps(record.to_json(), separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    await send({"type": "http.response.start", "status": 201,
+                "headers": [*_JSON_HEADERS, (b"content-length", b"%d" % len(out)), _JSON_TYPE]})
+    await send({"type": "http.response.body", "body": out, "more_body": False})
+    return received, len(out)
+
+
+class _BlockEndpoint:
+    """The block resource as a raw ASGI endpoint of the starlette app (behind :class:`http3.authz.Authorization`):
+    the same :func:`serve_block_get` / :func:`serve_block_put` as :class:`BlockHotPath`."""
+
+    def __init__(self, holder: Holder) -> None:
+        self.holder = holder
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope.get("method") == "HEAD":  # the headers of a GET, with its Content-Length, and no content
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        await _send_sections(self.fetched, send)
+        p = scope["path_params"]
+        path = (p["compat"], p["scope"], p["block_key"])
+        if scope["method"] == "PUT":
+            await serve_block_put(self.holder, principal_of(scope), path, scope["headers"], receive, send)
+        else:
+            await serve_block_get(self.holder, principal_of(scope), path, scope["query_string"], scope["method"],
+                                  send)
 
 
 # -- request helpers ---------------------------------------------------------------------------------------------
 
 
-def _block_path(request: Request) -> tuple[bytes, bytes, bytes]:
-    p = request.path_params
-    return (f.compat_id(p["compat"], "compat"), f.scope_id(p["scope"], "scope"),
-            f.block_key(p["block_key"], "block_key"))
+def _block_ids(path: tuple[str, str, str]) -> tuple[bytes, bytes, bytes]:
+    compat, scope, key = path
+    return f.compat_id(compat, "compat"), f.scope_id(scope, "scope"), f.block_key(key, "block_key")
 
 
 def _lease_id(request: Request) -> uuid.UUID:
@@ -117,13 +170,12 @@ _MAX_IDENTITIES = 4096
 class BlockHotPath:
     """ASGI: block ``GET`` and ``PUT`` served straight from the holder, everything else by *app*.
 
-    The same answers as the full app (:func:`holder_routes` behind :class:`http3.authz.Authorization`,
-    :class:`http3.app_kit.BasePath` and :class:`http3.metrics_app.TransferMetrics`) without its per-request
-    layers: the identity of a client certificate is parsed once (cached by the certificate), the rule of the
-    block resource is a role-set lookup, the response head is built from a few constant fields, and transferred
-    octets are counted once per request, not per message. A request the hot path would refuse (no identity, a
-    role the rules deny) goes to *app*, which renders the refusal exactly as before; so do HEAD and every other
-    resource."""
+    The same answers as the full app (:class:`_BlockEndpoint` behind :class:`http3.authz.Authorization`,
+    :class:`http3.app_kit.BasePath` and :class:`http3.metrics_app.TransferMetrics`: the same
+    :func:`serve_block_get` / :func:`serve_block_put`) without its per-request layers: the block resource's rule
+    is a role-set lookup, no scope is copied, no router runs, and transferred octets are counted once per request,
+    not per message. A request the hot path would refuse (no identity, a role the rules deny) goes to *app*, which
+    renders the refusal exactly as before; so do HEAD and every other resource."""
 
     def __init__(self, app: ASGIApp, holder: Holder, policy: Policy, base_path: str,
                  transfer: TransferMetrics | None = None) -> None:
@@ -133,7 +185,6 @@ class BlockHotPath:
         self.prefix = base_path.rstrip("/") + "/blocks/"
         self.readers = frozenset(_READERS)
         self.producers = frozenset(_PRODUCERS)
-        self._identities: dict[str, str | None] = {}  # leaf certificate (PEM) -> its identity
         self._transfer = transfer
         self._counters: dict[tuple[str, str], Any] = {}
 
@@ -159,11 +210,17 @@ class BlockHotPath:
             started = True
             await send(message)
 
+        block = (parts[0], parts[1], parts[2])
         try:
             if method == "GET":
-                await self._get(scope, principal, parts, tracking_send)
+                out = await serve_block_get(self.holder, principal, block, scope["query_string"], method,
+                                            tracking_send)
+                self._count(scope, "out", out)
             else:
-                await self._put(scope, principal, parts, receive, tracking_send)
+                received, out = await serve_block_put(self.holder, principal, block, scope["headers"], receive,
+                                                      tracking_send)
+                self._count(scope, "in", received)
+                self._count(scope, "out", out)
         except Problem as problem:
             if started:
                 raise
@@ -175,21 +232,11 @@ class BlockHotPath:
             raise  # the server logs it, as starlette's handler lets it do
 
     def _principal(self, scope: Scope) -> Principal | None:
-        tls = scope.get("extensions", {}).get("tls")
-        if not tls or tls.get("client_cert_error") or not tls.get("client_cert_chain"):
-            return None
-        pem = tls["client_cert_chain"][0]
         try:
-            identity = self._identities[pem]
-        except KeyError:
-            try:
-                identity = identity_of_pem(pem)
-            except ValueError:
-                identity = None
-            if len(self._identities) >= _MAX_IDENTITIES:
-                self._identities.clear()
-            self._identities[pem] = identity
-        return self.policy.principal(identity)
+            identity = scope_identity(scope)  # quic.tls caches the parse of each certificate
+        except ValueError:
+            return None
+        return self.policy.principal(identity) if identity is not None else None
 
     def _count(self, scope: Scope, direction: str, n: int) -> None:
         if self._transfer is None or not n:
@@ -202,60 +249,6 @@ class BlockHotPath:
                                                     direction=direction)
             self._counters[(version, direction)] = counter
         counter.inc(n)
-
-    async def _get(self, scope: Scope, principal: Principal, parts: list[str], send: Send) -> None:
-        compat, scope_id, key = (f.compat_id(parts[0], "compat"), f.scope_id(parts[1], "scope"),
-                                 f.block_key(parts[2], "block_key"))
-        layers = codec = None
-        if scope["query_string"]:
-            query = dict(parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True))
-            layers = parse_layers(query["layers"]) if "layers" in query else None
-            codec = parse_codec(query["codec"]) if "codec" in query else None
-        fetched = self.holder.fetch(principal, compat, scope_id, key, layers=layers, codec=codec)
-        headers = [(b"content-type", _BLOCK_TYPE), (b"content-length", b"%d" % fetched.size),
-                   (b"repr-digest", fetched.repr_digest_field.encode("ascii")),
-                   (b"cache-control", b"private, immutable, max-age=%d" % fetched.max_age_s)]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await _send_sections(fetched, send)
-        self._count(scope, "out", fetched.size)
-
-    async def _put(self, scope: Scope, principal: Principal, parts: list[str], receive: Receive,
-                   send: Send) -> None:
-        compat, scope_id, key = (f.compat_id(parts[0], "compat"), f.scope_id(parts[1], "scope"),
-                                 f.block_key(parts[2], "block_key"))
-        content_type = declared = if_none_match = None
-        for name, value in scope["headers"]:
-            if name == b"content-type" and content_type is None:
-                content_type = value.decode("latin-1").split(";", 1)[0].strip().lower()
-            elif name == b"content-length" and declared is None:
-                declared = value.decode("latin-1")
-            elif name == b"if-none-match" and if_none_match is None:
-                if_none_match = value.decode("latin-1")
-        if content_type != BLOCK_MEDIA_TYPE:
-            got = content_type or "unlabelled"
-            raise UnsupportedMediaType(f"the request body must be {BLOCK_MEDIA_TYPE}, not {got}")
-        limit = self.holder.settings.max_block_bytes
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise ContentTooLarge(f"the request body of {declared} octets exceeds the limit of {limit}")
-        upload = self.holder.begin_store(principal, compat, scope_id, key, if_none_match)
-        received = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left: nothing to answer, the partial upload is dropped
-            body = message.get("body", b"")
-            if body:
-                received += len(body)
-                upload.feed(body)
-            if not message.get("more_body", False):
-                break
-        record = upload.finish()
-        self._count(scope, "in", received)
-        out = json.dumps(record.to_json(), separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-        await send({"type": "http.response.start", "status": 201,
-                    "headers": [*_JSON_HEADERS, (b"content-length", b"%d" % len(out)), _JSON_TYPE]})
-        await send({"type": "http.response.body", "body": out, "more_body": False})
-        self._count(scope, "out", len(out))
 
 
 async def _send_sections(fetched: Fetched, send: Send) -> None:
@@ -280,24 +273,7 @@ async def _send_sections(fetched: Fetched, send: Send) -> None:
 def holder_routes(holder: Holder, *, max_json_bytes: int = MAX_JSON_BYTES) -> Starlette:
     """The starlette app of the holder's resources, without authorization (see :func:`holder_app`)."""
 
-    async def get_block(request: Request) -> Response:
-        compat, scope, key = _block_path(request)
-        query = request.query_params
-        layers = parse_layers(query["layers"]) if "layers" in query else None
-        codec = parse_codec(query["codec"]) if "codec" in query else None
-        fetched = holder.fetch(principal_of(request), compat, scope, key, layers=layers, codec=codec)
-        return BlockResponse(fetched)
-
-    async def put_block(request: Request) -> Response:
-        compat, scope, key = _block_path(request)
-        require_media_type(request, BLOCK_MEDIA_TYPE)
-        check_declared_length(request, holder.settings.max_block_bytes)
-        upload = holder.begin_store(principal_of(request), compat, scope, key, request.headers.get("if-none-match"))
-        async for chunk in request.stream():
-            if chunk:
-                upload.feed(chunk)
-        record = upload.finish()
-        return kvsp_json(record.to_json(), 201)
+    block = _BlockEndpoint(holder)
 
     async def post_lease(request: Request) -> Response:
         lease_request = LeaseRequest.loads(await read_json_body(request, max_json_bytes))
@@ -314,8 +290,7 @@ def holder_routes(holder: Holder, *, max_json_bytes: int = MAX_JSON_BYTES) -> St
         return Response(status_code=204, headers=NO_STORE)
 
     app = Starlette(routes=[
-        Route("/blocks/{compat}/{scope}/{block_key}", get_block, methods=["GET"]),
-        Route("/blocks/{compat}/{scope}/{block_key}", put_block, methods=["PUT"]),
+        Route("/blocks/{compat}/{scope}/{block_key}", block, methods=["GET", "PUT"]),
         Route("/leases", post_lease, methods=["POST"]),
         Route("/leases/{lease_id}", put_lease, methods=["PUT"]),
         Route("/leases/{lease_id}", delete_lease, methods=["DELETE"]),
