@@ -258,4 +258,7 @@ async def connect_quic(host: str, port: int, files: TlsFiles, *, alpn: Sequence[
     except (TimeoutError, ConnectionError) as exc:
         transport.close()
         raise error(protocol.failure_reason(exc, timeout)) from None
+    except BaseException:  # cancelled mid-handshake (a caller's timeout, a pool closing): no socket left behind
+        transport.close()
+        raise
     return protocol
