@@ -173,12 +173,19 @@ class KvspClient:
     reach the origin) or ``"tcp"`` (HTTP/1.1 over TLS, or HTTP/2 with *fallback_http2*), for every origin, or a
     mapping from ``"host:port"`` to either, with ``"*"`` for the rest. Where both reach an origin, the TCP path is
     the faster one for bulk blocks on this implementation (``docs/performance.md``); :meth:`prefer_transport`
-    changes it for one origin later."""
+    changes it for one origin later.
+
+    *connections_per_origin* (K): concurrent HTTP/3 requests to one origin are spread over up to K QUIC
+    connections, least-loaded first, a new one opened only while every open one has a request in flight
+    (:class:`~http3.h3_client.H3Pool`); 1 (the default) multiplexes them all on one. A holder running several
+    workers on one port (``SO_REUSEPORT``) gets each connection on the worker its 4-tuple hashes to, so K > 1
+    lets one client's block loads use them all. The HTTP/1.1 path opens one connection per concurrent request
+    anyway."""
 
     def __init__(self, files: TlsFiles, *, settings: TransportSettings = TransportSettings(),
                  connect_timeout: float = 5.0, timeout: float = 30.0, retries: int = 2, h3: bool = True,
                  fallback_ttl: float = 300.0, fallback_http2: bool = False, fallback: bool = True,
-                 prefer: str | Mapping[str, str] = "h3",
+                 prefer: str | Mapping[str, str] = "h3", connections_per_origin: int = 1,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.files = files
         self.settings = settings
@@ -188,7 +195,7 @@ class KvspClient:
         self.fallback_ttl = fallback_ttl
         self.fallback = fallback  # False: HTTP/3 or nothing (tests, the interop matrix)
         self._clock = clock
-        self._pool = H3Pool(files, settings, connect_timeout)
+        self._pool = H3Pool(files, settings, connect_timeout, connections_per_origin=connections_per_origin)
         self._no_h3: dict[tuple[str, int], float] = {}  # origin -> when to try HTTP/3 again
         prefs = {"*": prefer} if isinstance(prefer, str) else dict(prefer)
         self._prefer_default = _check_transport(prefs.pop("*", "h3"))
@@ -198,8 +205,9 @@ class KvspClient:
         # The TCP path speaks HTTP/1.1 with our lean client (http3.h1_client) unless told otherwise: httpx costs
         # ~5x the CPU per octet, and over httpx HTTP/2 downloads run at a third of HTTP/1.1's speed (httpx keeps a
         # 64 KiB stream window; benchmarks/RESULTS.md). KVSP traffic is bulk.
+        # It opens one connection per concurrent request; up to 64 (at least connections_per_origin) stay idle.
         self._h1 = H1Pool(ssl_client_context(files, alpn=("http/1.1",)), connect_timeout=connect_timeout,
-                          max_idle=64)
+                          max_idle=max(64, connections_per_origin))
         self._tcp: httpx.AsyncClient | None = None
         if fallback_http2:
             self._tcp = httpx.AsyncClient(
@@ -226,6 +234,10 @@ class KvspClient:
     def pooled(self, url: str) -> int:
         """How many pooled HTTP/3 connections to *url*'s origin could take the next request."""
         return self._pool.pooled(*_origin(url))
+
+    @property
+    def connections_per_origin(self) -> int:
+        return self._pool.connections_per_origin
 
     def transport_for(self, url: str) -> str:
         """"h3" or "tcp": what the next request to *url*'s origin will try first."""

@@ -1,7 +1,8 @@
 """HTTP/3 client connections: mutual TLS, many concurrent streams, streamed bodies with backpressure.
 
-:class:`H3ClientConnection` is one QUIC connection to one origin; :class:`H3Pool` keeps connections per origin and
-opens another when every stream of the existing ones is taken. The facade that adds fallback to HTTP/2 and
+:class:`H3ClientConnection` is one QUIC connection to one origin; :class:`H3Pool` keeps connections per origin,
+spreads concurrent requests over up to ``connections_per_origin`` of them (least-loaded first) and opens another
+when every stream of the existing ones is taken. The facade that adds fallback to HTTP/2 and
 HTTP/1.1, retries and timeouts is :mod:`http3.client`. The QUIC side (batched receiving, transmits, send
 backpressure, HANDSHAKE_DONE, connecting) is :mod:`quic.protocol`'s.
 """
@@ -273,29 +274,146 @@ async def connect_h3(host: str, port: int, files: TlsFiles, *, settings: Transpo
                               error=lambda reason: H3ConnectError(f"HTTP/3 to {host}:{port} failed: {reason}"))
 
 
-class H3Pool:
-    """HTTP/3 connections per origin, shared by concurrent requests."""
+class _Connecting:
+    """A connection being opened to one origin; the requests waiting for it are its load meanwhile (and stay
+    counted on the connection until each has resumed and opened its stream)."""
 
-    def __init__(self, files: TlsFiles, settings: TransportSettings, connect_timeout: float) -> None:
+    __slots__ = ("task", "waiters")
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[H3ClientConnection] | None = None
+        self.waiters = 0
+
+
+class H3Pool:
+    """HTTP/3 connections per origin, shared by concurrent requests.
+
+    *connections_per_origin* (K, default 1): concurrent requests to one origin are spread over up to K
+    connections. A request takes the least-loaded connection (fewest open request streams, requests waiting for
+    a connection being opened included) when that one is idle or K are open or opening already; otherwise it opens
+    another one. Sequential requests therefore reuse one connection, and K concurrent ones get K connections
+    (each on its own UDP socket: a holder whose workers share one port with ``SO_REUSEPORT`` sees K 4-tuples,
+    which the kernel spreads over its workers). K counts the connections that can take another stream: a
+    connection with every stream taken (``max_streams``) or past its stream-id budget does not count, so a burst
+    beyond K x ``max_streams`` still opens more, as with K = 1.
+
+    Connects run in tasks of their own: a slow handshake never holds up requests that can use a connection that
+    is open already, a request that gives up waiting (its timeout) does not abort the connect for the others, and
+    a failed connect fails every request waiting for it at once."""
+
+    def __init__(self, files: TlsFiles, settings: TransportSettings, connect_timeout: float, *,
+                 connections_per_origin: int = 1) -> None:
+        if isinstance(connections_per_origin, bool) or connections_per_origin < 1:
+            raise ValueError(f"connections_per_origin must be at least 1, not {connections_per_origin!r}")
         self.files = files
         self.settings = settings
         self.connect_timeout = connect_timeout
+        self.connections_per_origin = connections_per_origin
+        self.connects = 0  # connections opened (tests, metrics)
         self._conns: dict[tuple[str, int], list[H3ClientConnection]] = {}
-        self._locks: dict[tuple[str, int], asyncio.Lock] = {}
+        self._connecting: dict[tuple[str, int], list[_Connecting]] = {}
+        self._joining: dict[H3ClientConnection, _Connecting] = {}  # requests that waited for its connect
         self._retired: set[H3ClientConnection] = set()  # dropped, closing after their last stream
+        self._closed = False
 
     async def get(self, host: str, port: int) -> H3ClientConnection:
+        """A connection to (*host*, *port*) for one more request. The caller opens its stream on it before it
+        awaits anything else (that is what makes the stream count the connection's load)."""
         key = (host, port)
-        async with self._locks.setdefault(key, asyncio.Lock()):
-            conns = [c for c in self._conns.get(key, []) if not c.closed and not c.retired]
-            self._conns[key] = conns
-            for conn in conns:
-                if conn.available and conn.opened < _STREAM_ID_BUDGET:
-                    return conn
-            conn = await connect_h3(host, port, self.files, settings=self.settings, timeout=self.connect_timeout)
-            conn.origin = key
+        while True:
+            if self._closed:
+                raise H3ConnectError(f"HTTP/3 to {host}:{port}: the client is closed")
+            choice = self._choose(key)
+            if isinstance(choice, H3ClientConnection):
+                return choice
+            choice.waiters += 1
+            try:
+                assert choice.task is not None
+                conn = await asyncio.shield(choice.task)
+            finally:
+                choice.waiters -= 1
+            if self._has_room(conn):
+                return conn
+            # closed, discarded or filled up while this request waited: choose again
+
+    def _load(self, conn: H3ClientConnection) -> int:
+        joining = self._joining.get(conn)
+        if joining is not None and joining.waiters == 0:
+            del self._joining[conn]
+            joining = None
+        return conn.active + (joining.waiters if joining is not None else 0)
+
+    def _has_room(self, conn: H3ClientConnection) -> bool:
+        return (not conn.closed and not conn.retired and conn.opened < _STREAM_ID_BUDGET
+                and self._load(conn) < self.settings.max_streams)
+
+    def _live(self, key: tuple[str, int]) -> list[H3ClientConnection]:
+        """The connections to *key* that may take new requests; one past its stream-id budget is retired."""
+        conns = []
+        for conn in self._conns.get(key, []):
+            if conn.closed or conn.retired:
+                self._joining.pop(conn, None)
+                continue
+            if conn.opened >= _STREAM_ID_BUDGET:
+                self._retire(conn)
+                continue
             conns.append(conn)
-            return conn
+        self._conns[key] = conns
+        return conns
+
+    def _choose(self, key: tuple[str, int]) -> H3ClientConnection | _Connecting:
+        """The connection (or connect in progress) the next request to *key* goes to: synchronous, so no other
+        request chooses in between."""
+        open_ = [(self._load(c), i, c) for i, c in enumerate(self._live(key)) if self._has_room(c)]
+        opening = [(p.waiters, i, p) for i, p in enumerate(self._connecting.get(key, []))
+                   if p.waiters < self.settings.max_streams]
+        best_open = min(open_, key=lambda x: x[:2], default=None)
+        best_opening = min(opening, key=lambda x: x[:2], default=None)
+        if best_open is not None and best_open[0] == 0:
+            return best_open[2]
+        if best_opening is not None and best_opening[0] == 0:
+            return best_opening[2]
+        if len(open_) + len(opening) < self.connections_per_origin:
+            return self._open(key)
+        if best_open is not None and (best_opening is None or best_open[0] <= best_opening[0]):
+            return best_open[2]
+        if best_opening is not None:
+            return best_opening[2]
+        return self._open(key)  # every connection is at max_streams: one more, beyond K
+
+    def _open(self, key: tuple[str, int]) -> _Connecting:
+        pending = _Connecting()
+        self._connecting.setdefault(key, []).append(pending)
+        pending.task = asyncio.get_running_loop().create_task(self._connect(key, pending),
+                                                              name=f"h3-connect-{key[0]}:{key[1]}")
+        pending.task.add_done_callback(_consume)
+        return pending
+
+    async def _connect(self, key: tuple[str, int], pending: _Connecting) -> H3ClientConnection:
+        try:
+            conn = await connect_h3(key[0], key[1], self.files, settings=self.settings, timeout=self.connect_timeout)
+        except asyncio.CancelledError:  # only aclose cancels a connect
+            raise H3ConnectError(f"HTTP/3 to {key[0]}:{key[1]}: the client is closed") from None
+        finally:
+            group = self._connecting.get(key)
+            if group is not None and pending in group:
+                group.remove(pending)
+        if self._closed:
+            await conn.aclose()
+            raise H3ConnectError(f"HTTP/3 to {key[0]}:{key[1]}: the client is closed")
+        self.connects += 1
+        conn.origin = key
+        self._conns.setdefault(key, []).append(conn)
+        if pending.waiters:
+            self._joining[conn] = pending
+        return conn
+
+    def _retire(self, conn: H3ClientConnection) -> None:
+        self._joining.pop(conn, None)
+        if not conn.retired:
+            conn.retire()
+        self._retired = {c for c in self._retired if not c.closed}
+        self._retired.add(conn)
 
     def discard(self, conn: H3ClientConnection) -> None:
         """Drop *conn* from the pool after a timeout or a connection error on it: the next request to its origin
@@ -303,20 +421,33 @@ class H3Pool:
         group = self._conns.get(conn.origin)
         if group is not None and conn in group:
             group.remove(conn)
-        if not conn.retired:
-            conn.retire()
-        self._retired = {c for c in self._retired if not c.closed}
-        self._retired.add(conn)
+        self._retire(conn)
 
     def pooled(self, host: str, port: int) -> int:
         """The connections to (*host*, *port*) that may take new requests."""
         return sum(1 for c in self._conns.get((host, port), []) if not c.closed and not c.retired)
 
+    def connections(self, host: str, port: int) -> list[H3ClientConnection]:
+        """The pooled connections to (*host*, *port*) that may take new requests (tests, metrics)."""
+        return [c for c in self._conns.get((host, port), []) if not c.closed and not c.retired]
+
     async def aclose(self) -> None:
+        self._closed = True
+        connecting = [p.task for group in self._connecting.values() for p in group if p.task is not None]
+        for task in connecting:
+            task.cancel()
         conns = [c for group in self._conns.values() for c in group] + list(self._retired)
         self._conns.clear()
         self._retired.clear()
+        self._joining.clear()
+        await asyncio.gather(*connecting, return_exceptions=True)
         await asyncio.gather(*(c.aclose() for c in conns), return_exceptions=True)
+
+
+def _consume(task: asyncio.Task[H3ClientConnection]) -> None:
+    """A connect nobody waits for any more still has its outcome retrieved (no 'never retrieved' warning)."""
+    if not task.cancelled():
+        task.exception()
 
 
 _STREAM_ID_BUDGET = 1 << 20  # requests per connection before a fresh one is opened (stream ids are finite)

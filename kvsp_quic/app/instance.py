@@ -115,8 +115,10 @@ def build_instance(engine: Engine, *, base_uri: str, files: TlsFiles, policy: Po
     holder = CacheHolder(HolderSettings(base_uri, (d,), replica_ttl_ms=replica_ttl_ms,
                                         leases=lease_limits if lease_limits is not None else LeaseLimits()),
                          engine.cache, clock=clock)
+    # Block loads run concurrently (a prefill consumes every block's stream at once; a directive starts every
+    # load at once): over HTTP/3 they are spread over up to block_connections connections per holder.
     client = KvspClient(files, settings=transport, timeout=service.request_timeout_s,
-                        prefer=service.prefer_transport)
+                        prefer=service.prefer_transport, connections_per_origin=service.block_connections)
     moqt_uri = moqt_uri_for(base_uri)
     http = HttpSource(client, timeout=service.request_timeout_s)
     https_of: dict[str, str] = {}

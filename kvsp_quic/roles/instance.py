@@ -137,8 +137,13 @@ class ServiceOptions:
     # TLS, the faster path for bulk blocks on this implementation: docs/performance.md). The other one is the
     # fallback either way; moqt:// replicas are fetched over MOQT first regardless (the [instance] moqt flag).
     prefer_transport: str = "h3"
+    # QUIC connections per holder that block loads are spread over (HTTP/3: a holder with several workers on one
+    # port gets one connection on each of up to this many); the HTTP/1.1 path opens one per concurrent load anyway.
+    block_connections: int = 4
 
     def __post_init__(self) -> None:
+        if self.block_connections < 1:
+            raise ValueError("block_connections: must be at least 1")
         if self.controller is not None:
             f.base_uri(self.controller, "controller")
         if self.prefer_transport not in ("h3", "tcp"):
