@@ -18,6 +18,7 @@ from http3.metrics_app import mount_metrics
 from http3.problem_response import install
 from kvsp_quic.auth import Policy
 from kvsp_quic.metrics import Registry
+from moqt.aio.audit import AUDIT, SessionAudit
 
 RULES = (Rule("GET", "status", ANY_ROLE),)
 
@@ -38,10 +39,25 @@ def _flat(prefix: str, value: Any) -> Iterator[tuple[str, float]]:
             yield from _flat(f"{prefix}_{key}" if prefix else str(key), inner)
 
 
+def audit_metrics(registry: Registry, audit: SessionAudit = AUDIT) -> None:
+    """The process's MOQT session closes and refused handshakes by reason (moqt/aio/audit.py), as counters."""
+    closed = registry.counter("kvsp_moqt_sessions_closed_total",
+                              "MOQT sessions ended, by who closed them, draft and reason (no_error: clean)",
+                              ("by", "draft", "reason"))
+    closed.collect(lambda: [({"by": by, "draft": draft, "reason": reason}, n)
+                            for (by, draft, reason), n in audit.snapshot()[0].items()])
+    refused = registry.counter("kvsp_moqt_handshakes_refused_total",
+                               "MOQT handshakes (QUIC/TLS or SETUP) that did not become a session, by side and reason",
+                               ("side", "reason"))
+    refused.collect(lambda: [({"side": side, "reason": reason}, n)
+                             for (side, reason), n in audit.snapshot()[1].items()])
+
+
 def relay_app(relay: RelayStatus, policy: Policy, *, base_path: str = "/") -> ASGIApp:
     registry = Registry()
     gauge = registry.gauge("kvsp_relay", "The relay's counters (connections, cache, fetches, ...)", ("counter",))
     gauge.collect(lambda: [({"counter": name}, value) for name, value in _flat("", relay.status())])
+    audit_metrics(registry)
 
     async def status(request: Request) -> Response:
         return kvsp_json(relay.status())

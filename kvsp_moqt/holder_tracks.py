@@ -42,7 +42,7 @@ from kvsp_quic.roles.holder import Holder
 from moqt.aio import MoqtApp, MoqtConnection, MoqtPool, moqt_handlers
 from moqt.events import FetchRequested
 from moqt.requests import SessionConfig
-from moqt.types import Location, StandaloneFetch
+from moqt.types import PREFERRED_ALPNS, Location, StandaloneFetch
 from quic.listener import HandlerFactory
 
 log = logging.getLogger("kvsp.moqt.holder")
@@ -123,10 +123,11 @@ class HolderTracks(MoqtApp):
         self.metrics["layers"] += last - first + 1
 
 
-def holder_moqt_handlers(holder: Holder, policy: Policy, *,
-                         config: SessionConfig | None = None) -> dict[str, HandlerFactory]:
-    """The ``quic_handlers`` of a holder's RoleServer: both MOQT drafts, served by :class:`HolderTracks`."""
-    return moqt_handlers(HolderTracks(holder, policy), config=config)
+def holder_moqt_handlers(holder: Holder, policy: Policy, *, config: SessionConfig | None = None,
+                         alpns: Sequence[str] = PREFERRED_ALPNS) -> dict[str, HandlerFactory]:
+    """The ``quic_handlers`` of a holder's RoleServer: both MOQT drafts (newest first, or *alpns*' order), served
+    by :class:`HolderTracks`."""
+    return moqt_handlers(HolderTracks(holder, policy), config=config, alpns=alpns)
 
 
 # -- the receiving side ---------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from moqt.session import MoqtSession
 from moqt.sessions import new_session, session_for_alpn
 from moqt.types import (
     ALPNS,
+    PREFERRED_ALPNS,
     AuthToken,
     Draft,
     FetchType,
@@ -38,6 +39,7 @@ from moqt.types import (
     ObjectStatus,
     StandaloneFetch,
     SubscriptionFilter,
+    alpn_order,
     parse_name,
     render_name,
 )
@@ -45,6 +47,7 @@ from moqt.writers import FetchStreamWriter, SubgroupWriter
 
 __all__ = [
     "ALPNS",
+    "PREFERRED_ALPNS",
     "Action",
     "AuthToken",
     "CloseSession",
@@ -79,6 +82,7 @@ __all__ = [
     "StreamResetCode",
     "SubgroupWriter",
     "SubscriptionFilter",
+    "alpn_order",
     "events",
     "new_session",
     "parse_name",

@@ -528,12 +528,13 @@ class TrackStatusError(ErrorReply):
 
 @dataclass(frozen=True)
 class _NamespaceRequest(Message):
+    EMPTY_OK: ClassVar[bool] = False  # a namespace (prefix) of 0 fields accepted (see SubscribeNamespace)
     request_id: int
     namespace: Namespace
     params: KeyValuePairs = ()
 
     def __post_init__(self) -> None:
-        check_namespace(self.namespace, False)
+        check_namespace(self.namespace, False, empty=self.EMPTY_OK)
         check_kvps(self.params)
 
     def encode_body(self, w: Writer) -> None:
@@ -543,22 +544,23 @@ class _NamespaceRequest(Message):
 
     @classmethod
     def decode_body(cls, r: Reader) -> Self:
-        return cls(r.varint(), decode_namespace(r), _params(r, cls.NAME))
+        return cls(r.varint(), decode_namespace(r, allow_empty=cls.EMPTY_OK), _params(r, cls.NAME))
 
 
 @dataclass(frozen=True)
 class _NamespaceOnly(Message):
+    EMPTY_OK: ClassVar[bool] = False
     namespace: Namespace
 
     def __post_init__(self) -> None:
-        check_namespace(self.namespace, False)
+        check_namespace(self.namespace, False, empty=self.EMPTY_OK)
 
     def encode_body(self, w: Writer) -> None:
         encode_namespace(w, self.namespace)
 
     @classmethod
     def decode_body(cls, r: Reader) -> Self:
-        return cls(decode_namespace(r))
+        return cls(decode_namespace(r, allow_empty=cls.EMPTY_OK))
 
 
 @dataclass(frozen=True)
@@ -609,8 +611,16 @@ class PublishNamespaceCancel(Message):
 
 @dataclass(frozen=True)
 class SubscribeNamespace(_NamespaceRequest):
+    """Draft 14, section "SUBSCRIBE_NAMESPACE": "If an endpoint receives a Track Namespace Prefix tuple with an
+    N of 0 or more than 32, it MUST close the session with a Protocol Violation." *Decision* (docs/moqt.md): a
+    prefix of 0 fields is accepted and means every namespace, as from draft 16 on; peers that speak several drafts
+    (moq-rs) send it on draft 14 too, right after setup. The relay's rules decide what such a subscriber hears
+    (the draft's "SUBSCRIBE_NAMESPACE with short prefixes" consideration). More than 32 fields is still a
+    PROTOCOL_VIOLATION."""
+
     TYPE: ClassVar[int] = 0x11
     NAME: ClassVar[str] = "SUBSCRIBE_NAMESPACE"
+    EMPTY_OK: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -629,6 +639,7 @@ class SubscribeNamespaceError(ErrorReply):
 class UnsubscribeNamespace(_NamespaceOnly):
     TYPE: ClassVar[int] = 0x14
     NAME: ClassVar[str] = "UNSUBSCRIBE_NAMESPACE"
+    EMPTY_OK: ClassVar[bool] = True  # withdraws an empty-prefix SUBSCRIBE_NAMESPACE
 
 
 MESSAGES: Final[dict[int, type[Message]]] = {cls.TYPE: cls for cls in (

@@ -10,6 +10,7 @@ Draft differences handled here:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 from typing import Final, NewType
@@ -57,7 +58,27 @@ class Draft(Enum):
         raise ValueError(f"ALPN {alpn!r} is not a MOQT draft this implementation speaks (moq-00, moqt-18)")
 
 
-ALPNS: Final = tuple(d.alpn for d in Draft)
+PREFERRED_ALPNS: Final = tuple(d.alpn for d in sorted(Draft, key=lambda d: d.value, reverse=True))
+"""The default order of preference, newest draft first (``moqt-18``, ``moq-00``), for every server (its ALPN list:
+the TLS server picks the first of its own that the client offers) and every client (the order it offers). Draft 18,
+section "Session establishment": "MOQT uses ALPN in QUIC ... to perform version negotiation", and "the client offers
+any combination of MOQT ALPNs ... in its TLS ClientHello, in preference order". Override it with
+``moqt_handlers(alpns=)``, ``connect_moqt(alpn=)`` or ``MoqtPool(alpn=)`` (docs/moqt.md, "Version negotiation")."""
+
+ALPNS: Final = PREFERRED_ALPNS
+"""Every MOQT ALPN this implementation speaks, in :data:`PREFERRED_ALPNS` order."""
+
+
+def alpn_order(alpns: Sequence[str]) -> tuple[str, ...]:
+    """A validated ALPN preference list (MOQT ALPNs only, each once, at least one), as given."""
+    order = tuple(alpns)
+    if not order:
+        raise ValueError("offer at least one MOQT ALPN")
+    if len(set(order)) != len(order):
+        raise ValueError(f"MOQT ALPN listed twice: {', '.join(order)}")
+    for alpn in order:
+        Draft.from_alpn(alpn)
+    return order
 
 
 class GroupOrder(IntEnum):
@@ -165,10 +186,14 @@ LARGEST_OBJECT_FILTER: Final = SubscriptionFilter(FilterType.LARGEST_OBJECT)
 # -- Namespaces and names ---------------------------------------------------------------------------------------
 
 
-def check_namespace(ns: Namespace, vi64: bool, *, name: bytes = b"") -> None:
-    """Validate a namespace (and its track name) as the draft requires; raises PROTOCOL_VIOLATION."""
-    if len(ns) > MAX_NAMESPACE_FIELDS or (not vi64 and not ns):
-        raise protocol_violation(f"a track namespace has {'0' if not vi64 else '1'}-32 fields, not {len(ns)}")
+def check_namespace(ns: Namespace, vi64: bool, *, name: bytes = b"", empty: bool | None = None) -> None:
+    """Validate a namespace (and its track name) as the draft requires; raises PROTOCOL_VIOLATION. Draft 14
+    (section 2.4.1): "N can be between 1 and 32"; draft 18: 0-32 fields of at least one octet. *empty* overrides
+    whether a tuple of 0 fields is allowed (draft 14's SUBSCRIBE_NAMESPACE prefix, see messages14.py)."""
+    allow_empty = vi64 if empty is None else empty
+    if len(ns) > MAX_NAMESPACE_FIELDS or (not allow_empty and not ns):
+        low = 0 if allow_empty else 1
+        raise protocol_violation(f"a track namespace has {low}-{MAX_NAMESPACE_FIELDS} fields, not {len(ns)}")
     total = sum(len(f) for f in ns)
     if vi64 and any(not f for f in ns):
         raise protocol_violation("draft 18 namespace fields are at least one octet")
@@ -187,7 +212,7 @@ def decode_namespace(r: Reader, *, allow_empty: bool | None = None) -> Namespace
     if count > MAX_NAMESPACE_FIELDS:
         raise protocol_violation(f"track namespace with {count} fields (at most {MAX_NAMESPACE_FIELDS})")
     fields = tuple(r.length_prefixed(MAX_FULL_TRACK_NAME, "track namespace field") for _ in range(count))
-    check_namespace(fields, r.vi64 if allow_empty is None else allow_empty)
+    check_namespace(fields, r.vi64, empty=allow_empty)
     return fields
 
 

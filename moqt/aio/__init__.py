@@ -44,6 +44,7 @@ The modules: :mod:`moqt.aio.errors` (exceptions), :mod:`moqt.aio.fetches` (:clas
 the peer's UDP payload limit) are :class:`quic.connection.KvspQuicConnection`'s.
 """
 
+from moqt.aio.audit import AUDIT, SessionAudit, reason_label
 from moqt.aio.connection import MoqtApp, MoqtConnection, QuicTransport, internal_error_code, not_supported_code
 from moqt.aio.endpoints import (
     CONTROL_RESERVE,
@@ -64,8 +65,28 @@ from moqt.aio.errors import (
 from moqt.aio.fetches import FetchSink, FetchStream, MoqtObject, ServedFetch
 
 __all__ = [
-    "CONTROL_RESERVE", "DEFAULT_DATA_STREAMS", "FetchCancelled", "FetchSink", "FetchStream", "MoqtApp",
-    "MoqtConnectError", "MoqtConnection", "MoqtObject", "MoqtPool", "MoqtRequestError", "MoqtServerHandler",
-    "MoqtSessionClosed", "MoqtStalled", "MoqtStreamError", "QuicTransport", "ServedFetch", "connect_moqt",
-    "internal_error_code", "moqt_handlers", "not_supported_code",
+    "AUDIT",
+    "CONTROL_RESERVE",
+    "DEFAULT_DATA_STREAMS",
+    "FetchCancelled",
+    "FetchSink",
+    "FetchStream",
+    "MoqtApp",
+    "MoqtConnectError",
+    "MoqtConnection",
+    "MoqtObject",
+    "MoqtPool",
+    "MoqtRequestError",
+    "MoqtServerHandler",
+    "MoqtSessionClosed",
+    "MoqtStalled",
+    "MoqtStreamError",
+    "QuicTransport",
+    "ServedFetch",
+    "SessionAudit",
+    "connect_moqt",
+    "internal_error_code",
+    "moqt_handlers",
+    "not_supported_code",
+    "reason_label",
 ]

@@ -19,6 +19,7 @@ from aioquic.quic import events as qe
 
 from moqt import events as ev
 from moqt.actions import CloseSession, ResetStream, SendDatagram, SendStreamData, StopSending
+from moqt.aio.audit import AUDIT
 from moqt.aio.errors import FetchCancelled, MoqtRequestError, MoqtSessionClosed, MoqtStalled, MoqtStreamError
 from moqt.aio.fetches import FetchSink, FetchStream, ServedFetch
 from moqt.errors import MoqtUsageError, RequestErrorCode14, RequestErrorCode18, SessionErrorCode
@@ -451,6 +452,8 @@ class MoqtConnection:
             return
         self.closed = event
         self._changed.set()
+        AUDIT.session_closed(local=event.local, error_code=event.error_code, reason=event.reason, alpn=self.alpn,
+                             peer=self.peer, identity=self.peer_identity, role=self.role.value)
         error = MoqtSessionClosed(event.error_code, event.reason)
         for future in self._replies.values():
             if not future.done():

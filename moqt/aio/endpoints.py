@@ -20,10 +20,11 @@ from urllib.parse import urlsplit
 
 from aioquic.quic import events as qe
 
+from moqt.aio.audit import AUDIT, reason_label
 from moqt.aio.connection import MoqtApp, MoqtConnection
 from moqt.aio.errors import MoqtConnectError, MoqtSessionClosed
 from moqt.requests import Role, SessionConfig
-from moqt.types import ALPNS, Draft
+from moqt.types import PREFERRED_ALPNS, alpn_order
 from quic.connection import KvspQuicConnection
 from quic.listener import HandlerFactory, QuicConnectionContext
 from quic.protocol import KvspQuicProtocol, connect_quic
@@ -58,21 +59,20 @@ class MoqtServerHandler:
         await self.conn.drain()
 
 
-def moqt_handlers(app: MoqtApp, *, config: SessionConfig | None = None, alpns: Sequence[str] = ALPNS,
+def moqt_handlers(app: MoqtApp, *, config: SessionConfig | None = None, alpns: Sequence[str] = PREFERRED_ALPNS,
                   data_streams: int | None = None) -> dict[str, HandlerFactory]:
     """Handler factories for :class:`~quic.listener.QuicListener` / ``RoleServer(quic_handlers=...)``: every
     MOQT connection gets a session of its ALPN's draft, served by *app*. *data_streams*: for a server that also
     fetches on accepted connections (a relay), the peer data streams admitted at once beyond the handshake's
     grant (see :meth:`quic.connection.KvspQuicConnection.budget_uni_streams`)."""
-    for alpn in alpns:
-        Draft.from_alpn(alpn)
+    order = alpn_order(alpns)
     if data_streams is not None and data_streams < 1:
         raise ValueError("data_streams must be at least 1")
 
     def factory(ctx: QuicConnectionContext) -> MoqtServerHandler:
         return MoqtServerHandler(ctx, app, config, data_streams=data_streams)
 
-    return {alpn: factory for alpn in alpns}
+    return {alpn: factory for alpn in order}  # the listener offers its ALPNs in this order
 
 
 # -- client side ------------------------------------------------------------------------------------------------
@@ -84,9 +84,12 @@ class _ClientProtocol(KvspQuicProtocol):
         super().__init__(quic, settings=settings, **kwargs)
         self._make = make
         self.conn: MoqtConnection | None = None
+        self.terminated: qe.ConnectionTerminated | None = None  # the QUIC close, if the connection ended
 
     def quic_event_received(self, event: qe.QuicEvent) -> None:
         super().quic_event_received(event)
+        if isinstance(event, qe.ConnectionTerminated):
+            self.terminated = event
         if isinstance(event, qe.HandshakeCompleted):
             self.quic.respect_peer_udp_payload()
             try:
@@ -111,18 +114,15 @@ class _ClientProtocol(KvspQuicProtocol):
 
 
 async def connect_moqt(host: str, port: int, files: TlsFiles, *, settings: TransportSettings = TransportSettings(),
-                       alpn: str | Sequence[str] = ALPNS, server_name: str | None = None, timeout: float = 10.0,
+                       alpn: str | Sequence[str] = PREFERRED_ALPNS, server_name: str | None = None,
+                       timeout: float = 10.0,
                        config: SessionConfig | None = None, app: MoqtApp | None = None,
                        data_streams: int = DEFAULT_DATA_STREAMS, path: bytes = b"/") -> MoqtConnection:
     """A client MOQT session to *host*:*port* with mutual TLS, offering *alpn* (both drafts by default; the server
     picks). Returns once HANDSHAKE_DONE has arrived (the server accepted our certificate) and SETUP is complete;
     raises :class:`MoqtConnectError` otherwise (the server offers no MOQT ALPN, refuses the certificate, does not
     answer within *timeout*). *data_streams*: peer data streams admitted at once (see the module docstring)."""
-    alpns = [alpn] if isinstance(alpn, str) else list(alpn)
-    if not alpns:
-        raise ValueError("offer at least one MOQT ALPN")
-    for name in alpns:
-        Draft.from_alpn(name)
+    alpns = list(alpn_order([alpn] if isinstance(alpn, str) else alpn))
     if data_streams < 1:
         raise ValueError("data_streams must be at least 1")
     window = max(settings.connection_window, (data_streams + 1) * settings.stream_window + CONTROL_RESERVE)
@@ -136,20 +136,44 @@ async def connect_moqt(host: str, port: int, files: TlsFiles, *, settings: Trans
         return MoqtConnection(protocol, negotiated, Role.CLIENT, config=session_config, tls=tls, app=app,
                               peer=(host, port), send_buffer=tuned.send_buffer, on_close=protocol.aclose)
 
-    protocol = await connect_quic(
-        host, port, files, alpn=alpns, settings=tuned, server_name=server_name, timeout=timeout,
-        protocol_factory=functools.partial(_ClientProtocol, make=make),
-        quic_factory=functools.partial(KvspQuicConnection, uni_streams=data_streams + 1),
-        error=lambda reason: MoqtConnectError(f"MOQT to {host}:{port} ({', '.join(alpns)}) failed: {reason}"))
+    made: list[_ClientProtocol] = []
+
+    def protocol_factory(*args: Any, **kwargs: Any) -> _ClientProtocol:
+        made.append(_ClientProtocol(*args, make=make, **kwargs))
+        return made[-1]
+
+    try:
+        protocol = await connect_quic(
+            host, port, files, alpn=alpns, settings=tuned, server_name=server_name, timeout=timeout,
+            protocol_factory=protocol_factory,
+            quic_factory=functools.partial(KvspQuicConnection, uni_streams=data_streams + 1),
+            error=lambda reason: MoqtConnectError(f"MOQT to {host}:{port} ({', '.join(alpns)}) failed: {reason}"))
+    except MoqtConnectError as exc:
+        _audit_refusal(made[0] if made else None, (host, port), alpns, exc)
+        raise
     assert protocol.conn is not None
     return protocol.conn
+
+
+def _audit_refusal(protocol: _ClientProtocol | None, peer: tuple[str, int], alpns: Sequence[str],
+                   exc: MoqtConnectError) -> None:
+    """One INFO line and one count (side "client") for a handshake or SETUP of ours that failed."""
+    conn = protocol.conn if protocol is not None else None
+    if conn is not None and conn.closed is not None:  # the QUIC handshake worked, SETUP did not
+        reason, alpn = reason_label(conn.closed.error_code), conn.alpn
+    elif protocol is not None and protocol.terminated is not None:  # the server (or our TLS) ended the handshake
+        reason, alpn = reason_label(protocol.terminated.error_code), None
+    else:
+        reason, alpn = "timeout", None
+    AUDIT.handshake_refused(side="client", reason=reason, peer=peer, alpn=alpn or "/".join(alpns),
+                            identity=conn.peer_identity if conn is not None else None, detail=str(exc))
 
 
 class MoqtPool:
     """Client MOQT connections by ``moqt://host:port/``, shared by concurrent fetches; a closed one is replaced."""
 
     def __init__(self, files: TlsFiles, *, settings: TransportSettings = TransportSettings(),
-                 alpn: str | Sequence[str] = ALPNS, connect_timeout: float = 10.0,
+                 alpn: str | Sequence[str] = PREFERRED_ALPNS, connect_timeout: float = 10.0,
                  data_streams: int = DEFAULT_DATA_STREAMS) -> None:
         self.files = files
         self.settings = settings
