@@ -40,7 +40,10 @@ from kvsp_quic.metrics import Registry, holder_collectors
 from kvsp_quic.problems import ContentTooLarge, NotFound, Problem, UnsupportedMediaType
 from kvsp_quic.records import LeaseRenewal, LeaseRequest
 from kvsp_quic.roles.holder import Fetched, Holder, parse_codec, parse_layers
+from kvsp_quic.roles.holder_worker import HolderWorker
 from quic.tls import scope_identity
+
+ServedHolder = Holder | HolderWorker  # the holder, or one of its worker processes (--workers N)
 
 MAX_JSON_BYTES = 64 << 10
 _COALESCE = 64 << 10  # sections smaller than this are sent together
@@ -67,7 +70,7 @@ def _block_head(fetched: Fetched) -> list[tuple[bytes, bytes]]:
             (b"cache-control", b"private, immutable, max-age=%d" % fetched.max_age_s)]
 
 
-async def serve_block_get(holder: Holder, principal: Principal, path: tuple[str, str, str], query_string: bytes,
+async def serve_block_get(holder: ServedHolder, principal: Principal, path: tuple[str, str, str], query_string: bytes,
                           method: str, send: Send) -> int:
     """``GET`` (or ``HEAD``) ``blocks/{compat}/{scope}/{block_key}[?layers=a-b][&codec=n]``: 200 with the
     container streamed from its parts (the header octets, then each K and V section view; a HEAD gets the headers
@@ -87,7 +90,7 @@ async def serve_block_get(holder: Holder, principal: Principal, path: tuple[str,
     return fetched.size
 
 
-async def serve_block_put(holder: Holder, principal: Principal, path: tuple[str, str, str],
+async def serve_block_put(holder: ServedHolder, principal: Principal, path: tuple[str, str, str],
                           headers: list[tuple[bytes, bytes]], receive: Receive, send: Send) -> tuple[int, int]:
     """``PUT blocks/{compat}/{scope}/{block_key}``: the body fed chunk by chunk into the holder's incremental
     decoder; 201 with the Replica Record. Returns (octets received, octets sent); (n, 0) when the client left."""
@@ -129,7 +132,7 @@ class _BlockEndpoint:
     """The block resource as a raw ASGI endpoint of the starlette app (behind :class:`http3.authz.Authorization`):
     the same :func:`serve_block_get` / :func:`serve_block_put` as :class:`BlockHotPath`."""
 
-    def __init__(self, holder: Holder) -> None:
+    def __init__(self, holder: ServedHolder) -> None:
         self.holder = holder
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -177,7 +180,7 @@ class BlockHotPath:
     not per message. A request the hot path would refuse (no identity, a role the rules deny) goes to *app*, which
     renders the refusal exactly as before; so do HEAD and every other resource."""
 
-    def __init__(self, app: ASGIApp, holder: Holder, policy: Policy, base_path: str,
+    def __init__(self, app: ASGIApp, holder: ServedHolder, policy: Policy, base_path: str,
                  transfer: TransferMetrics | None = None) -> None:
         self.app = app
         self.holder = holder
@@ -270,7 +273,7 @@ async def _send_sections(fetched: Fetched, send: Send) -> None:
 # -- the app -----------------------------------------------------------------------------------------------------
 
 
-def holder_routes(holder: Holder, *, max_json_bytes: int = MAX_JSON_BYTES) -> Starlette:
+def holder_routes(holder: ServedHolder, *, max_json_bytes: int = MAX_JSON_BYTES) -> Starlette:
     """The starlette app of the holder's resources, without authorization (see :func:`holder_app`)."""
 
     block = _BlockEndpoint(holder)
@@ -299,7 +302,7 @@ def holder_routes(holder: Holder, *, max_json_bytes: int = MAX_JSON_BYTES) -> St
     return app
 
 
-def holder_app(holder: Holder, policy: Policy, *, base_path: str | None = None,
+def holder_app(holder: ServedHolder, policy: Policy, *, base_path: str | None = None,
                max_json_bytes: int = MAX_JSON_BYTES, metrics: Registry | None = None,
                hot_path: bool = True) -> ASGIApp:
     """The holder's ASGI app: authorization by certificate identity and :data:`RULES`, served below *base_path*

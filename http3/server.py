@@ -91,9 +91,12 @@ class RoleServer:
             await tcp.close()
 
 
-def bind_pair(host: str, port: int, udp_buffer: int, *, want_udp: bool = True) -> tuple[socket.socket,
-                                                                                        socket.socket | None]:
-    """A listening TCP socket and a UDP socket bound to the same port number (a free one when *port* is 0)."""
+def bind_pair(host: str, port: int, udp_buffer: int, *, want_udp: bool = True,
+              reuse_port: bool = False) -> tuple[socket.socket, socket.socket | None]:
+    """A listening TCP socket and a UDP socket bound to the same port number (a free one when *port* is 0).
+
+    *reuse_port*: ``SO_REUSEPORT`` on both, so that the worker processes of one server (``--workers N``) bind the
+    same port and the kernel spreads connections over them by address hash (TCP connections, QUIC datagrams)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     attempts = _PORT_ATTEMPTS if port == 0 else 1
     last: OSError | None = None
@@ -101,12 +104,14 @@ def bind_pair(host: str, port: int, udp_buffer: int, *, want_udp: bool = True) -
         tcp = socket.socket(family, socket.SOCK_STREAM)
         try:
             tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             tcp.bind((host, port))
             tcp.listen(128)
             tcp.setblocking(False)
             if not want_udp:
                 return tcp, None
-            udp = bind_udp(host, tcp.getsockname()[1], udp_buffer)
+            udp = bind_udp(host, tcp.getsockname()[1], udp_buffer, reuse_port=reuse_port)
             return tcp, udp
         except OSError as exc:
             last = exc

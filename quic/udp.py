@@ -233,11 +233,14 @@ class BatchedUdpTransport(asyncio.DatagramTransport):
         return len(self._queue)
 
 
-def bind_udp(host: str, port: int, buffer: int) -> socket.socket:
-    """A non-blocking UDP socket bound to *host*:*port*, asking for *buffer* octets of receive and send buffer."""
+def bind_udp(host: str, port: int, buffer: int, *, reuse_port: bool = False) -> socket.socket:
+    """A non-blocking UDP socket bound to *host*:*port*, asking for *buffer* octets of receive and send buffer
+    (*reuse_port*: ``SO_REUSEPORT``, for a port shared by worker processes)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_DGRAM)
     try:
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, opt, buffer)

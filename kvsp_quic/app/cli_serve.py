@@ -70,6 +70,8 @@ def add_commands(sub: Any) -> None:
                         help="AES-256-GCM at rest for local storage: 32 raw octets or 64 hex characters")
     holder.add_argument("--replica-ttl-ms", type=int, metavar="MS", help="TTL of published replicas (default 300000)")
     holder.add_argument("--eviction", metavar="NAME", help="eviction policy: lru (default), fifo, lfu")
+    holder.add_argument("--workers", type=int, metavar="N",
+                        help="processes serving the port and the one block store (default: one per core)")
     holder.set_defaults(handler=cmd_holder)
 
     relay = sub.add_parser("relay", help="run a MOQT relay (KVSP tracks: cache, coalescing, Replica Records)",
@@ -89,6 +91,8 @@ def add_commands(sub: Any) -> None:
     relay.add_argument("--no-records", action="store_false", default=None, dest="publish_records",
                        help="with --index: do not advertise cached blocks")
     relay.add_argument("--record-ttl-ms", type=int, metavar="MS", help="TTL of the relay's records (default 60000)")
+    relay.add_argument("--workers", type=int, metavar="N",
+                       help="processes serving the port, each with its own cache (default: one per core)")
     relay.set_defaults(handler=cmd_relay)
 
     inst = sub.add_parser("instance", help="run an inference instance (reference model, paged KV cache, prefetch, "
@@ -276,7 +280,7 @@ def cmd_holder(args: argparse.Namespace) -> int:
         overrides["index"] = args.index
     if args.descriptor:
         overrides["descriptors"] = [Path(d) for d in args.descriptor]
-    for name in ("host_capacity", "replica_ttl_ms", "eviction"):
+    for name in ("host_capacity", "replica_ttl_ms", "eviction", "workers"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
     if args.local_storage is not None:
@@ -298,7 +302,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
     cfg = _file(RelayFile, args)
     section = cfg.relay
     overrides: dict[str, Any] = {}
-    for name in ("index", "cache_bytes", "open_prefixes", "publish_records", "record_ttl_ms"):
+    for name in ("index", "cache_bytes", "open_prefixes", "publish_records", "record_ttl_ms", "workers"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
     cfg = dataclasses.replace(cfg, relay=replace(section, "relay", **overrides), **_server_overrides(cfg, args))

@@ -147,11 +147,14 @@ class HolderSection(HolderOptions):
     index: str | None = None  # the Index Service's base URI; without one, replicas are not published
     descriptors: list[Path] = field(default_factory=list)  # the caches it serves (at least one)
     local_storage: LocalStorageSection | None = None
+    workers: int | None = None  # processes serving the one port and store (None: one per core)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.index is not None:
             base_uri(self.index, "index")
+        if self.workers is not None and not 1 <= self.workers <= 256:
+            raise ValueError("workers: 1 to 256 processes")
 
 
 @dataclass(frozen=True)
@@ -169,11 +172,14 @@ class RelaySection(RelayOptions):
     publish_records: bool = True  # with an index: advertise complete cached blocks with the relay's moqt:// URI
     record_ttl_ms: int = 60_000
     data_streams: int = 16  # upstream data streams a publisher's session may have open at once
+    workers: int | None = None  # processes serving the one port, each with its own cache (None: one per core)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.index is not None:
             base_uri(self.index, "index")
+        if self.workers is not None and not 1 <= self.workers <= 256:
+            raise ValueError("workers: 1 to 256 processes")
         for name in ("record_ttl_ms", "data_streams"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")

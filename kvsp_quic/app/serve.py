@@ -23,6 +23,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -43,6 +44,7 @@ from kvsp_quic.app.config import (
     TlsSection,
     options_of,
 )
+from kvsp_quic.app.holder_workers import make_host_directory
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.samples import example_descriptor
 
@@ -65,6 +67,7 @@ class Prepared:
     sockets: tuple[socket.socket, socket.socket | None]
     settings: Any  # quic.tls.TransportSettings
     ready: dict[str, Any] = field(default_factory=dict)
+    policy_file: Path | None = None  # where the policy came from (None: the dev policy), for worker processes
 
 
 def transport_settings(values: dict[str, float]) -> Any:
@@ -81,8 +84,9 @@ def transport_settings(values: dict[str, float]) -> Any:
 
 
 def prepare(role: str, server: ServerSection, tls: TlsSection | None, transport: dict[str, float], *,
-            dev_dir: Path | None, policy_path: Path | None = None) -> Prepared:
-    """Bind the sockets, and find (or, with *dev_dir*, make) the certificates and the policy."""
+            dev_dir: Path | None, policy_path: Path | None = None, reuse_port: bool = False) -> Prepared:
+    """Bind the sockets (*reuse_port*: shareable with worker processes), and find (or, with *dev_dir*, make) the
+    certificates and the policy."""
     from http3.server import bind_pair
     from kvsp_quic.auth import Policy
     from quic import pki
@@ -90,7 +94,7 @@ def prepare(role: str, server: ServerSection, tls: TlsSection | None, transport:
 
     settings = transport_settings(transport)
     host, port = server.address()
-    tcp, udp = bind_pair(host, port, settings.socket_buffer)
+    tcp, udp = bind_pair(host, port, settings.socket_buffer, reuse_port=reuse_port)
     bound = tcp.getsockname()[1]
     try:
         base = server.uri_for(bound)
@@ -101,6 +105,7 @@ def prepare(role: str, server: ServerSection, tls: TlsSection | None, transport:
             files = TlsFiles.in_dir(dev_dir, name)
             # --policy with --dev: the dev certificates, a real policy (the interop matrix tests refusals so)
             policy = Policy.load(policy_path) if policy_path is not None else Policy.dev_ca()
+            policy_file = policy_path
             ready: dict[str, str | None] = {"ca": os.fspath(ca),
                                             "client_cert": os.fspath(dev_dir / f"{DEV_CLIENT}.pem"),
                                             "client_key": os.fspath(dev_dir / f"{DEV_CLIENT}.key")}
@@ -112,13 +117,14 @@ def prepare(role: str, server: ServerSection, tls: TlsSection | None, transport:
                 raise ConfigError("a policy file is required: [server] policy or --policy (or use --dev DIR)")
             files = TlsFiles.of(tls.ca, tls.cert, tls.key)
             policy = Policy.load(path)
+            policy_file = path
             ready = {"ca": os.fspath(tls.ca), "client_cert": None, "client_key": None}
     except BaseException:
         tcp.close()
         if udp is not None:
             udp.close()
         raise
-    return Prepared(role, files, policy, base, (tcp, udp), settings, ready)
+    return Prepared(role, files, policy, base, (tcp, udp), settings, ready, policy_file)
 
 
 async def serve_app(prepared: Prepared, app: Any, *, quic_handlers: dict[str, Any] | None = None) -> Any:
@@ -245,12 +251,18 @@ async def run_holder(cfg: HolderFile, *, dev_dir: Path | None, policy_path: Path
         ls = section.local_storage
         local = LocalStorageConfig(**options_of(ls, LocalStorageOptions),
                                    encryption_key=_read_key(ls.encryption_key_file))
-    prepared = prepare("holder", cfg.server, cfg.tls, cfg.transport, dev_dir=dev_dir, policy_path=policy_path)
-    client = None
+    workers = section.workers or os.cpu_count() or 1
+    prepared = prepare("holder", cfg.server, cfg.tls, cfg.transport, dev_dir=dev_dir, policy_path=policy_path,
+                       reuse_port=workers > 1)
+    client = host_directory = None
     try:
         settings = HolderSettings(prepared.base_uri, tuple(descriptors), local_storage=local,
                                   **options_of(section, HolderOptions))
-        holder = Holder(settings, clock=clock)
+        store = None
+        if workers > 1:
+            host_directory = make_host_directory(prepared.sockets[0].getsockname()[1])
+            store = shared_store(settings, host_directory)
+        holder = Holder(settings, clock=clock, store=store)
         recovered = holder.recover()
         if recovered:
             log.info("recovered %d block(s) from local storage", recovered)
@@ -261,7 +273,12 @@ async def run_holder(cfg: HolderFile, *, dev_dir: Path | None, policy_path: Path
         for sock in prepared.sockets:
             if sock is not None:
                 sock.close()
+        if host_directory is not None:
+            shutil.rmtree(host_directory, ignore_errors=True)
         raise ConfigError(str(exc)) from None
+    pool = None
+    if host_directory is not None:
+        pool = await start_workers(holder, prepared, host_directory, workers, server)
     publisher = None
     if section.index is not None:
         client = KvspClient(prepared.files, settings=prepared.settings)
@@ -269,17 +286,62 @@ async def run_holder(cfg: HolderFile, *, dev_dir: Path | None, policy_path: Path
         publisher.start()
     else:
         log.warning("no Index Service configured (holder.index / --index): replicas are not published")
-    log.info("Holder at %s (%d descriptor(s), host tier %d octets%s)", prepared.base_uri, len(descriptors),
-             section.host_capacity, f", local-storage {local.path}" if local else "")
-    announce(prepared, index=section.index, moqt=moqt_uri)
+    log.info("Holder at %s (%d descriptor(s), host tier %d octets%s, %d worker process(es))", prepared.base_uri,
+             len(descriptors), section.host_capacity, f", local-storage {local.path}" if local else "", workers)
+    announce(prepared, index=section.index, moqt=moqt_uri, workers=workers,
+             worker_pids=pool[0].pids() if pool is not None else [])
     try:
         await _wait(stop)
     finally:
         if publisher is not None:
             await publisher.stop(withdraw=True)
+        if pool is not None:
+            await pool[0].stop()
         await server.close()
+        if pool is not None:
+            await pool[1].close()
         if client is not None:
             await client.aclose()
+        if host_directory is not None:
+            shutil.rmtree(host_directory, ignore_errors=True)
+
+
+def shared_store(settings: Any, host_directory: Path) -> Any:
+    """The tiers of a holder with worker processes: the host tier in shared memory, local storage as usual."""
+    from kvsp_quic.storage.shared_host import SharedHostTier
+    from kvsp_quic.storage.tiers import LocalStorageTier, TieredStore, eviction_policy
+
+    tiers: list[Any] = [SharedHostTier(host_directory, settings.host_capacity, eviction_policy(settings.eviction))]
+    if settings.local_storage is not None:
+        tiers.append(LocalStorageTier(settings.local_storage, eviction_policy(settings.eviction)))
+    return TieredStore(tiers)
+
+
+async def start_workers(holder: Any, prepared: Prepared, host_directory: Path, count: int,
+                        server: Any) -> tuple[Any, Any]:
+    """The control socket and workers 1..count-1 of a holder (``kvsp_quic.app.holder_workers``), serving."""
+    from kvsp_quic.app.holder_workers import ControlServer, WorkerSpec, worker_main
+    from kvsp_quic.app.workers import Workers
+
+    control = ControlServer(holder, prepared.policy, host_directory / "control.sock")
+    await control.start()
+    host, port = prepared.sockets[0].getsockname()[:2]
+    level = logging.getLogger().getEffectiveLevel()
+
+    def spec_for(index: int) -> WorkerSpec:
+        return WorkerSpec(index, holder.settings, prepared.files, prepared.policy_file, prepared.settings, host, port,
+                          host_directory, level)
+
+    pool = Workers("holder", worker_main, spec_for, count)
+    try:
+        await pool.start()
+    except BaseException as exc:
+        await pool.stop()
+        await server.close()
+        await control.close()
+        shutil.rmtree(host_directory, ignore_errors=True)
+        raise ConfigError(f"holder workers: {exc}") from None
+    return pool, control
 
 
 # -- the MOQT relay ---------------------------------------------------------------------------------------------
@@ -287,6 +349,32 @@ async def run_holder(cfg: HolderFile, *, dev_dir: Path | None, policy_path: Path
 
 async def run_relay(cfg: RelayFile, *, dev_dir: Path | None, policy_path: Path | None = None,
                     stop: asyncio.Event | None = None) -> None:
+    section = cfg.relay
+    if section.open_prefixes and (section.workers or 1) > 1:
+        raise ConfigError("relay.workers: open prefixes relay live tracks from publishers to subscribers, which "
+                          "must meet in one process: use --workers 1 (KVSP block fetches scale over workers)")
+    # one process per core for KVSP fetches (each worker its own cache and upstream sessions); one with open prefixes
+    workers = section.workers or (1 if section.open_prefixes else os.cpu_count() or 1)
+    transport = {"stream_window": RELAY_STREAM_WINDOW, **cfg.transport}
+    prepared = prepare("relay", cfg.server, cfg.tls, transport, dev_dir=dev_dir, policy_path=policy_path,
+                       reuse_port=workers > 1)
+    pool = None
+    if workers > 1:  # cache_bytes is the relay's memory: each process caches its share
+        cfg = dataclasses.replace(cfg, relay=dataclasses.replace(section, cache_bytes=section.cache_bytes // workers))
+        pool = await _start_relay_workers(cfg, prepared, workers)
+    try:
+        await serve_relay(cfg, prepared, stop, announce_extra={
+            "cache_bytes": section.cache_bytes, "workers": workers,
+            "worker_pids": pool.pids() if pool is not None else []})
+    finally:
+        if pool is not None:
+            await pool.stop()
+
+
+async def serve_relay(cfg: RelayFile, prepared: Prepared, stop: asyncio.Event | None, *,
+                      announce_extra: dict[str, Any] | None = None, serving: Callable[[], None] | None = None) -> None:
+    """One relay process on *prepared*'s sockets until *stop*; announced when *announce_extra* is given (the
+    primary), silent otherwise (a worker, whose *serving* is called once it serves)."""
     from http3.client import KvspClient
     from http3.relay_app import relay_app
     from kvsp_moqt.index_link import IndexLink
@@ -296,8 +384,6 @@ async def run_relay(cfg: RelayFile, *, dev_dir: Path | None, policy_path: Path |
     from moqt.relay import RelayConfig, RelayOptions
 
     section = cfg.relay
-    transport = {"stream_window": RELAY_STREAM_WINDOW, **cfg.transport}
-    prepared = prepare("relay", cfg.server, cfg.tls, transport, dev_dir=dev_dir, policy_path=policy_path)
     client = pool = link = None
     try:
         moqt_uri = _relay_moqt_uri(prepared)  # the relay's UDP port serves MOQT (moq-00, moqt-18) and h3
@@ -317,10 +403,14 @@ async def run_relay(cfg: RelayFile, *, dev_dir: Path | None, policy_path: Path |
         if client is not None:
             await client.aclose()
         raise
-    log.info("MOQT relay at %s (cache %d octets, open prefixes: %s, index: %s)", moqt_uri, section.cache_bytes,
-             ", ".join(section.open_prefixes) or "none", section.index or "none")
-    announce(prepared, moqt=moqt_uri, index=section.index, cache_bytes=section.cache_bytes,
-             open_prefixes=section.open_prefixes)
+    if serving is not None:
+        serving()
+    if announce_extra is not None:
+        log.info("MOQT relay at %s (cache %d octets, open prefixes: %s, index: %s, %d process(es))", moqt_uri,
+                 section.cache_bytes, ", ".join(section.open_prefixes) or "none", section.index or "none",
+                 announce_extra.get("workers", 1))
+        announce(prepared, **{"moqt": moqt_uri, "index": section.index, "cache_bytes": section.cache_bytes,
+                              "open_prefixes": section.open_prefixes, **announce_extra})
     try:
         await _wait(stop)
     finally:
@@ -332,6 +422,75 @@ async def run_relay(cfg: RelayFile, *, dev_dir: Path | None, policy_path: Path |
             await pool.aclose()
         if client is not None:
             await client.aclose()
+
+
+@dataclass(frozen=True)
+class RelayWorkerSpec:
+    """What a relay worker process needs (pickled to it): the configuration and what the primary prepared."""
+
+    index: int
+    cfg: RelayFile
+    files: Any
+    policy_file: Path | None  # None: the --dev policy
+    settings: Any
+    base_uri: str
+    host: str
+    port: int
+    log_level: int
+
+
+def relay_worker_main(spec: RelayWorkerSpec, ready: Any) -> None:
+    """A relay worker: an independent relay (its own cache and upstream sessions) on the primary's port."""
+    from kvsp_quic.app.workers import worker_process
+
+    worker_process(spec.index, spec.log_level)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_relay_worker(spec, ready))
+
+
+async def _relay_worker(spec: RelayWorkerSpec, ready: Any) -> None:
+    from http3.server import bind_pair
+    from kvsp_quic.auth import Policy
+
+    sockets = bind_pair(spec.host, spec.port, spec.settings.socket_buffer, reuse_port=True)
+    policy = Policy.load(spec.policy_file) if spec.policy_file is not None else Policy.dev_ca()
+    prepared = Prepared("relay", spec.files, policy, spec.base_uri, sockets, spec.settings, {}, spec.policy_file)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    parent = os.getppid()
+
+    async def orphaned() -> None:  # a worker whose primary is gone stops
+        while os.getppid() == parent:
+            await asyncio.sleep(0.5)
+        stop.set()
+
+    watcher = asyncio.create_task(orphaned())
+    try:
+        await serve_relay(spec.cfg, prepared, stop, serving=ready.set)
+    finally:
+        watcher.cancel()
+
+
+async def _start_relay_workers(cfg: RelayFile, prepared: Prepared, count: int) -> Any:
+    from kvsp_quic.app.workers import Workers
+
+    host, port = prepared.sockets[0].getsockname()[:2]
+    level = logging.getLogger().getEffectiveLevel()
+
+    def spec_for(index: int) -> RelayWorkerSpec:
+        return RelayWorkerSpec(index, cfg, prepared.files, prepared.policy_file, prepared.settings,
+                               prepared.base_uri, host, port, level)
+
+    pool = Workers("relay", relay_worker_main, spec_for, count)
+    try:
+        await pool.start()
+    except BaseException as exc:
+        await pool.stop()
+        for sock in prepared.sockets:
+            if sock is not None:
+                sock.close()
+        raise ConfigError(f"relay workers: {exc}") from None
+    return pool
 
 
 def _relay_moqt_uri(prepared: Prepared) -> str:

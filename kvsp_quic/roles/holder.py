@@ -39,6 +39,7 @@ from kvsp_quic.container import (
     EncodedContainer,
     GeometryMismatch,
     cut,
+    parse_header,
 )
 from kvsp_quic.fields import BlockKey, CompatId, ScopeId, base_uri
 from kvsp_quic.problems import (
@@ -298,20 +299,22 @@ class BlockUpload:
     """One PUT body on its way in: fed chunk by chunk into the incremental decoder, which copies each octet
     once, into the buffer the replica will be served from (the container header is written in front of it)."""
 
-    def __init__(self, holder: Holder, block: BlockId, descriptor: CompatDescriptor) -> None:
-        self._holder = holder
+    def __init__(self, holder: Holder | Any, block: BlockId, descriptor: CompatDescriptor) -> None:
+        self._holder = holder  # a Holder, or a worker's HolderWorker (the same _allocate_upload and _commit)
         self.block = block
         self._descriptor = descriptor
         self._head_size = FIXED_HEADER.size + ENTRY.size * descriptor.layers  # a complete block's header
-        self._buffer: bytearray | None = None
+        self._buffer: memoryview | None = None
+        self._allocation: Any = None  # a shared host tier's Allocation, when the octets go there
         self._decoder = ContainerDecoder(descriptor, allocate=self._allocate,
                                          max_data=holder.settings.max_block_bytes - self._head_size)
         self._checked = False
         self.received = 0
 
     def _allocate(self, size: int) -> memoryview:
-        self._buffer = bytearray(self._head_size + size)
-        return memoryview(self._buffer)[self._head_size:]
+        self._buffer, self._allocation = self._holder._allocate_upload(self._descriptor.layers,
+                                                                       self._head_size + size)
+        return self._buffer[self._head_size:]
 
     def _check_complete(self, header: ContainerHeader) -> None:
         if header.first_layer != 0 or header.layer_count != self._descriptor.layers:
@@ -333,8 +336,12 @@ class BlockUpload:
             self._check_complete(header)
         assert self._buffer is not None and header.size == self._head_size
         self._buffer[:self._head_size] = header.pack()
-        return self._holder._commit(self.block, header, tuple(self._decoder.layer_digests),
-                                    memoryview(self._buffer))
+        try:
+            return self._holder._commit(self.block, header, tuple(self._decoder.layer_digests), self._buffer,
+                                        self._allocation)
+        finally:
+            if self._allocation is not None:
+                self._allocation.discard()
 
 
 # -- The role --------------------------------------------------------------------------------------------------------
@@ -439,8 +446,41 @@ class Holder:
         if self.replica(block) is not None:
             raise PreconditionFailed(f"a replica of {block.block_key.hex()} exists; it is kept")
 
+    def _allocate_upload(self, layers: int, size: int) -> tuple[memoryview, Any]:
+        """A writable buffer of *size* octets for an upload, and its allocation when it lies in a shared host tier
+        (:class:`~kvsp_quic.storage.shared_host.SharedHostTier`: the octets are received where they are served)."""
+        allocate = getattr(self.storage.tiers[0], "allocate", None)
+        if allocate is None:
+            return memoryview(bytearray(size)), None
+        allocation = allocate(layers, size)
+        return allocation.container, allocation
+
+    def commit_staged(self, block: BlockId, staged: str) -> ReplicaRecord:
+        """Store the complete, verified block a worker process received into the shared host tier under the
+        temporary name *staged* (``kvsp_quic.roles.holder_worker``): the placement, the record, the publishing
+        are this holder's, as for its own uploads. The staged file is removed whatever the outcome."""
+        adopt = getattr(self.storage.tiers[0], "adopt", None)
+        if adopt is None:
+            raise ValueError("this holder has no shared host tier to adopt uploads from")
+        self.descriptor(block.compat_id)
+        allocation = adopt(staged, block)
+        try:
+            data = allocation.container
+            header = parse_header(data)
+            digests = tuple(allocation.layer_digests)
+            return self._commit(block, header, digests, data, allocation)
+        finally:
+            allocation.discard()
+
+    def note_reads(self, blocks: list[BlockId]) -> None:
+        """Reads served by a worker process: they count for eviction as the holder's own reads do."""
+        for block in blocks:
+            tier = self.storage.tier_of(block)
+            if tier is not None:
+                tier.policy.accessed(block)
+
     def _commit(self, block: BlockId, header: ContainerHeader, layer_digests: tuple[bytes, ...],
-                data: memoryview) -> ReplicaRecord:
+                data: memoryview, allocation: Any = None) -> ReplicaRecord:
         self._check_absent(block)  # again: another PUT of the same key may have finished meanwhile
         now = self._clock()
         if block in self._replicas:  # a faulted copy awaiting withdrawal: the new replica replaces it
@@ -518,14 +558,7 @@ class Holder:
         rep = self.replica(block)
         if rep is None:
             raise NotFound(f"no replica of {block.block_key.hex()}")
-        if codec is not None and codec != rep.codec:
-            raise NotAcceptable(f"the replica is stored with codec {rep.codec}; this holder does not transcode")
-        count = len(rep.meta.layer_digests)
-        first, last = layers if layers is not None else (0, count - 1)
-        if first > last:
-            raise BadRequest(f"layers {first}-{last}: the first layer is after the last")
-        if last >= count:
-            raise LayersUnavailable(f"layers {first}-{last} requested; the replica holds layers 0-{count - 1}")
+        first, last = layer_range(rep.meta, layers, codec)
         return block, rep, first, last
 
     def _sections(self, block: BlockId, rep: Replica, first: int, last: int) -> tuple[str, EncodedContainer]:
@@ -697,6 +730,20 @@ class Holder:
         self.leases.release(principal.identity, lease_id)
 
 
+def layer_range(meta: BlockMeta, layers: tuple[int, int] | None, codec: int | None) -> tuple[int, int]:
+    """The inclusive layer range a read of the block *meta* serves: the codec must be the stored one (406: no
+        transcoding), the range inside the replica's layers (416)."""
+    if codec is not None and codec != meta.header.codec:
+        raise NotAcceptable(f"the replica is stored with codec {meta.header.codec}; this holder does not transcode")
+    count = len(meta.layer_digests)
+    first, last = layers if layers is not None else (0, count - 1)
+    if first > last:
+        raise BadRequest(f"layers {first}-{last}: the first layer is after the last")
+    if last >= count:
+        raise LayersUnavailable(f"layers {first}-{last} requested; the replica holds layers 0-{count - 1}")
+    return first, last
+
+
 def parse_layers(text: str) -> tuple[int, int]:
     """The ``layers=a-b`` query parameter: decimal integers without signs or leading zeros, a <= b."""
     first, sep, last = text.partition("-")
@@ -720,5 +767,5 @@ def _is_decimal(text: str) -> bool:
 
 __all__ = [
     "BlockUpload", "Fetched", "Holder", "HolderSettings", "Intent", "IntentKind", "Replica", "ReplicaOutbox",
-    "parse_codec", "parse_layers",
+    "layer_range", "parse_codec", "parse_layers",
 ]

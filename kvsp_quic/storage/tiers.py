@@ -281,6 +281,47 @@ _TMP_MARK = ".tmp-"
 _KEY_ID_LABEL = b"KVSP-TIER-KEY-ID\x00"
 
 
+def block_file_name(block: BlockId) -> str:
+    """The file name of *block* in a tier directory (local storage, the shared host tier)."""
+    return f"{block.compat_id.hex()}.{block.scope_id.hex()}.{block.block_key.hex()}{SUFFIX}"
+
+
+def pack_file_header(meta: BlockMeta, flags: int = 0, kid: bytes = bytes(8)) -> bytes:
+    """A block file's header: fixed part, then the layer digests (what follows is the container, or its
+    encryption)."""
+    head = _FILE_HEADER.pack(FILE_MAGIC, FILE_VERSION, flags, kid, meta.id.compat_id, meta.id.scope_id,
+                             meta.id.block_key, len(meta.layer_digests))
+    return head + b"".join(meta.layer_digests)
+
+
+def file_header_size(layers: int) -> int:
+    return _FILE_HEADER.size + 32 * layers
+
+
+class FileHead(NamedTuple):
+    flags: int
+    key_id: bytes
+    block: BlockId
+    layer_digests: tuple[bytes, ...]
+    size: int  # octets of the header with its digests: where the container (or its encryption) starts
+
+
+def unpack_file_header(view: memoryview, block: BlockId) -> FileHead:
+    """The header of a block file expected to hold *block*; :class:`TierFault` when it is not one."""
+    if len(view) < _FILE_HEADER.size:
+        raise TierFault(block, f"file of {len(view)} octets is shorter than its header")
+    magic, version, flags, kid, compat, scope, key, count = _FILE_HEADER.unpack_from(view)
+    if magic != FILE_MAGIC or version != FILE_VERSION:
+        raise TierFault(block, "not a block file (magic or version)")
+    if BlockId(compat, scope, key) != block:
+        raise TierFault(block, "the file names another block")
+    head_len = file_header_size(count)
+    if len(view) < head_len:
+        raise TierFault(block, "file is shorter than its layer digests")
+    digests = tuple(bytes(view[i:i + 32]) for i in range(_FILE_HEADER.size, head_len, 32))
+    return FileHead(flags, bytes(kid), block, digests, head_len)
+
+
 def key_id(key: bytes) -> bytes:
     """8 octets naming an encryption key in file headers (so a file under another key is recognised, not
     mistaken for tampering)."""
@@ -339,17 +380,14 @@ class LocalStorageTier(Tier):
     # -- layout ---------------------------------------------------------------------------------------------------
 
     def path_of(self, block: BlockId) -> Path:
-        return self.directory / f"{block.compat_id.hex()}.{block.scope_id.hex()}.{block.block_key.hex()}{SUFFIX}"
+        return self.directory / block_file_name(block)
 
     def _file_header(self, meta: BlockMeta) -> bytes:
-        flags = FLAG_ENCRYPTED if self._aead is not None else 0
-        head = _FILE_HEADER.pack(FILE_MAGIC, FILE_VERSION, flags, self._key_id, meta.id.compat_id, meta.id.scope_id,
-                                 meta.id.block_key, len(meta.layer_digests))
-        return head + b"".join(meta.layer_digests)
+        return pack_file_header(meta, FLAG_ENCRYPTED if self._aead is not None else 0, self._key_id)
 
     def footprint(self, meta: BlockMeta) -> int:
         extra = NONCE_SIZE + TAG_SIZE if self._aead is not None else 0
-        return _FILE_HEADER.size + 32 * len(meta.layer_digests) + extra + meta.size
+        return file_header_size(len(meta.layer_digests)) + extra + meta.size
 
     # -- writing --------------------------------------------------------------------------------------------------
 
@@ -413,15 +451,7 @@ class LocalStorageTier(Tier):
                 if not n:
                     raise TierFault(block, f"file ended after {got} of {size} octets")
                 got += n
-        magic, version, flags, kid, compat, scope, key, count = _FILE_HEADER.unpack_from(view)
-        if magic != FILE_MAGIC or version != FILE_VERSION:
-            raise TierFault(block, "not a local-storage block file (magic or version)")
-        if BlockId(compat, scope, key) != block:
-            raise TierFault(block, "the file names another block")
-        head_len = _FILE_HEADER.size + 32 * count
-        if size < head_len:
-            raise TierFault(block, "file is shorter than its layer digests")
-        digests = tuple(bytes(view[i:i + 32]) for i in range(_FILE_HEADER.size, head_len, 32))
+        flags, kid, _block, digests, head_len = unpack_file_header(view, block)
         body = view[head_len:]
         if flags & FLAG_ENCRYPTED:
             if self._aead is None or kid != self._key_id:
@@ -439,6 +469,13 @@ class LocalStorageTier(Tier):
         if self._aead is not None:
             raise _Foreign("stored in plain text, but encryption at rest is configured")
         return digests, body
+
+    def read_file(self, block: BlockId) -> tuple[BlockMeta, memoryview]:
+        """*block*'s file read and verified without this tier's bookkeeping: what another process of the same
+        holder (a worker, ``kvsp_quic.roles.holder_worker``) serves. Raises TierFault or OSError (no file)."""
+        data = self._load(self.path_of(block), block)
+        header, container = self._verify(block, data, None)
+        return BlockMeta(block, header, data[0], len(container)), container
 
     def _verify(self, block: BlockId, data: tuple[tuple[bytes, ...], memoryview],
                 meta: BlockMeta | None) -> tuple[ContainerHeader, memoryview]:
