@@ -32,7 +32,7 @@ from http3.app_kit import (
 )
 from http3.asgi_types import ASGIApp, Message, Receive, Scope, Send
 from http3.authz import Rule, principal_of
-from http3.metrics_app import TransferMetrics, mount_metrics
+from http3.metrics_app import TransferMetrics, audit_metrics, mount_metrics
 from http3.problem_response import INTERNAL_ERROR_DETAIL, install, send_problem
 from kvsp_quic import fields as f
 from kvsp_quic.auth import Policy, Principal, Role
@@ -317,6 +317,7 @@ def holder_app(holder: ServedHolder, policy: Policy, *, base_path: str | None = 
         app = role_app(routes, policy, RULES, path)
     else:
         holder_collectors(metrics, holder.metrics)
+        audit_metrics(metrics)
         rules = mount_metrics(routes, metrics, RULES)
         app = transfer = TransferMetrics(role_app(routes, policy, rules, path), metrics, component="holder")
     return BlockHotPath(app, holder, policy, path, transfer) if hot_path else app

@@ -29,6 +29,7 @@ from http3.app_kit import NO_STORE
 from http3.asgi_types import ASGIApp, Message, Receive, Scope, Send
 from http3.authz import ANY_ROLE, Rule
 from kvsp_quic.metrics import CONTENT_TYPE, KvspMetrics, Registry
+from moqt.aio.audit import AUDIT, SessionAudit
 
 METRICS_PATH = "metrics"
 METRICS_RULE = Rule("GET", METRICS_PATH, ANY_ROLE)
@@ -119,3 +120,17 @@ __all__ = [
     "METRICS_PATH", "METRICS_RULE", "OPENMETRICS_CONTENT_TYPE", "TransferMetrics", "metrics_route", "mount_metrics",
     "negotiate",
 ]
+
+
+def audit_metrics(registry: Registry, audit: SessionAudit = AUDIT) -> None:
+    """The process's MOQT session closes and refused handshakes by reason (moqt/aio/audit.py), as counters."""
+    closed = registry.counter("kvsp_moqt_sessions_closed_total",
+                              "MOQT sessions ended, by who closed them, draft and reason (no_error: clean)",
+                              ("by", "draft", "reason"))
+    closed.collect(lambda: [({"by": by, "draft": draft, "reason": reason}, n)
+                            for (by, draft, reason), n in audit.snapshot()[0].items()])
+    refused = registry.counter("kvsp_moqt_handshakes_refused_total",
+                               "MOQT handshakes (QUIC/TLS or SETUP) that did not become a session, by side and reason",
+                               ("side", "reason"))
+    refused.collect(lambda: [({"side": side, "reason": reason}, n)
+                             for (side, reason), n in audit.snapshot()[1].items()])

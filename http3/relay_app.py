@@ -14,11 +14,10 @@ from starlette.routing import Route
 from http3.app_kit import kvsp_json, role_app
 from http3.asgi_types import ASGIApp
 from http3.authz import ANY_ROLE, Rule
-from http3.metrics_app import mount_metrics
+from http3.metrics_app import audit_metrics, mount_metrics
 from http3.problem_response import install
 from kvsp_quic.auth import Policy
 from kvsp_quic.metrics import Registry
-from moqt.aio.audit import AUDIT, SessionAudit
 
 RULES = (Rule("GET", "status", ANY_ROLE),)
 
@@ -37,20 +36,6 @@ def _flat(prefix: str, value: Any) -> Iterator[tuple[str, float]]:
     elif isinstance(value, dict):
         for key, inner in value.items():
             yield from _flat(f"{prefix}_{key}" if prefix else str(key), inner)
-
-
-def audit_metrics(registry: Registry, audit: SessionAudit = AUDIT) -> None:
-    """The process's MOQT session closes and refused handshakes by reason (moqt/aio/audit.py), as counters."""
-    closed = registry.counter("kvsp_moqt_sessions_closed_total",
-                              "MOQT sessions ended, by who closed them, draft and reason (no_error: clean)",
-                              ("by", "draft", "reason"))
-    closed.collect(lambda: [({"by": by, "draft": draft, "reason": reason}, n)
-                            for (by, draft, reason), n in audit.snapshot()[0].items()])
-    refused = registry.counter("kvsp_moqt_handshakes_refused_total",
-                               "MOQT handshakes (QUIC/TLS or SETUP) that did not become a session, by side and reason",
-                               ("side", "reason"))
-    refused.collect(lambda: [({"side": side, "reason": reason}, n)
-                             for (side, reason), n in audit.snapshot()[1].items()])
 
 
 def relay_app(relay: RelayStatus, policy: Policy, *, base_path: str = "/") -> ASGIApp:

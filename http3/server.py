@@ -14,11 +14,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+from collections.abc import Callable
 
 from http3.asgi_types import ASGIApp
 from http3.h3_server import h3_handler
 from http3.tcp_server import TcpServer
-from quic.listener import HandlerFactory, QuicListener
+from quic.listener import HandlerFactory, QuicListener, RefusedHandshake
 from quic.tls import ALPN_H3, TlsFiles, TransportSettings
 from quic.udp import bind_udp
 
@@ -29,8 +30,10 @@ _PORT_ATTEMPTS = 50
 
 class RoleServer:
     def __init__(self, app: ASGIApp, files: TlsFiles, *, settings: TransportSettings = TransportSettings(),
-                 quic_handlers: dict[str, HandlerFactory] | None = None, http3: bool = True) -> None:
+                 quic_handlers: dict[str, HandlerFactory] | None = None, http3: bool = True,
+                 on_refused: Callable[[RefusedHandshake], None] | None = None) -> None:
         self.app = app
+        self.on_refused = on_refused  # QUIC handshakes refused (quic.listener.QuicListener.refused)
         self.files = files
         self.settings = settings
         self._http3 = http3
@@ -70,7 +73,7 @@ class RoleServer:
                 handlers = dict(self._handlers)
                 if self._http3:
                     handlers[ALPN_H3] = h3_handler(asgi=self.tcp.ctx)
-                self.quic = QuicListener(self.files, handlers, settings=self.settings)
+                self.quic = QuicListener(self.files, handlers, settings=self.settings, on_refused=self.on_refused)
                 await self.quic.start(sock=udp_sock)
         except BaseException:
             await self.close()

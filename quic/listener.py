@@ -85,6 +85,8 @@ class ServerConnectionProtocol(KvspQuicProtocol):
             self._listener.forget(self)
             if self._handler is not None:
                 self._handler.connection_terminated()
+            elif not self._listener.closing:
+                self._listener.refused(self, event)
             return
         if self._handler is not None:
             self._handler.quic_event_received(event)
@@ -113,16 +115,28 @@ class ServerConnectionProtocol(KvspQuicProtocol):
             await self._handler.drain()
 
 
+@dataclass(frozen=True)
+class RefusedHandshake:
+    """A connection that ended during its handshake (see :meth:`QuicListener.refused`)."""
+
+    peer: tuple[str, int] | None
+    alpn: str | None
+    error_code: int  # the QUIC CONNECTION_CLOSE code (0x100 + TLS alert for a refused certificate)
+    reason: str
+
+
 class QuicListener:
     """A UDP socket serving QUIC for the ALPN handlers given; mutual TLS on every connection."""
 
     def __init__(self, files: TlsFiles, handlers: dict[str, HandlerFactory], *,
-                 settings: TransportSettings = TransportSettings()) -> None:
+                 settings: TransportSettings = TransportSettings(),
+                 on_refused: Callable[[RefusedHandshake], None] | None = None) -> None:
         if not handlers:
             raise ValueError("at least one ALPN handler is needed")
         self.files = files
         self.handlers = dict(handlers)
         self.settings = settings
+        self.on_refused = on_refused
         self._configuration = quic_configuration(files, is_client=False, alpn=list(handlers), settings=settings)
         self._server: AioquicServer | None = None
         self._transport: BatchedUdpTransport | None = None
@@ -173,6 +187,26 @@ class QuicListener:
 
     def forget(self, protocol: ServerConnectionProtocol) -> None:
         self._connections.discard(protocol)
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def refused(self, protocol: ServerConnectionProtocol, event: events.ConnectionTerminated) -> None:
+        """A connection that ended before any handler took it: a refused or failed handshake (no or a bad client
+        certificate, no common ALPN, a timeout). One INFO line, and *on_refused* (counters) when given."""
+        tls = protocol.quic.tls
+        alpn = getattr(tls, "alpn_negotiated", None)
+        refusal = RefusedHandshake(protocol.peer_addr, alpn, event.error_code, event.reason_phrase or "")
+        peer = protocol.peer_addr
+        if self.on_refused is None:  # (otherwise on_refused logs it, with its own labels)
+            log.info("QUIC handshake refused or failed: peer %s ALPN %s: error %#x %s",
+                     f"{peer[0]}:{peer[1]}" if peer else "-", alpn or "-", event.error_code, refusal.reason or "-")
+        else:
+            try:
+                self.on_refused(refusal)
+            except Exception:  # a counter must not take the listener down
+                log.exception("on_refused failed")
 
     @property
     def connections(self) -> int:

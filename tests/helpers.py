@@ -39,7 +39,8 @@ class Process:
     :attr:`ready`; :meth:`stop` ends it (SIGTERM, then SIGKILL) and returns what it wrote on stderr."""
 
     def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvsp_quic", *args, "--log-level", "WARNING"],
+        level = [] if "--log-level" in args else ["--log-level", "WARNING"]
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvsp_quic", *args, *level],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None and self.proc.stderr is not None
         line = self.proc.stdout.readline()  # exactly one JSON line once it serves

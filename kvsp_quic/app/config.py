@@ -52,6 +52,7 @@ from kvsp_quic.roles.leases import LeaseLimits
 from kvsp_quic.storage.tiers import LocalStorageOptions
 from kvsp_quic.tomlfile import read_toml
 from moqt.relay.interfaces import RelayOptions
+from moqt.types import PREFERRED_ALPNS, alpn_order
 
 T = TypeVar("T")
 
@@ -148,6 +149,7 @@ class HolderSection(HolderOptions):
     descriptors: list[Path] = field(default_factory=list)  # the caches it serves (at least one)
     local_storage: LocalStorageSection | None = None
     workers: int | None = None  # processes serving the one port and store (None: one per core)
+    moqt_alpns: list[str] = field(default_factory=lambda: list(PREFERRED_ALPNS))  # MOQT drafts, preferred first
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -155,6 +157,14 @@ class HolderSection(HolderOptions):
             base_uri(self.index, "index")
         if self.workers is not None and not 1 <= self.workers <= 256:
             raise ValueError("workers: 1 to 256 processes")
+        _check_alpns(self.moqt_alpns)
+
+
+def _check_alpns(alpns: list[str]) -> None:
+    try:
+        alpn_order(alpns)
+    except ValueError as exc:
+        raise ValueError(f"moqt_alpns: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -173,6 +183,7 @@ class RelaySection(RelayOptions):
     record_ttl_ms: int = 60_000
     data_streams: int = 16  # upstream data streams a publisher's session may have open at once
     workers: int | None = None  # processes serving the one port, each with its own cache (None: one per core)
+    moqt_alpns: list[str] = field(default_factory=lambda: list(PREFERRED_ALPNS))  # MOQT drafts, preferred first
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -180,6 +191,7 @@ class RelaySection(RelayOptions):
             base_uri(self.index, "index")
         if self.workers is not None and not 1 <= self.workers <= 256:
             raise ValueError("workers: 1 to 256 processes")
+        _check_alpns(self.moqt_alpns)
         for name in ("record_ttl_ms", "data_streams"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")

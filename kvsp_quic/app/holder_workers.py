@@ -209,6 +209,7 @@ class WorkerSpec:
     port: int
     host_directory: Path
     log_level: int
+    moqt_alpns: tuple[str, ...]
 
     @property
     def control(self) -> Path:
@@ -235,7 +236,7 @@ async def _serve_worker(spec: WorkerSpec, ready: Any) -> None:
     policy = Policy.load(spec.policy_file) if spec.policy_file is not None else Policy.dev_ca()
     sockets = bind_pair(spec.host, spec.port, spec.transport.socket_buffer, reuse_port=True)
     server = RoleServer(holder_app(worker, policy, metrics=Registry()), spec.files, settings=spec.transport,
-                        quic_handlers=holder_moqt_handlers(cast(Any, worker), policy))
+                        quic_handlers=holder_moqt_handlers(cast(Any, worker), policy, alpns=spec.moqt_alpns))
     await server.start(sockets=sockets)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)

@@ -130,7 +130,16 @@ def prepare(role: str, server: ServerSection, tls: TlsSection | None, transport:
 async def serve_app(prepared: Prepared, app: Any, *, quic_handlers: dict[str, Any] | None = None) -> Any:
     from http3.server import RoleServer
 
-    server = RoleServer(app, prepared.files, settings=prepared.settings, quic_handlers=quic_handlers)
+    on_refused = None
+    if quic_handlers:  # a role serving MOQT counts refused handshakes with its sessions' ends (moqt.aio.audit)
+        from moqt.aio.audit import AUDIT, reason_label
+
+        def on_refused(refusal: Any) -> None:
+            AUDIT.handshake_refused(side="server", reason=reason_label(refusal.error_code), peer=refusal.peer,
+                                    alpn=refusal.alpn, detail=refusal.reason)
+
+    server = RoleServer(app, prepared.files, settings=prepared.settings, quic_handlers=quic_handlers,
+                        on_refused=on_refused)
     await server.start(sockets=prepared.sockets)
     return server
 
@@ -268,7 +277,8 @@ async def run_holder(cfg: HolderFile, *, dev_dir: Path | None, policy_path: Path
             log.info("recovered %d block(s) from local storage", recovered)
         moqt_uri = moqt_uri_for(prepared.base_uri)  # the same UDP port serves MOQT (moq-00, moqt-18) next to h3
         server = await serve_app(prepared, holder_app(holder, prepared.policy, metrics=Registry()),
-                                 quic_handlers=holder_moqt_handlers(holder, prepared.policy))
+                                 quic_handlers=holder_moqt_handlers(holder, prepared.policy,
+                                                                    alpns=section.moqt_alpns))
     except ValueError as exc:
         for sock in prepared.sockets:
             if sock is not None:
@@ -278,7 +288,7 @@ async def run_holder(cfg: HolderFile, *, dev_dir: Path | None, policy_path: Path
         raise ConfigError(str(exc)) from None
     pool = None
     if host_directory is not None:
-        pool = await start_workers(holder, prepared, host_directory, workers, server)
+        pool = await start_workers(holder, prepared, host_directory, workers, server, section.moqt_alpns)
     publisher = None
     if section.index is not None:
         client = KvspClient(prepared.files, settings=prepared.settings)
@@ -317,8 +327,8 @@ def shared_store(settings: Any, host_directory: Path) -> Any:
     return TieredStore(tiers)
 
 
-async def start_workers(holder: Any, prepared: Prepared, host_directory: Path, count: int,
-                        server: Any) -> tuple[Any, Any]:
+async def start_workers(holder: Any, prepared: Prepared, host_directory: Path, count: int, server: Any,
+                        moqt_alpns: list[str]) -> tuple[Any, Any]:
     """The control socket and workers 1..count-1 of a holder (``kvsp_quic.app.holder_workers``), serving."""
     from kvsp_quic.app.holder_workers import ControlServer, WorkerSpec, worker_main
     from kvsp_quic.app.workers import Workers
@@ -330,7 +340,7 @@ async def start_workers(holder: Any, prepared: Prepared, host_directory: Path, c
 
     def spec_for(index: int) -> WorkerSpec:
         return WorkerSpec(index, holder.settings, prepared.files, prepared.policy_file, prepared.settings, host, port,
-                          host_directory, level)
+                          host_directory, level, tuple(moqt_alpns))
 
     pool = Workers("holder", worker_main, spec_for, count)
     try:
@@ -390,12 +400,13 @@ async def serve_relay(cfg: RelayFile, prepared: Prepared, stop: asyncio.Event | 
         rules = RelayRules.of(prepared.policy, section.open_prefixes)
         if section.index is not None:
             client = KvspClient(prepared.files, settings=prepared.settings)
-            pool = MoqtPool(prepared.files, settings=prepared.settings)
+            pool = MoqtPool(prepared.files, settings=prepared.settings, alpn=section.moqt_alpns)
             link = IndexLink(client, section.index, pool, moqt_uri=moqt_uri, publish=section.publish_records,
                              ttl_ms=section.record_ttl_ms, timeout=section.upstream_timeout_s)
         relay = kvsp_relay(rules, RelayConfig(moqt_uri=moqt_uri, **options_of(section, RelayOptions)), link=link)
         server = await serve_app(prepared, relay_app(relay, prepared.policy, base_path=_path_of(prepared.base_uri)),
-                                 quic_handlers=moqt_handlers(relay, data_streams=section.data_streams))
+                                 quic_handlers=moqt_handlers(relay, data_streams=section.data_streams,
+                                                             alpns=section.moqt_alpns))
     except BaseException:
         for sock in prepared.sockets:
             if sock is not None:
