@@ -329,11 +329,13 @@ def _sections(body: bytes) -> list[tuple[memoryview, memoryview]]:
     return [(layer.k, layer.v) for layer in layers]
 
 
-def test_open_prefixes_need_one_relay_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("extra", [["--open-prefix", "moq-test", "--index", "https://127.0.0.1:9/"], []])
+def test_published_namespaces_need_one_relay_process(tmp_path: Path, extra: list[str]) -> None:
     import subprocess
     import sys
 
     run = subprocess.run([sys.executable, "-m", "kvsp_quic", "relay", "--dev", str(tmp_path / "dev"), "--workers", "2",
-                          "--open-prefix", "moq-test"], capture_output=True, text=True, timeout=60)
+                          *extra], capture_output=True, text=True, timeout=60)
     assert run.returncode != 0 and run.stdout == ""
     assert "--workers 1" in run.stderr and "Traceback" not in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1

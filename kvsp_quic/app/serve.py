@@ -360,11 +360,13 @@ async def start_workers(holder: Any, prepared: Prepared, host_directory: Path, c
 async def run_relay(cfg: RelayFile, *, dev_dir: Path | None, policy_path: Path | None = None,
                     stop: asyncio.Event | None = None) -> None:
     section = cfg.relay
-    if section.open_prefixes and (section.workers or 1) > 1:
-        raise ConfigError("relay.workers: open prefixes relay live tracks from publishers to subscribers, which "
-                          "must meet in one process: use --workers 1 (KVSP block fetches scale over workers)")
-    # one process per core for KVSP fetches (each worker its own cache and upstream sessions); one with open prefixes
-    workers = section.workers or (1 if section.open_prefixes else os.cpu_count() or 1)
+    # Workers are independent relays (each its own cache and sessions): a block FETCH scales over them because each
+    # finds its upstream through the Index Service; a namespace published to one process is unknown to the others.
+    if (section.workers or 1) > 1 and (section.open_prefixes or section.index is None):
+        why = "open prefixes relay live tracks" if section.open_prefixes else "without --index, upstreams are"
+        raise ConfigError(f"relay.workers: {why} published to one process, which the others do not see: use "
+                          f"--workers 1 (KVSP block fetches with --index scale over workers)")
+    workers = section.workers or (os.cpu_count() or 1 if section.index and not section.open_prefixes else 1)
     transport = {"stream_window": RELAY_STREAM_WINDOW, **cfg.transport}
     prepared = prepare("relay", cfg.server, cfg.tls, transport, dev_dir=dev_dir, policy_path=policy_path,
                        reuse_port=workers > 1)
