@@ -290,7 +290,7 @@ async def main_async(args: argparse.Namespace) -> None:
             paths.append(p)
         cmd = [sys.executable, "-c", "import sys; from kvsp_quic.app.cli import main; sys.exit(main())",
                "holder", "--dev", str(work / "dev"),
-               "--host-capacity", "2GiB"]
+               "--host-capacity", "2GiB", "--workers", "1"]  # one process: pinned, its CPU read (bench_workers scales)
         for p in paths:
             cmd += ["--descriptor", str(p)]
         holder = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, stderr=subprocess.DEVNULL)

@@ -329,7 +329,9 @@ def make_blocks(workdir: Path, names: list[str]) -> tuple[dict[str, Any], dict[s
 def start_holder(procs: Processes, workdir: Path, names: list[str]) -> dict[str, Any]:
     exe = Path(sys.executable).parent / "kvsp-quic"
     argv = [os.fspath(exe)] if exe.exists() else [sys.executable, "-c", "from kvsp_quic.app.cli import main; main()"]
-    argv += ["holder", "--dev", os.fspath(workdir / "dev"), "--host-capacity", "4GiB", "--log-level", "WARNING"]
+    # one process: the CPU figures read one pid (worker scaling is benchmarks.bench_workers)
+    argv += ["holder", "--dev", os.fspath(workdir / "dev"), "--host-capacity", "4GiB", "--log-level", "WARNING",
+             "--workers", "1"]
     for i in range(len(names)):
         argv += ["--descriptor", os.fspath(workdir / f"descriptor-{i}.json")]
     proc = procs.start(argv, log=workdir / "holder.log")
