@@ -20,13 +20,13 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 
 from kvsp_moqt.tracks import (
+    GROUP,
     InvalidRange,
     LayerAssembler,
     check_record,
     does_not_exist,
     fetch_range,
     invalid_range,
-    not_supported,
     parse_track,
     record_track,
     served_range,
@@ -34,15 +34,17 @@ from kvsp_moqt.tracks import (
 )
 from kvsp_quic.auth import Policy, Role
 from kvsp_quic.compat import CompatDescriptor
-from kvsp_quic.container import DecodedLayer
+from kvsp_quic.container import DecodedLayer, EncodedContainer
 from kvsp_quic.keys import holder_id as uri_holder_id
 from kvsp_quic.problems import Incompatible, LayersUnavailable, NotFound, ScopeDenied
 from kvsp_quic.records import ReplicaRecord
 from kvsp_quic.roles.holder import Holder
+from moqt import events as ev
 from moqt.aio import MoqtApp, MoqtConnection, MoqtPool, moqt_handlers
+from moqt.errors import MoqtUsageError
 from moqt.events import FetchRequested
 from moqt.requests import SessionConfig
-from moqt.types import PREFERRED_ALPNS, Location, StandaloneFetch
+from moqt.types import PREFERRED_ALPNS, FilterType, GroupOrder, JoiningFetch, Location, Namespace, ObjectStatus
 from quic.listener import HandlerFactory
 
 log = logging.getLogger("kvsp.moqt.holder")
@@ -52,11 +54,13 @@ READERS = (Role.CLIENT, Role.INSTANCE, Role.HOLDER)
 
 
 class HolderTracks(MoqtApp):
-    """Serves a :class:`~kvsp_quic.roles.holder.Holder`'s replicas as KVSP tracks: standalone FETCHes of group 0.
+    """Serves a :class:`~kvsp_quic.roles.holder.Holder`'s replicas as KVSP tracks: FETCHes of group 0 (standalone,
+    or joining a subscription), and SUBSCRIBE answered as for a track whose content is all in the past
+    (:meth:`request`).
 
-    Each FETCH is authorized like ``GET blocks/...``: the peer's identity must be in *policy* with a reader role
-    (else UNAUTHORIZED) and authorized for the scope in the namespace (UNAUTHORIZED, checked before anything
-    about the block is looked at); a track this holder does not publish -- another holder-id, a compat_id,
+    Each FETCH (and SUBSCRIBE) is authorized like ``GET blocks/...``: the peer's identity must be in *policy* with
+    a reader role (else UNAUTHORIZED) and authorized for the scope in the namespace (UNAUTHORIZED, checked before
+    anything about the block is looked at); a track this holder does not publish -- another holder-id, a compat_id,
     block or codec it does not hold, a name that is no KVSP track -- is TRACK_DOES_NOT_EXIST (draft 14) /
     DOES_NOT_EXIST (draft 18); a range outside the block is INVALID_RANGE. The objects are written from views of
     the stored container (K then V of each layer; nothing joined), ascending, with send backpressure.
@@ -71,44 +75,24 @@ class HolderTracks(MoqtApp):
 
     async def fetch(self, conn: MoqtConnection, request: FetchRequested) -> None:
         draft, rid = conn.draft, request.request_id
-
-        def refuse(code: int, reason: str, counter: str) -> None:
-            self.metrics[counter] += 1
-            conn.reject(rid, code, reason.encode())
-
         target = request.target
-        if not isinstance(target, StandaloneFetch):
-            refuse(not_supported(draft), "KVSP tracks are retrieved with a standalone FETCH", "unsupported")
-            return
-        principal = self.policy.principal(conn.peer_identity)
-        if principal is None or not principal.has_role(*self.readers):
-            refuse(unauthorized(draft), f"identity {conn.peer_identity!r} may not read blocks", "unauthorized")
-            return
-        track = parse_track(request.namespace, request.track_name)
-        if track is None or track.holder_id != self.holder_id:
-            refuse(does_not_exist(draft), "no such track at this publisher", "not_found")
-            return
-        if not principal.has_scope(track.scope_id):
-            refuse(unauthorized(draft), f"identity {principal.identity!r} is not authorized for scope "
-                                        f"{track.scope_id.hex()}", "unauthorized")
-            return
-        try:
-            container = self.holder.read(principal, track.compat_id, track.scope_id, track.block_key)
-        except ScopeDenied as exc:
-            refuse(unauthorized(draft), exc.detail, "unauthorized")
-            return
-        except (NotFound, Incompatible, LayersUnavailable) as exc:
-            refuse(does_not_exist(draft), exc.detail, "not_found")
+        container = self._replica(conn, rid, request.namespace, request.track_name)
+        if container is None:
             return
         header = container.header
-        if header.codec != track.codec:
-            refuse(does_not_exist(draft), f"the replica is stored with codec {header.codec}", "not_found")
-            return
-        try:
-            first, last = served_range(target, header.layer_count)
-        except InvalidRange as exc:
-            refuse(invalid_range(draft), str(exc), "invalid_range")
-            return
+        if isinstance(target, JoiningFetch):
+            # A joining FETCH of one of our subscriptions (the session names its track): from its start group to
+            # the Joining Location, the SUBSCRIBE_OK's Largest Location (0, last layer) -- the whole block.
+            if target.absolute and target.start > GROUP:
+                self._refuse(conn, rid, invalid_range(draft), "a KVSP track has group 0 only", "invalid_range")
+                return
+            first, last = 0, header.layer_count - 1
+        else:
+            try:
+                first, last = served_range(target, header.layer_count)
+            except InvalidRange as exc:
+                self._refuse(conn, rid, invalid_range(draft), str(exc), "invalid_range")
+                return
         served = conn.accept_fetch(rid, Location(0, last + 1), end_of_track=last == header.layer_count - 1)
         sections = container.sections  # K0, V0, K1, V1, ... of layers 0..n-1
         try:
@@ -121,6 +105,82 @@ class HolderTracks(MoqtApp):
             raise
         self.metrics["fetches"] += 1
         self.metrics["layers"] += last - first + 1
+
+    def request(self, conn: MoqtConnection, request: ev.Event) -> None:
+        """SUBSCRIBE to a KVSP track (docs/moqt.md, "SUBSCRIBE to a KVSP track"). A block is immutable and complete:
+        all of it is in the past, and "Subscribe only delivers newly published or received Objects. Objects from
+        the past are retrieved using FETCH" (drafts 14 and 18, SUBSCRIBE). So a SUBSCRIBE -- authorized and
+        resolved as a FETCH is -- is accepted with SUBSCRIBE_OK carrying the Largest Location (group 0, the last
+        layer: draft 14 Content Exists 1; draft 18 LARGEST_OBJECT, which "the Publisher MUST include" once objects
+        were published), and delivers no object ever: one subgroup stream of group 0 carries only the End of Group
+        status at (0, layers) ("Object ID is one greater than the largest Object produced in the Group", draft 14;
+        "no objects with the specified Group ID and the Object ID that is greater than or equal to the one
+        specified exist", draft 18), so that a subscriber knows group 0 is whole. The subscription stays open until
+        the subscriber ends it (no PUBLISH_DONE: a subscriber that FETCHes after subscribing, as moq-rs does,
+        would see its track end first). An AbsoluteRange filter asks for a range whose "entire End Group has
+        already been published": INVALID_RANGE (draft 18 "Subscription Filters"; draft 14 SUBSCRIBE). Other
+        requests: NOT_SUPPORTED."""
+        if not isinstance(request, ev.SubscribeRequested):
+            super().request(conn, request)
+            return
+        draft, rid = conn.draft, request.request_id
+        container = self._replica(conn, rid, request.namespace, request.track_name)
+        if container is None:
+            return
+        flt = request.filter
+        if flt is not None and flt.type is FilterType.ABSOLUTE_RANGE:
+            self._refuse(conn, rid, invalid_range(draft), "a KVSP track is one group, published "
+                         "entirely: nothing in a range can still arrive (FETCH it)", "invalid_range")
+            return
+        layers = container.header.layer_count
+        largest = Location(GROUP, layers - 1) if layers else None
+        try:
+            conn.session.accept_subscribe(rid, largest=largest, group_order=GroupOrder.ASCENDING)
+        except MoqtUsageError:  # cancelled meanwhile
+            return
+        try:  # the End of Group marker: nothing at or past (0, layers) will ever exist in the group
+            marker = conn.session.open_subgroup(rid, GROUP, 0, priority=128)
+            marker.begin_object(layers, 0, status=ObjectStatus.END_OF_GROUP)
+            marker.finish()
+        finally:
+            conn.flush()
+        self.metrics["subscriptions"] += 1
+
+    def _refuse(self, conn: MoqtConnection, rid: int, code: int, reason: str, counter: str) -> None:
+        self.metrics[counter] += 1
+        conn.reject(rid, code, reason.encode())
+
+    def _replica(self, conn: MoqtConnection, rid: int, namespace: Namespace,
+                 name: bytes) -> EncodedContainer | None:
+        """The stored container a FETCH or SUBSCRIBE of (*namespace*, *name*) by *conn*'s peer reads, or None
+        once the request is refused (see the class docstring)."""
+        draft = conn.draft
+        principal = self.policy.principal(conn.peer_identity)
+        if principal is None or not principal.has_role(*self.readers):
+            self._refuse(conn, rid, unauthorized(draft), f"identity {conn.peer_identity!r} may not read blocks",
+                         "unauthorized")
+            return None
+        track = parse_track(namespace, name)
+        if track is None or track.holder_id != self.holder_id:
+            self._refuse(conn, rid, does_not_exist(draft), "no such track at this publisher", "not_found")
+            return None
+        if not principal.has_scope(track.scope_id):
+            self._refuse(conn, rid, unauthorized(draft), f"identity {principal.identity!r} is not authorized for "
+                                                         f"scope {track.scope_id.hex()}", "unauthorized")
+            return None
+        try:
+            container = self.holder.read(principal, track.compat_id, track.scope_id, track.block_key)
+        except ScopeDenied as exc:
+            self._refuse(conn, rid, unauthorized(draft), exc.detail, "unauthorized")
+            return None
+        except (NotFound, Incompatible, LayersUnavailable) as exc:
+            self._refuse(conn, rid, does_not_exist(draft), exc.detail, "not_found")
+            return None
+        if container.header.codec != track.codec:
+            self._refuse(conn, rid, does_not_exist(draft), f"the replica is stored with codec "
+                                                           f"{container.header.codec}", "not_found")
+            return None
+        return container
 
 
 def holder_moqt_handlers(holder: Holder, policy: Policy, *, config: SessionConfig | None = None,

@@ -5,7 +5,8 @@ speaks with us (``moq-00`` = draft 14, ``moqt-18``), over real sockets on 127.0.
 * a moq-rs publisher (open prefix ``moq-test``) -> our relay -> a moq-rs subscriber (live groups, then a FETCH of
   the latest group), our client (FETCH, both drafts whatever the publisher's) and aiomoqt's FETCH client;
 * a holder's KVSP tracks -> our relay -> a moq-rs fetcher that checks every layer's SHA-256 against the Replica
-  Record's ``layer_digests`` itself;
+  Record's ``layer_digests`` itself (moq-rs SUBSCRIBEs before it FETCHes: the relay answers SUBSCRIBE to a block
+  itself, moqt/relay/complete.py);
 * ``moq.Server`` as a publisher our client fetches from.
 
 moq-rs needs Python >= 3.12: it runs in ``.venv-moqrs`` (``.ci/run`` makes it from interop/requirements-moqrs.txt;
@@ -212,12 +213,6 @@ async def test_moqrs_publisher_through_our_relay_to_aiomoqt(certs: TestPki, draf
 # -- our holder's KVSP tracks -> our relay -> moq-rs FETCH ------------------------------------------------------
 
 
-UNSUPPORTED_KVSP = ("unsupported (moq-rs 0.5.1): its fetch_group SUBSCRIBEs to the track before it FETCHes, and a "
-                    "KVSP track is FETCH-only: the holder answers SUBSCRIBE NOT_SUPPORTED, the relay passes that on, "
-                    "moq-rs gives up with MoqError.Unsupported (docs/moqt.md, \"moq-rs\")")
-
-
-@pytest.mark.xfail(strict=True, reason=UNSUPPORTED_KVSP, raises=AssertionError)
 @DRAFTS
 async def test_kvsp_block_through_our_relay_to_moqrs(certs: TestPki, draft: int) -> None:
     d = small_descriptor(layers=32)
@@ -238,8 +233,12 @@ async def test_kvsp_block_through_our_relay_to_moqrs(certs: TestPki, draft: int)
                 result = await json_line(fetcher)
         finally:
             await pub.aclose()
-    assert result["objects"] == 32 and result["verified"] is True, result  # checked by moq-rs's side
-    assert relay.metrics["upstream_fetches"] == 1
+    # moq-rs SUBSCRIBEs (the relay answers: SUBSCRIBE_OK with Largest (0, 31), the End of Group marker at (0, 32)),
+    # fills the group with a joining FETCH and FETCHes it: every layer checked by moq-rs's side against the record
+    assert result["objects"] == 32 and result["verified"] is True and result["mismatch"] == [], result
+    assert relay.metrics["complete_subscriptions"] == 1 and relay.metrics["joining_fetches"] == 1
+    assert relay.metrics["upstream_fetches"] == 1  # one FETCH reached the holder; the rest came from the relay
+    assert relay.metrics["upstream_subscriptions"] == 0 and tracks.metrics["fetches"] == 1
 
 
 # -- moq.Server as a publisher our client fetches from -----------------------------------------------------------

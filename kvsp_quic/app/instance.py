@@ -125,7 +125,7 @@ def build_instance(engine: Engine, *, base_uri: str, files: TlsFiles, policy: Po
     pool = None
     sources: list[BlockSource] = [http]
     if moqt:
-        pool = MoqtPool(files, settings=transport)
+        pool = MoqtPool(files, settings=transport, connections_per_origin=service.block_connections)
         sources.insert(0, LeasingMoqtSource(pool, [d], http, https_of))
     publisher = finder = None
     if index is not None:

@@ -115,6 +115,17 @@ class MoqtConnection:
     def __repr__(self) -> str:
         return f"<MoqtConnection {self.role.value} {self.alpn} peer={self.peer_identity or self.peer}>"
 
+    @property
+    def open_fetches(self) -> int:
+        """Our fetches on this connection still under way: sent and neither closed, failed nor fully read (what
+        :class:`~moqt.aio.MoqtPool` balances its connections by)."""
+        return sum(1 for fetch in self._fetches.values() if not fetch.done)
+
+    @property
+    def usable(self) -> bool:
+        """Takes new requests: the session is open and the peer has not sent GOAWAY."""
+        return self.closed is None and self.goaway is None
+
     # -- lifecycle -------------------------------------------------------------------------------------------------
 
     def start(self) -> None:

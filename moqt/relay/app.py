@@ -14,6 +14,7 @@ from typing import Any
 from moqt import events as ev
 from moqt.aio import MoqtApp, MoqtConnection
 from moqt.relay.cache import RelayCache, TrackFetch, TrackKey
+from moqt.relay.complete import CompleteTracks
 from moqt.relay.fanout import Subscriptions
 from moqt.relay.fetching import Fetches
 from moqt.relay.interfaces import AccessRules, RelayConfig, TrackShapes, UpstreamDirectory
@@ -39,15 +40,16 @@ class Relay(MoqtApp):
         self.fetches = Fetches(rules, config, self.namespaces, self.metrics, self._spawn, tracks=tracks,
                                upstreams=upstreams)
         self.subscriptions = Subscriptions(rules, config, self.namespaces, self.metrics, self._spawn)
+        self.complete = CompleteTracks(rules, self.fetches, self.metrics, self._spawn)
         self._requests: dict[type, Callable[[MoqtConnection, Any], None]] = {
             ev.PublishNamespaceRequested: self.namespaces.publish,
-            ev.SubscribeRequested: self.subscriptions.subscribe,
+            ev.SubscribeRequested: self._subscribe,
             ev.SubscribeNamespaceRequested: self.namespaces.subscribe,
         }
         self._events: dict[type, Callable[[MoqtConnection, Any], None]] = {
             ev.PublishNamespaceDone: self.namespaces.done,
             ev.SubscribeNamespaceEnded: self.namespaces.subscription_ended,
-            ev.Unsubscribed: self.subscriptions.unsubscribed,
+            ev.Unsubscribed: self._unsubscribed,
             ev.StreamStopped: self.subscriptions.stream_stopped,
         }
 
@@ -95,6 +97,7 @@ class Relay(MoqtApp):
         self._connections.discard(conn)
         self.namespaces.session_closed(conn)
         self.subscriptions.session_closed(conn)
+        self.complete.session_closed(conn)
 
     async def aclose(self) -> None:
         for task in list(self._tasks):
@@ -111,10 +114,23 @@ class Relay(MoqtApp):
     async def fetch(self, conn: MoqtConnection, request: ev.FetchRequested) -> None:
         target = request.target
         if isinstance(target, JoiningFetch):
-            await self.fetches.joining_fetch(conn, request, target,
-                                             self.subscriptions.joined(conn, target.request_id))
+            joined = self.subscriptions.joined(conn, target.request_id) or \
+                self.complete.joined(conn, target.request_id)
+            await self.fetches.joining_fetch(conn, request, target, joined)
         else:
             await self.fetches.fetch(conn, request)
+
+    def _subscribe(self, conn: MoqtConnection, request: ev.SubscribeRequested) -> None:
+        """A track of one immutable group is answered here (:mod:`moqt.relay.complete`); others fan out."""
+        group = self.complete.group(request)
+        if group is None:
+            self.subscriptions.subscribe(conn, request)
+        else:
+            self.complete.subscribe(conn, request, group)
+
+    def _unsubscribed(self, conn: MoqtConnection, event: ev.Unsubscribed) -> None:
+        self.subscriptions.unsubscribed(conn, event)
+        self.complete.unsubscribed(conn, event)
 
     def request(self, conn: MoqtConnection, request: ev.Event) -> None:
         handler = self._requests.get(type(request))

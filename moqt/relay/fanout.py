@@ -24,7 +24,7 @@ from moqt.messages18 import Params18
 from moqt.relay.codes import publish_done_code, request_code, upstream_error, verdict_code
 from moqt.relay.interfaces import AccessRules, RelayConfig
 from moqt.relay.namespaces import Announcement, Namespaces
-from moqt.types import Draft, GroupOrder, Location, Namespace
+from moqt.types import Draft, GroupOrder, Location, Namespace, ObjectStatus
 from moqt.writers import SubgroupWriter
 
 log = logging.getLogger("kvsp.relay")
@@ -305,7 +305,8 @@ class Subscriptions:
         stream = sub.streams.get(event.stream_id) if sub is not None else None
         if sub is not None and stream is not None:
             here = Location(event.group, event.object_id)
-            if event.offset == 0 and (sub.largest is None or here > sub.largest):
+            normal = event.status is ObjectStatus.NORMAL  # an End of Group / Track marker is no object published
+            if event.offset == 0 and normal and (sub.largest is None or here > sub.largest):
                 sub.largest = here
             self._forward_piece(sub, stream, event)
 

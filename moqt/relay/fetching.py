@@ -128,6 +128,11 @@ class Fetches:
                     continue
                 fetch.fetch_failed(MoqtStalled(f"nothing from the upstream for {timeout:.3g} s"))
 
+    def source(self, namespace: Namespace, name: bytes, start: Key, end: Key, group: int | None) -> TrackFetch:
+        """The cached fetch, the running upstream fetch, or a new upstream fetch, that covers ``[start, end)`` (a
+        new one runs to its end, into the cache, whoever reads it)."""
+        return self._source(namespace, name, start, end, group)
+
     def _source(self, namespace: Namespace, name: bytes, start: Key, end: Key, group: int | None) -> TrackFetch:
         """The cached fetch, the running upstream fetch, or a new upstream fetch, that covers ``[start, end)``."""
         key = (namespace, name)
