@@ -53,7 +53,8 @@ async def test_a_certificate_of_another_ca_is_refused_logged_and_counted(tmp_pat
 @pytest.mark.parametrize("order", [["moq-00"], ["moq-00", "moqt-18"], ["moqt-18", "moq-00"]])
 async def test_the_configured_draft_order_decides(tmp_path: Path, order: list[str]) -> None:
     config = tmp_path / "relay.toml"
-    config.write_text("[relay]\nmoqt_alpns = [%s]\n" % ", ".join(f'"{a}"' for a in order))
+    alpns = ", ".join(f'"{a}"' for a in order)
+    config.write_text(f"[relay]\nmoqt_alpns = [{alpns}]\n")
     relay = Process("relay", "--dev", str(tmp_path / "dev"), "--workers", "1", "--config", str(config))
     try:
         ready = relay.ready
