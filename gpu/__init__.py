@@ -2,6 +2,6 @@
 tiers, conversion to and from kvsp-layout-1, layer-streamed prefill and sampling (docs/gpu.md).
 
 Modules: ``modelfiles`` (config.json, safetensors writer, tokenizer, descriptor; no torch), ``model``,
-``rope``, ``kvcache``, ``prefill``, ``generate``, ``sampling``. Importing this package imports nothing else, so
-``gpu.modelfiles`` works where torch is not installed.
+``rope``, ``kvcache``, ``prefill``, ``generate``, ``sampling``, ``engine``, and ``hf_engine`` (the transformers
+engine). Importing this package imports nothing else, so ``gpu.modelfiles`` works where torch is not installed.
 """

@@ -34,7 +34,7 @@ import torch
 
 from gpu.generate import decode_step
 from gpu.kvcache import DEVICE, Page, PagedKVCache
-from gpu.model import LlamaModel
+from gpu.model import LlamaModel, StepModel
 from gpu.prefill import BlockInput, PrefillResult, PrefillTrace, prefill
 from gpu.sampling import TokenSampler
 from kvsp_quic.auth import Principal
@@ -45,16 +45,17 @@ from kvsp_quic.fields import BlockKey, CompatId, ScopeId
 from kvsp_quic.problems import NotFound
 from kvsp_quic.records import LeaseRenewal, LeaseRequest, LeaseResponse, ReplicaRecord, ResidencyEntry, Sampler
 from kvsp_quic.roles.holder import HolderSettings, Replica
-from kvsp_quic.roles.instance import EngineFigures, RateMeter
+from kvsp_quic.roles.instance import ENGINE_NAMES, EngineFigures, RateMeter
 from kvsp_quic.storage.tiers import BlockId, BlockMeta, LruPolicy, Tier, TieredStore
 
 T = TypeVar("T")
+ENGINES = ENGINE_NAMES
 
 
 class Engine:
     """A model and its cache on one device, computed on one thread (a :class:`kvsp_quic.engine.InstanceEngine`)."""
 
-    def __init__(self, model: LlamaModel, cache: PagedKVCache, descriptor: CompatDescriptor, *,
+    def __init__(self, model: StepModel, cache: PagedKVCache, descriptor: CompatDescriptor, *,
                  executor: ThreadPoolExecutor | None = None) -> None:
         self.model = model
         self.cache = cache
@@ -69,8 +70,19 @@ class Engine:
     @classmethod
     def load(cls, directory: str, *, device: str = "cpu", dtype: str | None = None, kv_dtype: str | None = None,
              block_tokens: int = 16, device_pages: int = 1024, host_pages: int = 0,
-             name: str | None = None) -> Engine:
-        model = LlamaModel.load(directory, device=device, dtype=dtype, kv_dtype=kv_dtype)
+             name: str | None = None, engine: str = "reference") -> Engine:
+        """The model of *directory* computed by *engine* (one of :data:`ENGINES`: ``reference``, our Llama model;
+        ``transformers``, the model's own Hugging Face modules, gpu/hf_engine.py), with its paged cache. Both
+        derive the same descriptor for the directory, and both stream prefills layer by layer."""
+        model: StepModel
+        if engine == "reference":
+            model = LlamaModel.load(directory, device=device, dtype=dtype, kv_dtype=kv_dtype)
+        elif engine == "transformers":
+            from gpu.hf_engine import HfModel
+
+            model = HfModel.load(directory, device=device, dtype=dtype, kv_dtype=kv_dtype)
+        else:
+            raise ValueError(f"engine {engine!r} is not one of {', '.join(ENGINES)}")
         descriptor = model.descriptor(block_tokens, name=name)
         cache = PagedKVCache.for_descriptor(descriptor, device=model.device, device_pages=device_pages,
                                             host_pages=host_pages)
@@ -79,6 +91,16 @@ class Engine:
     @property
     def block_tokens(self) -> int:
         return self.cache.block_tokens
+
+    @property
+    def name(self) -> str:
+        """The engine that computes: ``reference`` or ``transformers``."""
+        return self.model.engine_name
+
+    @property
+    def build(self) -> str:
+        """Its build fingerprint (library versions, device type, KV dtype): equal fingerprints, equal bits."""
+        return self.model.build
 
     @property
     def vocab_size(self) -> int:
@@ -411,5 +433,6 @@ class CacheHolder(PageHolder[Page]):
 
 
 __all__ = [
-    "CacheHolder", "CacheTier", "Engine", "PrefixUnavailable", "RunEnd", "RunPlan", "SessionHooks", "run_session",
+    "ENGINES", "CacheHolder", "CacheTier", "Engine", "PrefixUnavailable", "RunEnd", "RunPlan", "SessionHooks",
+    "run_session",
 ]

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from gpu.kvcache import SequenceKV
-from gpu.model import LlamaModel
+from gpu.model import StepModel
 from gpu.prefill import Chunk, PrefillResult, run_layer
 from gpu.sampling import TokenSampler
 
 
-def decode_step(model: LlamaModel, seq: SequenceKV, token: int) -> torch.Tensor:
+def decode_step(model: StepModel, seq: SequenceKV, token: int) -> torch.Tensor:
     """Append *token* to *seq* (its K and V go to the cache) and return the float32 logits (vocab,) for the
     position after it."""
     cache = seq.cache
@@ -47,7 +47,7 @@ class Generation:
     stopped: bool  # a stop token ended it
 
 
-def generate_tokens(model: LlamaModel, prefilled: PrefillResult, sampler: TokenSampler, *, max_new_tokens: int,
+def generate_tokens(model: StepModel, prefilled: PrefillResult, sampler: TokenSampler, *, max_new_tokens: int,
                     stop_tokens: Collection[int] = (),
                     on_token: Callable[[int], None] | None = None) -> Generation:
     """Sample up to *max_new_tokens* tokens after a prefill (its sequence grows; release it afterwards).

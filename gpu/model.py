@@ -19,6 +19,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from gpu.kvcache import KV_DTYPES, kv_torch_dtype, resolve_device
 from gpu.modelfiles import DTYPE_TO_KV, ModelConfig, ModelError, TextTokenizer, derive_descriptor, load_tokenizer
 from gpu.rope import RotaryTable, apply_rope
+from kvsp_quic import __version__ as _VERSION
 from kvsp_quic.compat import CompatDescriptor
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -44,8 +46,42 @@ class LayerWeights:
 StoreKV = Callable[[torch.Tensor, torch.Tensor], None]
 
 
+class StepModel(Protocol):
+    """What the prefill (:mod:`gpu.prefill`), the decode step and :class:`gpu.engine.Engine` need of a model: the
+    layer step over a context buffer. :class:`LlamaModel` (the reference engine) and
+    :class:`gpu.hf_engine.HfModel` (transformers' modules) are two."""
+
+    engine_name: str  # "reference" | "transformers": the engine it makes
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    kv_dtype_name: str
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def build(self) -> str:
+        """The engine's build fingerprint: what computes (library versions, compute dtype, device type)."""
+        ...
+
+    def descriptor(self, block_tokens: int, *, name: str | None = None) -> CompatDescriptor: ...
+
+    def embed(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor: ...
+
+    def layer_step(self, layer: int, x: torch.Tensor, start: int, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
+                   store: StoreKV | None = None) -> torch.Tensor: ...
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def new_context(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class LlamaModel:
-    """Weights on one device in one compute dtype, and the per-chunk layer step."""
+    """Weights on one device in one compute dtype, and the per-chunk layer step (a :class:`StepModel`)."""
+
+    engine_name = "reference"
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], *,
                  device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
@@ -153,6 +189,10 @@ class LlamaModel:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    @property
+    def build(self) -> str:
+        return f"reference/{_VERSION} torch/{torch.__version__} {self.device.type} {self.kv_dtype_name}"
+
     # -- computation -----------------------------------------------------------------------------------------
 
     def embed(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -247,4 +287,4 @@ def chunk_bounds(start: int, end: int, chunk_tokens: int) -> list[tuple[int, int
     return out
 
 
-__all__ = ["COMPUTE_DTYPES", "KV_DTYPES", "LayerWeights", "LlamaModel", "chunk_bounds"]
+__all__ = ["COMPUTE_DTYPES", "KV_DTYPES", "LayerWeights", "LlamaModel", "StepModel", "chunk_bounds"]

@@ -43,6 +43,11 @@ WEIGHTS_FILE = "model.safetensors"
 DTYPE_TO_KV = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 KV_TO_DTYPE = {v: k for k, v in DTYPE_TO_KV.items()}
 SUPPORTED_SCALING = ("linear", "llama3", "yarn")
+# The architectures whose K and V a descriptor describes exactly: decoder-only, one K and one V per layer of
+# (kv_heads, head_dim) per token, full-width RoPE on K (theta and a registered scaling), nothing else position-
+# dependent in the cache. The reference model computes the first; the transformers engine (gpu/hf_engine.py) all.
+DESCRIBED_FAMILIES = ("llama", "mistral", "qwen2")
+REFERENCE_FAMILIES = ("llama",)
 _SAFETENSORS_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
@@ -73,6 +78,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     name: str | None = None  # "_name_or_path", when the file has one
+    model_type: str = "llama"  # one of DESCRIBED_FAMILIES
+    attention_bias: bool = False  # biases on the q/k/v projections (qwen2 always; not in the reference model)
+    sliding_window: int | None = None  # mistral/qwen2 sliding-window attention (None: full attention)
     extra: Mapping[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -127,18 +135,40 @@ class ModelConfig:
         return str(kind)
 
     @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> ModelConfig:
+    def from_json(cls, obj: Mapping[str, Any], *, families: tuple[str, ...] = REFERENCE_FAMILIES) -> ModelConfig:
+        """Parse config.json. *families*: the architectures accepted -- the reference model's by default;
+        :data:`DESCRIBED_FAMILIES` for a descriptor (:func:`derive_descriptor`) or the transformers engine, which
+        then computes what the reference model refuses (biases, sliding windows, other activations)."""
         if not isinstance(obj, Mapping):
             raise ModelError("config.json must hold a JSON object")
         model_type = obj.get("model_type", "llama")
-        if model_type != "llama":
-            raise ModelError(f"config.json: model_type {model_type!r} is not supported (only 'llama')")
-        for flag in ("attention_bias", "mlp_bias"):
-            if obj.get(flag):
-                raise ModelError(f"config.json: {flag} is not supported by the reference model")
-        act = obj.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
+        reference = families == REFERENCE_FAMILIES
+        if model_type not in families:
+            if model_type in DESCRIBED_FAMILIES:
+                raise ModelError(f"config.json: model_type {model_type!r} is not supported by the reference engine "
+                                 f"(only {', '.join(map(repr, families))}; --engine transformers serves it)")
+            raise ModelError(f"config.json: model_type {model_type!r} is not in the descriptor's registry of "
+                             f"architectures ({', '.join(DESCRIBED_FAMILIES)})")
+        if reference:
+            for flag in ("attention_bias", "mlp_bias"):
+                if obj.get(flag):
+                    raise ModelError(f"config.json: {flag} is not supported by the reference model")
+            act = obj.get("hidden_act", "silu")
+            if act != "silu":
+                raise ModelError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
+        if obj.get("quantization_config"):
+            raise ModelError("config.json: quantization_config: quantized weights are not in the descriptor's "
+                             "registry (the KV element type and the model digest would not say what computes)")
+        window = obj.get("sliding_window")
+        if model_type == "qwen2" and not obj.get("use_sliding_window", False):
+            window = None
+        if model_type == "llama" or (isinstance(window, int) and window >= int(obj.get("max_position_embeddings",
+                                                                                          8192))):
+            window = None  # never narrower than the context: full attention
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ModelError(f"config.json: sliding_window must be a positive integer or null, got {window!r}")
+        if reference and window is not None:
+            raise ModelError("config.json: sliding_window is not supported by the reference model")
         if obj.get("partial_rotary_factor", 1.0) != 1.0:
             raise ModelError("config.json: partial_rotary_factor is not supported")
         # transformers >= 5 keeps theta and scaling under "rope_parameters"; older files at the top level.
@@ -158,7 +188,8 @@ class ModelConfig:
         known = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "vocab_size", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
                  "rope_parameters", "max_position_embeddings", "tie_word_embeddings", "dtype", "torch_dtype",
-                 "bos_token_id", "eos_token_id", "_name_or_path"}
+                 "bos_token_id", "eos_token_id", "_name_or_path", "model_type", "attention_bias",
+                 "sliding_window"}
         try:
             heads = _int(obj, "num_attention_heads")
             return cls(
@@ -178,13 +209,17 @@ class ModelConfig:
                 bos_token_id=obj.get("bos_token_id"),
                 eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
                 name=obj.get("_name_or_path") or None,
+                model_type=str(model_type),
+                attention_bias=model_type == "qwen2" or bool(obj.get("attention_bias", False)),
+                sliding_window=window,
                 extra={k: v for k, v in obj.items() if k not in known},
             )
         except (TypeError, ValueError) as exc:
             raise ModelError(f"config.json: {exc}") from None
 
     @classmethod
-    def load(cls, directory: str | os.PathLike[str]) -> ModelConfig:
+    def load(cls, directory: str | os.PathLike[str], *, families: tuple[str, ...] = REFERENCE_FAMILIES
+             ) -> ModelConfig:
         path = Path(directory) / CONFIG_FILE
         try:
             text = path.read_text(encoding="utf-8")
@@ -194,7 +229,7 @@ class ModelConfig:
             obj = json.loads(text)
         except ValueError as exc:
             raise ModelError(f"{os.fspath(path)!r} is not JSON: {exc}") from None
-        return cls.from_json(obj)
+        return cls.from_json(obj, families=families)
 
     def to_json(self) -> dict[str, Any]:
         """config.json in the Hugging Face Llama layout."""
@@ -257,7 +292,8 @@ def _int(obj: Mapping[str, Any], name: str) -> int:
 
 def derive_descriptor(directory: str | os.PathLike[str], block_tokens: int, *, name: str | None = None,
                       kv_dtype: str | None = None) -> CompatDescriptor:
-    """The Compatibility Descriptor of the model in *directory* with blocks of *block_tokens* tokens.
+    """The Compatibility Descriptor of the model in *directory* with blocks of *block_tokens* tokens: the same
+    whichever engine serves the directory (both call this), for any architecture of :data:`DESCRIBED_FAMILIES`.
 
     * model: *name*, else config.json's ``_name_or_path``, else the directory's name;
     * model_digest: SHA-256 over ``*.safetensors`` in ascending byte order of their names;
@@ -266,7 +302,7 @@ def derive_descriptor(directory: str | os.PathLike[str], block_tokens: int, *, n
     * positional: :meth:`ModelConfig.positional`; layout kvsp-layout-1.
     """
     root = Path(directory)
-    config = ModelConfig.load(root)
+    config = ModelConfig.load(root, families=DESCRIBED_FAMILIES)
     tokenizer = root / TOKENIZER_FILE
     if not tokenizer.is_file():
         raise ModelError(f"{os.fspath(root)!r} has no {TOKENIZER_FILE}: the descriptor needs its digest")

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from gpu.kvcache import DEVICE, Page, PagedKVCache, SequenceKV
-from gpu.model import LlamaModel, chunk_bounds
+from gpu.model import StepModel, chunk_bounds
 from kvsp_quic.container import DecodedLayer
 
 log = logging.getLogger("kvsp.gpu.prefill")
@@ -100,7 +100,7 @@ def _page_runs(indexes: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def run_layer(model: LlamaModel, seq: SequenceKV, layer: int, chunks: Sequence[Chunk], k_ctx: torch.Tensor,
+def run_layer(model: StepModel, seq: SequenceKV, layer: int, chunks: Sequence[Chunk], k_ctx: torch.Tensor,
               v_ctx: torch.Tensor, loaded_pages: Sequence[int]) -> None:
     """One layer step: context rows of *loaded_pages* (indexes into ``seq.pages``) are gathered from the cache,
     then every chunk (ascending) is computed, its K and V written to the context and to the sequence's pages."""
@@ -118,7 +118,7 @@ def run_layer(model: LlamaModel, seq: SequenceKV, layer: int, chunks: Sequence[C
         chunk.layer = layer + 1
 
 
-def _check_geometry(model: LlamaModel, cache: PagedKVCache) -> None:
+def _check_geometry(model: StepModel, cache: PagedKVCache) -> None:
     c = model.config
     if (cache.layers, cache.kv_heads, cache.head_dim) != (c.num_hidden_layers, c.num_key_value_heads, c.head_dim):
         raise ValueError(f"the cache holds {cache.layers} layers x {cache.kv_heads} heads x {cache.head_dim}; the "
@@ -198,7 +198,7 @@ async def _close(source: Any) -> None:
         await closer()
 
 
-async def prefill(model: LlamaModel, cache: PagedKVCache, tokens: Sequence[int],
+async def prefill(model: StepModel, cache: PagedKVCache, tokens: Sequence[int],
                   blocks: Sequence[BlockInput] = (), *, chunk_tokens: int | None = None,
                   executor: Executor | None = None, trace: PrefillTrace | None = None, all_logits: bool = False,
                   load_timeout: float | None = None, keys: Sequence[bytes] | None = None) -> PrefillResult:
@@ -314,7 +314,7 @@ async def preloaded(layers: Iterable[DecodedLayer]) -> AsyncIterator[DecodedLaye
         yield layer
 
 
-def prefill_sync(model: LlamaModel, cache: PagedKVCache, tokens: Sequence[int], **kwargs: Any) -> PrefillResult:
+def prefill_sync(model: StepModel, cache: PagedKVCache, tokens: Sequence[int], **kwargs: Any) -> PrefillResult:
     """A full recompute (nothing loaded), for code without an event loop."""
     return asyncio.run(prefill(model, cache, tokens, (), **kwargs))
 

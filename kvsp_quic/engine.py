@@ -162,6 +162,17 @@ class InstanceEngine(Protocol[P]):
         """Token ids are below it."""
         ...
 
+    @property
+    def name(self) -> str:
+        """The engine that computes (``reference``, ``transformers``: ``[instance] engine``)."""
+        ...
+
+    @property
+    def build(self) -> str:
+        """Its build fingerprint (libraries and versions, device type, KV dtype): two instances whose engines have
+        equal names and fingerprints compute bit-identical K, V and logits."""
+        ...
+
     def figures(self) -> EngineFigures:
         """Measured rates and the cache's utilization, for the status record."""
         ...

@@ -103,7 +103,10 @@ def build_instance(engine: Engine, *, base_uri: str, files: TlsFiles, policy: Po
     holders, the publisher, the fetch sources (MOQT first when *moqt*), the asyncio service, the app.
     *epoch*: default the time now in ms since the Unix epoch."""
     transport = transport if transport is not None else TransportSettings()
-    options = options if options is not None else InstanceOptions()
+    options = options if options is not None else InstanceOptions(engine=engine.name)
+    if engine.name != options.engine:  # never serve under the wrong engine's name (status, docs/inference.md)
+        raise ValueError(f"the instance is configured for engine {options.engine!r}, but its engine is "
+                         f"{engine.name!r} (Engine.load(..., engine={options.engine!r}))")
     service = service if service is not None else ServiceOptions()
     d = engine.descriptor
     role_settings = InstanceSettings(base_uri=base_uri, compat_id=bytes(d.compat_id), block_tokens=d.block_tokens,

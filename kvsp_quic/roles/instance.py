@@ -57,6 +57,7 @@ from kvsp_quic.roles.instance_reshard import MapState, PlanSteps, ReshardBook, R
 from kvsp_quic.roles.instance_sessions import Clock, InstanceSession, Phase, SessionTable
 
 MAX_CHECKPOINT_TOKENS = 64  # spec: "at least every 64 output tokens"
+ENGINE_NAMES = ("reference", "transformers")  # the engines of gpu/ (docs/inference.md, "Engines")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,8 +78,11 @@ class InstanceOptions:
     max_prompt_tokens: int = 1 << 17
     sleep_after_idle_ms: int | None = None  # ask to sleep after this long without sessions (None: never)
     deterministic_greedy: bool = True  # greedy output is bit-identical on every eligible instance (see docs)
+    engine: str = "reference"  # what computes: "reference" (our Llama model) or "transformers" (its HF modules)
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINE_NAMES:
+            raise ValueError(f"engine: {self.engine!r} is not one of {', '.join(ENGINE_NAMES)}")
         if not 1 <= self.checkpoint_tokens <= MAX_CHECKPOINT_TOKENS:
             raise ValueError(f"checkpoint_tokens: at most {MAX_CHECKPOINT_TOKENS} (spec: a checkpoint at least "
                              f"every {MAX_CHECKPOINT_TOKENS} tokens), and positive")
@@ -652,7 +656,7 @@ class InstanceRole:
 
 
 __all__ = [
-    "Admission", "Directive", "DirectiveTable", "EngineFigures", "InstanceRole", "InstanceSession", "InstanceSettings",
-    "Lifecycle", "LinkMeter", "MapState", "Phase", "PlanSteps", "RateMeter", "ReshardBook", "ReshardContext",
-    "SamplerCheck", "SessionTable",
+    "ENGINE_NAMES", "Admission", "Directive", "DirectiveTable", "EngineFigures", "InstanceRole", "InstanceSession",
+    "InstanceSettings", "Lifecycle", "LinkMeter", "MapState", "Phase", "PlanSteps", "RateMeter", "ReshardBook",
+    "ReshardContext", "SamplerCheck", "SessionTable",
 ]
