@@ -25,7 +25,7 @@ from typing import Protocol
 
 from kvsp_quic.auth import Principal
 from kvsp_quic.compat import InstanceState
-from kvsp_quic.problems import Problem
+from kvsp_quic.problems import BadRequest, Problem
 from kvsp_quic.records import InstanceStatusRecord, LookupResponse, PrefetchDirective, ShardMap, StateMessage
 from kvsp_quic.roles.controller import PlacementController
 from kvsp_quic.roles.controller_records import SessionInfo, SessionRequest, SessionResume, SessionStart
@@ -58,6 +58,8 @@ class InstanceLink(Protocol):
     async def set_state(self, instance: str, state: InstanceState) -> InstanceState: ...
 
     async def reshard(self, instance: str, message: ReshardMessage, timeout: float | None = None) -> None: ...
+
+    async def cancel(self, instance: str, session: uuid.UUID) -> None: ...
 
 
 class Starter(Protocol):
@@ -166,10 +168,10 @@ class ControllerService:
             found = await self.role.index.lookup(self.role.principal, query.lookup)
         return self.role.rank(session, query, found), found
 
-    async def _more_capacity(self, reason: str) -> bool:
-        """Wake a sleeping instance, or run the start hook and wait for an instance to become active. True when an
-        instance became active."""
-        for instance in self.role.sleeping():
+    async def _more_capacity(self, reason: str, scope_id: bytes | None = None) -> bool:
+        """Wake a sleeping instance (of *scope_id*, when given), or run the start hook and wait for an instance to
+        become active. True when an instance became active."""
+        for instance in self.role.sleeping(scope_id):
             try:
                 answered = await self.set_instance_state(instance, InstanceState.ACTIVE)
             except (Problem, OSError) as exc:
@@ -211,7 +213,7 @@ class ControllerService:
                    exclude: set[str]) -> bool:
         """Prefetch and start (or resume) *session* on the first choice that takes it."""
         for choice in choices:
-            entry = self.role.still_active(choice.instance)
+            entry = self.role.still_active(choice.instance, session.request.scope_id)
             if entry is None:
                 continue
             directive = self.role.directive(session, choice, found)
@@ -230,6 +232,11 @@ class ControllerService:
                 await self._send(assignment, session.id)
             except (Problem, OSError) as exc:
                 error = exc
+            if isinstance(error, BadRequest) and isinstance(assignment.message, SessionStart):
+                # The instance refused the request itself (a token id beyond the vocabulary, a prompt too long):
+                # every instance of the model would, so it is the caller's 400, not tried elsewhere.
+                self.role.start_outcome(session, assignment, error, choice, found)
+                raise error
             if self.role.start_outcome(session, assignment, error, choice, found) is StartOutcome.OK:
                 return True
             exclude.add(choice.instance)
@@ -238,12 +245,13 @@ class ControllerService:
     async def _place(self, session: PlacedSession) -> bool:
         """Assign *session* (its epoch already fresh): rank, look for capacity when nothing is acceptable, try."""
         exclude: set[str] = set()
+        scope = session.request.scope_id
         choices, found = await self._rank(session, exclude)
-        if not self.role.acceptable(choices) and await self._more_capacity(f"session {session.id}"):
+        if not self.role.acceptable(choices) and await self._more_capacity(f"session {session.id}", scope):
             choices, found = await self._rank(session, exclude)
         if await self._try(session, choices, found, exclude):
             return True
-        if choices and await self._more_capacity(f"session {session.id}: every candidate refused"):
+        if choices and await self._more_capacity(f"session {session.id}: every candidate refused", scope):
             choices, found = await self._rank(session, exclude)
             return await self._try(session, choices, found, exclude)
         return False
@@ -267,6 +275,24 @@ class ControllerService:
             if not placed:
                 raise self.role.unplaced(session)
             return self.role.placed(session, time.perf_counter() - started), True
+
+    async def cancel_session(self, principal: Principal, session_id: uuid.UUID) -> None:
+        """``DELETE sessions/{id}`` (extension; docs/wire.md, "Cancelling a session"): only the session's creator
+        (404 for anyone else); the PC forgets the session (never migrates it) and tells its instance to stop the
+        run and free its slot. The instance's answer is not waited for beyond the link's timeout, nor required."""
+        self.role.session_info(principal, session_id)
+        async with self._lock(session_id):
+            session = self.role.sessions.get(session_id)
+            if session is None:
+                return
+            instance = session.instance
+            self.role.abandon(session)
+        log.info("session %s cancelled by its creator (instance %s)", session_id, instance)
+        if instance is not None:
+            try:
+                await self.link.cancel(instance, session_id)
+            except (Problem, OSError) as exc:
+                log.info("session %s: the cancel at %s failed: %s", session_id, instance, exc)
 
     # -- failures -------------------------------------------------------------------------------------------------
 

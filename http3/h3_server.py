@@ -5,6 +5,19 @@ TCP transports use. What is HTTP/3-specific lives here: request bodies are credi
 the app has taken them (:meth:`KvspQuicConnection.hold` / ``release``), so the stream window bounds what waits
 in memory; response bodies are written in slices no larger than half the send buffer, each waiting for QUIC to
 drain, so a 256 MiB response is never queued whole.
+
+Field sections are bounded as they arrive (RFC 9114, 4.2.2 and 10.5.1: "Since there is no hard limit to the size of
+a field section, some endpoints could be forced to commit a large amount of available memory for field sections"):
+octets aioquic buffers on a request stream -- an unfinished HEADERS frame, or frames that wait behind a blocked
+QPACK decoder -- count as unread, so the stream window is not granted again for them; and a HEADERS frame whose
+declared length exceeds ``max_header_bytes`` is refused as soon as its frame header is read, long before it is
+complete. The refusal answers 431 when no response has begun (RFC 9114, 4.2.2: "A server that receives a larger
+header section than it is willing to handle can send an HTTP 431"), asks the peer to stop sending with
+``H3_EXCESSIVE_LOAD`` (RFC 9114, 8.1: "The endpoint detected that its peer is exhibiting a behavior that might be
+generating excessive load") and drops whatever else arrives on the stream. It is a stream error, not a connection
+error: the peer's other requests go on (RFC 9114, 10.5: false positives of a connection error "will result in
+disrupting valid connections and requests"). A request stream's buffer beyond ``max_header_bytes`` (plus a frame
+header) is refused the same way.
 """
 
 from __future__ import annotations
@@ -13,7 +26,7 @@ import asyncio
 import logging
 from typing import Any
 
-from aioquic.h3.connection import H3Connection
+from aioquic.h3.connection import FrameType, H3Connection
 from aioquic.h3.events import DataReceived, HeadersReceived
 from aioquic.h3.exceptions import H3Error
 from aioquic.quic import events
@@ -26,7 +39,10 @@ from quic.listener import HandlerFactory, QuicConnectionContext
 log = logging.getLogger("kvsp.h3")
 
 H3_INTERNAL_ERROR = 0x102
+H3_EXCESSIVE_LOAD = 0x107
 H3_REQUEST_REJECTED = 0x10B
+_FIELD_FRAMES = (FrameType.HEADERS, FrameType.PUSH_PROMISE)
+_FRAME_HEADER_MAX = 16  # a frame type and a frame length, two varints of at most 8 octets
 
 
 class H3AsgiHandler:
@@ -37,6 +53,9 @@ class H3AsgiHandler:
         self.asgi = asgi
         self.h3 = H3Connection(ctx.quic)
         self.streams: dict[int, H3Stream] = {}
+        self._buffered: dict[int, int] = {}  # octets aioquic buffers per request stream, held as unread
+        self._refused: set[int] = set()  # request streams refused for their field section: input is dropped
+        self.refusals = 0
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -45,6 +64,11 @@ class H3AsgiHandler:
             stream = self.streams.get(event.stream_id)
             if stream is not None:
                 stream.abort()
+            if isinstance(event, events.StreamReset):
+                self._refused.discard(event.stream_id)
+                self._unbuffer(event.stream_id)
+        if isinstance(event, events.StreamDataReceived) and event.stream_id in self._refused:
+            return  # refused: nothing more is buffered for it
         for h3_event in self.h3.handle_event(event):
             if isinstance(h3_event, HeadersReceived):
                 if h3_event.stream_id not in self.streams:  # otherwise trailers: not used by KVSP, ignored
@@ -53,6 +77,62 @@ class H3AsgiHandler:
                 stream = self.streams.get(h3_event.stream_id)
                 if stream is not None:
                     stream.data_received(h3_event.data, h3_event.stream_ended)
+        if isinstance(event, events.StreamDataReceived) and event.stream_id % 4 == 0:
+            self._bound(event.stream_id)
+
+    # -- field sections: bounded as they arrive ---------------------------------------------------------------
+
+    def _bound(self, stream_id: int) -> None:
+        """After aioquic took data of request stream *stream_id*: refuse a field section that is too large,
+        hold what aioquic buffers (unread: no credit is granted again for it)."""
+        h3_stream = self.h3._stream.get(stream_id)
+        if h3_stream is None:
+            return
+        limit = self.asgi.settings.max_header_bytes
+        declared = h3_stream.frame_size if h3_stream.frame_type in _FIELD_FRAMES else None
+        if declared is not None and declared > limit:
+            self._refuse(stream_id, f"a field section frame of {declared} octets (limit {limit})")
+            return
+        buffered = len(h3_stream.buffer)
+        if buffered > limit + _FRAME_HEADER_MAX:
+            self._refuse(stream_id, f"{buffered} octets buffered before a field section completed")
+            return
+        held = self._buffered.get(stream_id, 0)
+        if buffered > held:
+            self.ctx.quic.hold(stream_id, buffered - held)
+        elif buffered < held and self.ctx.quic.release(stream_id, held - buffered):
+            self.ctx.transmit()
+        if buffered:
+            self._buffered[stream_id] = buffered
+        else:
+            self._buffered.pop(stream_id, None)
+
+    def _unbuffer(self, stream_id: int) -> None:
+        held = self._buffered.pop(stream_id, 0)
+        if held and self.ctx.quic.release(stream_id, held):
+            self.ctx.transmit()
+
+    def _refuse(self, stream_id: int, why: str) -> None:
+        """Refuse request stream *stream_id* for its field section (see the module docstring)."""
+        log.info("stream %d refused: %s", stream_id, why)
+        self.refusals += 1
+        self._refused.add(stream_id)
+        h3_stream = self.h3._stream.get(stream_id)
+        if h3_stream is not None:
+            h3_stream.buffer = b""  # drop what aioquic holds
+        self._unbuffer(stream_id)
+        quic = self.ctx.quic
+        try:
+            quic.stop_stream(stream_id, H3_EXCESSIVE_LOAD)
+            stream = self.streams.get(stream_id)
+            if stream is None:  # no response has begun: answer 431 and close our side
+                self.h3.send_headers(stream_id, [(b":status", b"431"), (b"content-length", b"0")], end_stream=True)
+            else:  # trailers: the request is being served; it ends here
+                stream.abort()
+                quic.reset_stream(stream_id, H3_EXCESSIVE_LOAD)
+        except (H3Error, AssertionError, ValueError):  # the stream may already be gone
+            log.debug("refusing stream %d failed", stream_id, exc_info=True)
+        self.ctx.transmit()
 
     def connection_terminated(self) -> None:
         for stream in list(self.streams.values()):
@@ -69,6 +149,7 @@ class H3AsgiHandler:
 
     def finished(self, stream: H3Stream) -> None:
         self.streams.pop(stream.stream_id, None)
+        self._buffered.pop(stream.stream_id, None)  # forget() below releases every held octet
         self.ctx.quic.forget(stream.stream_id)
         if not self.streams:
             self._idle.set()

@@ -32,6 +32,17 @@ ENTRY = struct.Struct(">QQ")  # 16 octets per layer
 DEFAULT_MAX_DATA = 1 << 32  # refuse to allocate more than this for one container unless told otherwise
 ANY_TOKEN_COUNT = -1  # token_count argument: accept the container's own token count (tools, not the data path)
 MAX_LAYERS = 1 << 16  # layer count accepted by the incremental decoder when no descriptor bounds it
+CODEC_SECTION_SLACK = 4096  # octets a section of a codec other than raw may have beyond the bound below
+
+
+def max_section_length(descriptor: CompatDescriptor, tokens: int) -> int:
+    """The largest K or V section accepted for a codec other than raw (private codecs 0xFF00-0xFFFF included):
+    the raw section of the same tokens plus an eighth, plus ``CODEC_SECTION_SLACK`` octets of codec metadata. The
+    spec lets other codecs "define their own section encoding" but says nothing of size; a bound derived from the
+    descriptor keeps a 20 + 16 x L octet header from declaring (and making a receiver allocate) gigabytes
+    (docs/wire.md, "KV Block Container")."""
+    raw = descriptor.section_length(tokens)
+    return raw + raw // 8 + CODEC_SECTION_SLACK
 
 
 # -- Errors ----------------------------------------------------------------------------------------------------
@@ -151,6 +162,13 @@ class ContainerHeader:
             if expected_tokens != ANY_TOKEN_COUNT and self.token_count != expected_tokens:
                 raise GeometryMismatch(f"token count {self.token_count}, expected {expected_tokens}")
         if self.codec != Codec.RAW:
+            if descriptor is not None:
+                bound = max_section_length(descriptor, self.token_count)
+                for i, (k, v) in enumerate(self.lengths):
+                    if k > bound or v > bound:
+                        raise GeometryMismatch(
+                            f"layer {self.first_layer + i}: K/V lengths {k}/{v} exceed {bound}, the most a section "
+                            f"of codec 0x{self.codec:04x} may hold for {self.token_count} tokens of this cache")
             return
         if descriptor is not None:
             want = descriptor.section_length(self.token_count)

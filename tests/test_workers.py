@@ -190,6 +190,9 @@ async def test_two_workers_serve_one_store_and_one_set_of_records(workers_cluste
     finally:
         for w in writers:
             w.close()
+        for w in writers:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(w.wait_closed(), 5)
 
     # blocks stored through many clients (each its own connections) are read back through every other one
     clients = [KvspClient(_files(ready), timeout=20, prefer=prefer) for prefer in ("h3", "tcp") * 4]
@@ -339,3 +342,24 @@ def test_published_namespaces_need_one_relay_process(tmp_path: Path, extra: list
     assert run.returncode != 0 and run.stdout == ""
     assert "--workers 1" in run.stderr and "Traceback" not in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1
+
+
+async def test_the_storage_quota_holds_whichever_process_receives(tmp_path: Path) -> None:
+    config = tmp_path / "holder.toml"
+    config.write_text(f"[holder]\nworkers = 2\nmax_octets_per_principal = {2 * CONTAINER_SIZE + CONTAINER_SIZE // 2}\n")
+    holder = Process("holder", "--dev", str(tmp_path / "dev"), "--config", str(config))
+    try:
+        ready = holder.ready
+        assert ready["workers"] == 2
+        for i in range(4):  # a fresh client each time: new connections, spread over both processes
+            async with KvspClient(_files(ready), timeout=20, prefer="tcp") as client:
+                key, body = block(i)
+                r = await client.request("PUT", block_url(ready["base_uri"], key), content=body,
+                                         headers={"content-type": "application/kvsp-block", "if-none-match": "*"})
+                assert r.status == 201, await r.aread()
+        async with KvspClient(_files(ready), timeout=20) as client:
+            found = [(await client.request("GET", block_url(ready["base_uri"], block(i)[0]))).status
+                     for i in range(4)]
+        assert found == [404, 404, 200, 200]  # the principal's own oldest replicas made room
+    finally:
+        assert "Traceback" not in holder.stop()

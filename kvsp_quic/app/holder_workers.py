@@ -113,7 +113,9 @@ class ControlServer:
         holder = self.holder
         if op == "commit":
             holder.note_reads([_block(b) for b in msg.get("reads", ())])
-            return holder.commit_staged(_block(msg["block"]), str(msg["staged"])).to_json()
+            owner = msg.get("owner")
+            return holder.commit_staged(_block(msg["block"]), str(msg["staged"]),
+                                        owner=str(owner) if owner is not None else None).to_json()
         if op == "lease":
             return holder.create_lease(self._principal(msg), LeaseRequest.from_json(msg["request"])).to_json()
         if op == "renew":
@@ -172,9 +174,9 @@ class ControlLink:
             got += len(chunk)
         return b"".join(chunks)
 
-    def commit(self, block: BlockId, staged: str, reads: list[BlockId]) -> ReplicaRecord:
+    def commit(self, block: BlockId, staged: str, reads: list[BlockId], owner: str | None) -> ReplicaRecord:
         return ReplicaRecord.from_json(self.call({"op": "commit", "block": _hexes(block), "staged": staged,
-                                                  "reads": [_hexes(b) for b in reads]}))
+                                                  "reads": [_hexes(b) for b in reads], "owner": owner}))
 
     def create_lease(self, identity: str, request: LeaseRequest) -> LeaseResponse:
         return LeaseResponse.from_json(self.call({"op": "lease", "identity": identity, "request": request.to_json()}))

@@ -11,10 +11,12 @@ process (the spec allows combining them; docs/wire.md, "Placement Controller") a
 
 * **Lifecycle**: status reports go through :meth:`PlacementController.report_status` (epochs, expiry -> failed,
   sleep requests: :class:`~kvsp_quic.roles.status.LifecyclePolicy`).
-* **Placement**: a lookup of the prompt's Block Keys with every alive *active* instance as a target
-  (:meth:`~PlacementController.placement_query`), ranked by the configured placement policy
-  (:mod:`kvsp_quic.roles.placement`; default: the spec's cost). Only active instances are ever candidates, and each
-  is re-checked right before a directive or a start is sent to it (:meth:`~PlacementController.still_active`).
+* **Placement**: a lookup of the prompt's Block Keys with every alive *active* instance of the session's scope as
+  a target (:meth:`~PlacementController.placement_query`), ranked by the configured placement policy
+  (:mod:`kvsp_quic.roles.placement`; default: the spec's cost). Only active instances whose principal holds the
+  session's scope are ever candidates (the scopes of the principal that reported each instance's status,
+  :meth:`~PlacementController.serves_scope`; docs/wire.md, "Placement Controller"), and each is re-checked right
+  before a directive or a start is sent to it (:meth:`~PlacementController.still_active`).
 * **Prefetch**: before the session starts, the chosen instance gets ``POST prefetch`` for the matched blocks it
   does not hold (when loading beats recomputing, :meth:`~PlacementController.directive`).
 * **Capacity**: when no active instance has acceptable cost or capacity, a sleeping instance is woken, else the
@@ -37,7 +39,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvsp_quic.auth import ALL, Principal, Role, require_scope
+from kvsp_quic.auth import ALL, Principal, Role, Scopes, require_scope
 from kvsp_quic.compat import InstanceState
 from kvsp_quic.fields import BlockKey
 from kvsp_quic.metrics import KvspMetrics, Registry
@@ -49,6 +51,7 @@ from kvsp_quic.problems import (
     NotFound,
     PlanConflict,
     Problem,
+    ScopeDenied,
     StaleEpoch,
     Unavailable,
 )
@@ -173,6 +176,7 @@ class PlacementController:
         self.maps: dict[str, ShardMap] = {}
         self._resharding: set[str] = set()
         self._pending: dict[str, int] = {}  # sessions assigned since the instance's last report
+        self._scopes: dict[str, Scopes] = {}  # per instance: the scopes of the principal that reported its status
         self._start_wait_until: float | None = None  # a hook run's instance is awaited until then
         self._last_start: float | None = None
         self.registry = metrics or Registry()
@@ -241,6 +245,7 @@ class PlacementController:
             self.m_status.labels(outcome="stale").inc()
             raise
         self.m_status.labels(outcome="accepted").inc()
+        self._scopes[record.instance] = principal.scopes  # the reporter is the instance (checked by the IS)
         self._pending.pop(record.instance, None)  # its running / queued now include what we assigned
         activated = answer.state is InstanceState.ACTIVE and before is not InstanceState.ACTIVE
         if activated:
@@ -278,13 +283,25 @@ class PlacementController:
             out.append(item)
         return out
 
-    def active(self, exclude: Iterable[str] = ()) -> list[InstanceStatus]:
-        skip = set(exclude)
-        return [e for e in self.status.live() if e.state is InstanceState.ACTIVE and e.instance not in skip]
+    def serves_scope(self, instance: str, scope_id: bytes | None) -> bool:
+        """Whether *instance* may be given work of *scope_id*: its principal -- the identity that reported its
+        status, as the policy knew it then -- holds the scope. An instance whose status reached the table any other
+        way holds none. ``scope_id=None`` asks about no scope (operators' views): always True."""
+        if scope_id is None:
+            return True
+        scopes = self._scopes.get(instance)
+        return scopes is not None and (scopes is ALL or bytes(scope_id) in scopes)
 
-    def sleeping(self) -> list[str]:
-        """The live sleeping instances: the first ones to wake for capacity."""
-        return [e.instance for e in self.status.live() if e.state is InstanceState.SLEEPING]
+    def active(self, exclude: Iterable[str] = (), scope_id: bytes | None = None) -> list[InstanceStatus]:
+        """The live active instances not in *exclude*; with *scope_id*, only those whose principal holds it."""
+        skip = set(exclude)
+        return [e for e in self.status.live() if e.state is InstanceState.ACTIVE and e.instance not in skip
+                and self.serves_scope(e.instance, scope_id)]
+
+    def sleeping(self, scope_id: bytes | None = None) -> list[str]:
+        """The live sleeping instances (of *scope_id*, when given): the first ones to wake for capacity."""
+        return [e.instance for e in self.status.live() if e.state is InstanceState.SLEEPING
+                and self.serves_scope(e.instance, scope_id)]
 
     # -- placement ------------------------------------------------------------------------------------------------
 
@@ -293,8 +310,9 @@ class PlacementController:
         return geometry.block_tokens if geometry is not None else None
 
     def placement_query(self, session: PlacedSession, exclude: Iterable[str]) -> PlacementQuery | None:
-        """The candidates for *session* and the lookup to rank them by; None when no active instance is left."""
-        candidates = self.active(exclude)
+        """The candidates for *session* -- active instances of its scope -- and the lookup to rank them by; None
+        when no such instance is left."""
+        candidates = self.active(exclude, session.request.scope_id)
         if not candidates:
             return None
         request, cp = session.request, session.checkpoint
@@ -323,10 +341,13 @@ class PlacementController:
         return any(c.has_capacity and (limit is None or (c.cost_us is not None and c.cost_us <= limit))
                    for c in choices)
 
-    def still_active(self, instance: str) -> InstanceStatus | None:
-        """*instance*'s live status if it is active right now (never a directive to an instance that is not)."""
+    def still_active(self, instance: str, scope_id: bytes | None = None) -> InstanceStatus | None:
+        """*instance*'s live status if it is active right now and (given *scope_id*) serves that scope: never a
+        directive to an instance that is not."""
         entry = self.status.get(instance)
-        return entry if entry is not None and entry.state is InstanceState.ACTIVE else None
+        if entry is None or entry.state is not InstanceState.ACTIVE or not self.serves_scope(instance, scope_id):
+            return None
+        return entry
 
     def directive(self, session: PlacedSession, choice: Choice, found: LookupResponse | None
                   ) -> PrefetchDirective | None:
@@ -365,6 +386,8 @@ class PlacementController:
     def assign(self, session: PlacedSession, entry: InstanceStatus, found: LookupResponse | None) -> Assignment:
         """Make *entry*'s instance the session's (the instance may checkpoint before its answer arrives) and build
         the start, or the resume with the latest checkpoint, to send it."""
+        if not self.serves_scope(entry.instance, session.request.scope_id):  # never: candidates are of the scope
+            raise ScopeDenied(f"instance {entry.instance!r} is not authorized for the session's scope")
         session.instance, session.instance_epoch = entry.instance, entry.record.epoch
         request = session.request
         if session.checkpoint is not None:
@@ -469,10 +492,11 @@ class PlacementController:
         return session.info()
 
     def unplaced(self, session: PlacedSession) -> Unavailable:
-        """No instance took *session*: it is forgotten; the problem to answer."""
+        """No instance took *session*: it is forgotten; the problem to answer (503 either way: whether any instance
+        of the scope exists is not the client's to learn beyond "none took it")."""
         self.sessions.pop(session.id, None)
         self.m_sessions.labels(outcome="unplaced").inc()
-        return Unavailable("no active instance took the session")
+        return Unavailable(f"no active instance of scope {bytes(session.request.scope_id).hex()} took the session")
 
     def abandon(self, session: PlacedSession) -> None:
         """The placement of *session* was interrupted (an error, a cancellation): forget it."""

@@ -25,6 +25,7 @@ import itertools
 import os
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,6 +85,9 @@ class HolderOptions:
     replica_ttl_ms: int = 300_000  # ttl_ms of published records; refreshed every third of it
     retention_ms: int | None = None  # drop replicas this long after they were stored (None: no limit)
     max_block_bytes: int = 1 << 30  # the largest container accepted by PUT
+    # octets one principal may have stored here plus being uploaded (None: the holder's whole capacity); over it,
+    # its own oldest unleased replicas are evicted first, and 507 when that is not enough (docs/wire.md, "Holder")
+    max_octets_per_principal: int | None = None
     leases: LeaseLimits = field(default_factory=LeaseLimits)
     publish_backoff_ms: tuple[int, int] = (500, 30_000)  # first and longest retry delay of a failed publish
 
@@ -91,7 +95,7 @@ class HolderOptions:
         for name in ("host_capacity", "replica_ttl_ms", "max_block_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")
-        for name in ("host_read_mbit_per_s", "retention_ms"):
+        for name in ("host_read_mbit_per_s", "retention_ms", "max_octets_per_principal"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name}: must be positive")
@@ -299,9 +303,12 @@ class BlockUpload:
     """One PUT body on its way in: fed chunk by chunk into the incremental decoder, which copies each octet
     once, into the buffer the replica will be served from (the container header is written in front of it)."""
 
-    def __init__(self, holder: Holder | Any, block: BlockId, descriptor: CompatDescriptor) -> None:
+    def __init__(self, holder: Holder | Any, block: BlockId, descriptor: CompatDescriptor, *,
+                 owner: str | None = None) -> None:
         self._holder = holder  # a Holder, or a worker's HolderWorker (the same _allocate_upload and _commit)
         self.block = block
+        self.owner = owner  # the principal whose storage quota the upload counts against (None: none)
+        self._release: Callable[[], Any] | None = None  # returns the quota reserved for the upload
         self._descriptor = descriptor
         self._head_size = FIXED_HEADER.size + ENTRY.size * descriptor.layers  # a complete block's header
         self._buffer: memoryview | None = None
@@ -312,6 +319,9 @@ class BlockUpload:
         self.received = 0
 
     def _allocate(self, size: int) -> memoryview:
+        reserve = getattr(self._holder, "reserve_upload", None)
+        if reserve is not None and self.owner is not None:  # before a single octet is allocated (507 if over)
+            self._release = reserve(self, self.owner, self._head_size + size)
         self._buffer, self._allocation = self._holder._allocate_upload(self._descriptor.layers,
                                                                        self._head_size + size)
         return self._buffer[self._head_size:]
@@ -325,20 +335,36 @@ class BlockUpload:
     def feed(self, data: Any) -> None:
         """More body octets; raises ContainerError (400) as soon as they cannot be a valid block."""
         self.received += len(data)
-        self._decoder.feed(data)
-        if not self._checked and self._decoder.header is not None:
-            self._check_complete(self._decoder.header)
+        try:
+            self._decoder.feed(data)
+            if not self._checked and self._decoder.header is not None:
+                self._check_complete(self._decoder.header)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """The upload will not complete: give back the quota it reserved now (otherwise, when it is collected)."""
+        if self._release is not None:
+            self._release()
 
     def finish(self) -> ReplicaRecord:
         """The body is complete: store the block and return its Replica Record (as published)."""
-        header = self._decoder.finish()
-        if not self._checked:
-            self._check_complete(header)
+        try:
+            header = self._decoder.finish()
+            if not self._checked:
+                self._check_complete(header)
+        except BaseException:
+            self.abort()
+            raise
         assert self._buffer is not None and header.size == self._head_size
         self._buffer[:self._head_size] = header.pack()
         try:
+            if self._release is not None:
+                self._release()  # the replica itself counts from now on
+            owner = {"owner": self.owner} if self.owner is not None else {}
             return self._holder._commit(self.block, header, tuple(self._decoder.layer_digests), self._buffer,
-                                        self._allocation)
+                                        self._allocation, **owner)
         finally:
             if self._allocation is not None:
                 self._allocation.discard()
@@ -366,11 +392,15 @@ class Holder:
             HOST: settings.host_read_mbit_per_s,
             LOCAL_STORAGE: settings.local_storage.read_mbit_per_s if settings.local_storage else None,
         }
-        self.leases = LeaseTable(settings.leases, clock=clock, new_id=new_id)
+        self.leases = LeaseTable(settings.leases, clock=clock, new_id=new_id,
+                                 capacity=sum(tier.capacity for tier in store.tiers))
         self.outbox = ReplicaOutbox(settings.publish_backoff_s)
         self._replicas: dict[BlockId, Replica] = {}
         self._faulted: set[BlockId] = set()
         self._expiries: list[tuple[float, BlockId]] = []  # retention limits (heap; stale entries skipped)
+        self._owner: dict[BlockId, str] = {}  # the principal that stored each replica (storage quotas)
+        self._owned: dict[str, dict[BlockId, int]] = {}  # per principal: its replicas' sizes, oldest first
+        self._uploading: collections.Counter[str] = collections.Counter()  # octets reserved by uploads under way
         self.metrics: collections.Counter[str] = collections.Counter()
 
     # -- lookups ------------------------------------------------------------------------------------------------
@@ -433,7 +463,7 @@ class Holder:
         descriptor = self.descriptor(compat_id)
         block = BlockId(bytes(compat_id), bytes(scope_id), bytes(block_key))
         self._check_absent(block)
-        return BlockUpload(self, block, descriptor)
+        return BlockUpload(self, block, descriptor, owner=principal.identity)
 
     def store(self, principal: Principal, compat_id: bytes, scope_id: bytes, block_key: bytes, body: Any,
               if_none_match: str | None) -> ReplicaRecord:
@@ -455,10 +485,11 @@ class Holder:
         allocation = allocate(layers, size)
         return allocation.container, allocation
 
-    def commit_staged(self, block: BlockId, staged: str) -> ReplicaRecord:
+    def commit_staged(self, block: BlockId, staged: str, *, owner: str | None = None) -> ReplicaRecord:
         """Store the complete, verified block a worker process received into the shared host tier under the
         temporary name *staged* (``kvsp_quic.roles.holder_worker``): the placement, the record, the publishing
-        are this holder's, as for its own uploads. The staged file is removed whatever the outcome."""
+        and *owner*'s storage quota are this holder's, as for its own uploads. The staged file is removed whatever
+        the outcome."""
         adopt = getattr(self.storage.tiers[0], "adopt", None)
         if adopt is None:
             raise ValueError("this holder has no shared host tier to adopt uploads from")
@@ -468,7 +499,7 @@ class Holder:
             data = allocation.container
             header = parse_header(data)
             digests = tuple(allocation.layer_digests)
-            return self._commit(block, header, digests, data, allocation)
+            return self._commit(block, header, digests, data, allocation, owner=owner)
         finally:
             allocation.discard()
 
@@ -479,12 +510,75 @@ class Holder:
             if tier is not None:
                 tier.policy.accessed(block)
 
+    # -- storage quotas per principal ---------------------------------------------------------------------------
+
+    @property
+    def principal_quota(self) -> int:
+        """Octets one principal may have stored plus being uploaded (``max_octets_per_principal``, by default the
+        capacity of every tier together)."""
+        quota = self.settings.max_octets_per_principal
+        return quota if quota is not None else sum(tier.capacity for tier in self.storage.tiers)
+
+    def stored_by(self, owner: str) -> tuple[int, int]:
+        """(octets of replicas *owner* stored here, octets its uploads under way have reserved)."""
+        return sum(self._owned.get(owner, {}).values()), self._uploading[owner]
+
+    def reserve_upload(self, upload: BlockUpload, owner: str, size: int) -> Callable[[], Any]:
+        """Count *size* octets of an upload under way against *owner*'s quota, before its buffer is allocated
+        (507 when they do not fit); returns what gives them back, called at the latest when *upload* is gone."""
+        self._make_room_for(owner, size)
+        self._uploading[owner] += size
+        return weakref.finalize(upload, self._unreserve, owner, size)
+
+    def _unreserve(self, owner: str, size: int) -> None:
+        self._uploading[owner] -= size
+        if self._uploading[owner] <= 0:
+            del self._uploading[owner]
+
+    def _make_room_for(self, owner: str, size: int) -> None:
+        """Make *owner*'s stored plus reserved octets leave room for *size* more: evict its own oldest unleased
+        replicas (never another principal's), else 507."""
+        quota = self.principal_quota
+        stored, uploading = self.stored_by(owner)
+        if stored + uploading + size <= quota:
+            return
+        if size <= quota:
+            now = self._clock()
+            for block in list(self._owned.get(owner, {})):
+                if stored + uploading + size <= quota:
+                    break
+                if self.leases.protects(block):
+                    continue
+                stored -= self._owned[owner][block]
+                self.metrics["evicted"] += 1
+                self.metrics["quota_evicted"] += 1
+                self._drop(block)
+                self.outbox.withdraw(block, now)  # right after the eviction
+        if stored + uploading + size > quota:
+            self.metrics["quota_rejections"] += 1
+            raise InsufficientStorage(f"{owner!r} has {stored} octets stored and {uploading} being uploaded here; "
+                                      f"{size} more exceed its quota of {quota}")
+
+    def _own(self, block: BlockId, owner: str, size: int) -> None:
+        self._owner[block] = owner
+        self._owned.setdefault(owner, {})[block] = size
+
+    def _disown(self, block: BlockId) -> None:
+        owner = self._owner.pop(block, None)
+        if owner is not None:
+            owned = self._owned[owner]
+            owned.pop(block, None)
+            if not owned:
+                del self._owned[owner]
+
     def _commit(self, block: BlockId, header: ContainerHeader, layer_digests: tuple[bytes, ...],
-                data: memoryview, allocation: Any = None) -> ReplicaRecord:
+                data: memoryview, allocation: Any = None, *, owner: str | None = None) -> ReplicaRecord:
         self._check_absent(block)  # again: another PUT of the same key may have finished meanwhile
         now = self._clock()
         if block in self._replicas:  # a faulted copy awaiting withdrawal: the new replica replaces it
             self._drop(block)
+        if owner is not None:
+            self._make_room_for(owner, len(data))
         meta = BlockMeta(block, header, layer_digests, len(data))
         try:
             outcome = self.storage.put(meta, data, self.leases.protects)
@@ -497,6 +591,8 @@ class Holder:
         rep = Replica(meta, meta.digest, now, now + self.settings.replica_ttl_ms / 1000,
                       now + retention / 1000 if retention is not None else None)
         self._replicas[block] = rep
+        if owner is not None:
+            self._own(block, owner, len(data))
         if rep.expires_at is not None:
             heapq.heappush(self._expiries, (rep.expires_at, block))
         self.metrics["stored"] += 1
@@ -512,12 +608,14 @@ class Holder:
         for meta in outcome.evicted:
             self.metrics["evicted"] += 1
             self._replicas.pop(meta.id, None)
+            self._disown(meta.id)
             self._faulted.discard(meta.id)
             self.outbox.withdraw(meta.id, now)  # right after the eviction
         for fault in outcome.faulted:
             self.metrics["faults"] += 1
             self.leases.break_block(fault.block, fault.reason)
             self._replicas.pop(fault.block, None)
+            self._disown(fault.block)
             self._faulted.discard(fault.block)
             self.outbox.withdraw(fault.block, now)
 
@@ -590,6 +688,7 @@ class Holder:
 
     def _drop(self, block: BlockId) -> None:
         self._replicas.pop(block, None)
+        self._disown(block)
         self._faulted.discard(block)
         self.storage.remove(block)
 

@@ -41,8 +41,9 @@ class PrimaryLink(Protocol):
     """What a worker asks the primary (blocking calls: each is one short exchange on a local socket). Problems
     (:mod:`kvsp_quic.problems`) the primary raises are raised again here."""
 
-    def commit(self, block: BlockId, staged: str, reads: list[BlockId]) -> ReplicaRecord:
-        """Store the staged upload; *reads* (served since the last report) count for eviction first."""
+    def commit(self, block: BlockId, staged: str, reads: list[BlockId], owner: str | None) -> ReplicaRecord:
+        """Store the staged upload, against *owner*'s storage quota; *reads* (served since the last report) count
+        for eviction first."""
         ...
 
     def create_lease(self, identity: str, request: LeaseRequest) -> LeaseResponse: ...
@@ -99,18 +100,18 @@ class HolderWorker:
         block = BlockId(bytes(compat_id), bytes(scope_id), bytes(block_key))
         if self.host.exists(block) or (self.local is not None and self.local.path_of(block).exists()):
             raise PreconditionFailed(f"a replica of {block.block_key.hex()} exists; it is kept")
-        return BlockUpload(self, block, descriptor)
+        return BlockUpload(self, block, descriptor, owner=principal.identity)
 
     def _allocate_upload(self, layers: int, size: int) -> tuple[memoryview, Allocation]:
         allocation = Allocation(self.host_directory, layers, size)
         return allocation.container, allocation
 
     def _commit(self, block: BlockId, header: ContainerHeader, layer_digests: tuple[bytes, ...],
-                data: memoryview, allocation: Any = None) -> ReplicaRecord:
+                data: memoryview, allocation: Any = None, *, owner: str | None = None) -> ReplicaRecord:
         assert isinstance(allocation, Allocation)
         staged = allocation.stage(BlockMeta(block, header, layer_digests, len(data)))
         # the primary removes the staged name, stored or not; the reads before this PUT are ordered before it
-        record = self.primary.commit(block, staged, self.take_reads())
+        record = self.primary.commit(block, staged, self.take_reads(), owner)
         self.metrics["stored"] += 1
         return record
 

@@ -8,6 +8,11 @@ before it evicts anything. docs/wire.md ("Holder") records the decisions:
   unexpired leases (a replica leased twice counts twice) and the number of its leases;
 * a request whose ``ttl_ms`` exceeds the maximum, or that would take the client over a quota, is refused with
   ``kvsp-lease-quota`` (429) -- nothing is clamped;
+* quotas protect capacity (spec, Security Considerations: "Leases reserve holder memory. Quotas on leased octets,
+  lease TTL ... are REQUIRED"): given the holder's *capacity*, every client's leases together cover at most
+  ``max_leased_fraction`` of it, and no client's quota is above that global cap; a lease can be renewed at most
+  ``max_renewals`` times and never past ``max_lifetime_ms`` after it was created (429 beyond), so a replica is
+  pinned for a bounded time whatever its client does;
 * only the owner may renew or release a lease; anyone else gets 404 ``kvsp-not-found``, like an unknown or
   expired lease, so lease ids reveal nothing to other clients;
 * a lease whose replica the holder had to drop after a fault is *broken*: it still protects its other
@@ -34,11 +39,19 @@ class LeaseLimits:
     max_octets_per_client: int = 16 << 30  # leased replica octets per client, over its unexpired leases
     max_leases_per_client: int = 1024
     max_keys_per_lease: int = 1024
+    max_leased_fraction: float = 1.0  # of the holder's capacity leased by all clients together (global cap)
+    max_renewals: int = 30  # renewals of one lease
+    max_lifetime_ms: int = 600_000  # a lease is never renewed past this long after its creation
 
     def __post_init__(self) -> None:
-        for name in ("max_ttl_ms", "max_octets_per_client", "max_leases_per_client", "max_keys_per_lease"):
+        for name in ("max_ttl_ms", "max_octets_per_client", "max_leases_per_client", "max_keys_per_lease",
+                     "max_lifetime_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")
+        if self.max_renewals < 0:
+            raise ValueError("max_renewals: must not be negative")
+        if not 0.0 < self.max_leased_fraction <= 1.0:
+            raise ValueError("max_leased_fraction: must be in (0, 1]")
 
 
 @dataclass
@@ -49,6 +62,8 @@ class Lease:
     octets: int
     ttl_ms: int  # as granted last (creation or renewal)
     expires_at: float
+    created_at: float = 0.0
+    renewals: int = 0
     broken: str | None = None  # why, once a replica it covers was dropped after a fault
 
     def valid(self, now: float) -> bool:
@@ -62,9 +77,14 @@ class _Usage:
 
 
 class LeaseTable:
+    """The leases of one holder. With *capacity* (octets the holder can store), the leases of every client together
+    cover at most ``limits.max_leased_fraction`` of it (:attr:`global_cap`)."""
+
     def __init__(self, limits: LeaseLimits = LeaseLimits(), *, clock: Callable[[], float] = time.monotonic,
-                 new_id: Callable[[], uuid.UUID] = uuid.uuid4) -> None:
+                 new_id: Callable[[], uuid.UUID] = uuid.uuid4, capacity: int | None = None) -> None:
         self.limits = limits
+        self.global_cap = int(capacity * limits.max_leased_fraction) if capacity is not None else None
+        self.leased = 0  # octets covered by the unexpired leases of every client
         self._clock = clock
         self._new_id = new_id
         self._leases: dict[uuid.UUID, Lease] = {}
@@ -100,14 +120,22 @@ class LeaseTable:
         used, count = self.usage(owner)
         if count + 1 > self.limits.max_leases_per_client:
             raise LeaseQuota(f"the client already holds {count} leases, the maximum")
-        if used + octets > self.limits.max_octets_per_client:
+        quota = self.limits.max_octets_per_client
+        if self.global_cap is not None:
+            quota = min(quota, self.global_cap)
+        if used + octets > quota:
             raise LeaseQuota(f"the lease would cover {octets} octets; the client holds {used} of its quota of "
-                             f"{self.limits.max_octets_per_client}")
+                             f"{quota}")
+        if self.global_cap is not None and self.leased + octets > self.global_cap:
+            raise LeaseQuota(f"the lease would cover {octets} octets; {self.leased} of the {self.global_cap} this "
+                             f"holder leases to all clients together are taken")
         lease_id = self._new_id()
         while lease_id in self._leases:  # an injected id source might repeat; uuid4 does not in practice
             lease_id = self._new_id()
-        lease = Lease(lease_id, owner, tuple(blocks), octets, ttl_ms, self._clock() + ttl_ms / 1000)
+        now = self._clock()
+        lease = Lease(lease_id, owner, tuple(blocks), octets, ttl_ms, now + ttl_ms / 1000, now)
         self._leases[lease_id] = lease
+        self.leased += octets
         for block in lease.blocks:
             self._by_block.setdefault(block, set()).add(lease_id)
         usage = self._usage.setdefault(owner, _Usage())
@@ -128,8 +156,15 @@ class LeaseTable:
         if lease.broken is not None:
             raise NotFound(f"lease {lease_id} is broken: {lease.broken}")
         self._check_ttl(ttl_ms)
+        if lease.renewals >= self.limits.max_renewals:
+            raise LeaseQuota(f"lease {lease_id} was renewed {lease.renewals} times, the maximum")
+        now = self._clock()
+        if now + ttl_ms / 1000 > lease.created_at + self.limits.max_lifetime_ms / 1000:
+            raise LeaseQuota(f"lease {lease_id} would last past {self.limits.max_lifetime_ms} ms after its creation, "
+                             f"the longest a lease lasts")
         lease.ttl_ms = ttl_ms
-        lease.expires_at = self._clock() + ttl_ms / 1000
+        lease.expires_at = now + ttl_ms / 1000
+        lease.renewals += 1
         return lease
 
     def release(self, owner: str, lease_id: uuid.UUID) -> Lease:
@@ -171,6 +206,7 @@ class LeaseTable:
 
     def _remove(self, lease: Lease) -> None:
         del self._leases[lease.id]
+        self.leased -= lease.octets
         for block in lease.blocks:
             ids = self._by_block.get(block)
             if ids is not None:

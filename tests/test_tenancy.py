@@ -1,0 +1,176 @@
+"""Tenants who distrust each other (issue 13): scope-aware placement, over real sockets.
+
+The Index Service + Placement Controller (http3.controller_app behind RoleServer, mutual TLS) with two tenants:
+tenant A's instance ``ia`` and client ``alice`` hold scope S1, tenant B's instance ``ib`` and client ``bob`` hold
+S2. The instances are the recording instance apps of ``tests.test_controller_app`` behind their own RoleServers:
+whatever the PC sends them arrives over HTTP/3 and is recorded, so "tenant B received nothing of tenant A" is an
+observation of the wire, not of the PC's internals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from http3.client import KvspClient
+from http3.controller_app import controller_app
+from http3.controller_link import HttpInstanceLink
+from http3.controller_service import ControllerService
+from http3.server import RoleServer, bind_pair
+from kvsp_quic import keys as k
+from kvsp_quic.auth import ALL, Policy, Principal, Role
+from kvsp_quic.compat import InstanceState
+from kvsp_quic.metrics import Registry
+from kvsp_quic.roles.controller import ControllerConfig, PlacementController
+from kvsp_quic.roles.controller_records import SessionInfo
+from kvsp_quic.roles.index import Geometry, IndexConfig, IndexService
+from kvsp_quic.roles.status import LifecyclePolicy, SleepPolicy, StatusTable
+from kvsp_quic.storage.memory_index import MemoryIndexStore
+from tests.pki import make_pki
+from tests.test_controller_app import BLOCK, Cluster, FakeInstance, session_body
+from tests.test_index import C1, S1, S2, bk, replica
+
+NAMES = ("pc", "ia", "ib", "h1", "h2")
+
+
+def two_tenants(uris: dict[str, str]) -> Policy:
+    return Policy.from_dict({"principal": [
+        {"identity": uris["pc"], "roles": ["controller"], "scopes": "*"},
+        {"identity": uris["h1"], "roles": ["holder"], "scopes": [S1.hex()]},
+        {"identity": uris["h2"], "roles": ["holder"], "scopes": [S2.hex()]},
+        {"identity": uris["ia"], "roles": ["instance", "holder"], "scopes": [S1.hex()]},
+        {"identity": uris["ib"], "roles": ["instance", "holder"], "scopes": [S2.hex()]},
+        {"identity": "urn:kvsp:client:alice", "roles": ["client"], "scopes": [S1.hex()]},
+        {"identity": "urn:kvsp:client:bob", "roles": ["client"], "scopes": [S2.hex()]},
+    ]})
+
+
+@contextlib.asynccontextmanager
+async def tenant_cluster(root: Path) -> AsyncIterator[Cluster]:
+    sockets: dict[str, tuple[socket.socket, socket.socket | None]] = {n: bind_pair("127.0.0.1", 0, 1 << 20)
+                                                                      for n in NAMES}
+    uris = {n: f"https://127.0.0.1:{s[0].getsockname()[1]}/kvsp/" for n, s in sockets.items()}
+    pki = make_pki(root, roles=uris)
+    policy = two_tenants(uris)
+    status = StatusTable(time.monotonic, policy=LifecyclePolicy(SleepPolicy()), max_ttl_ms=60_000)
+    service = IndexService(MemoryIndexStore(), clock=time.monotonic,
+                           config=IndexConfig(geometry={C1: Geometry(BLOCK, 4)}), status=status)
+    pc_client = KvspClient(pki.files("pc"), timeout=5.0)
+    role = PlacementController(service, clock=time.monotonic, config=ControllerConfig(prefetch_deadline_ms=200),
+                               metrics=Registry(), identity=uris["pc"])
+    controller = ControllerService(role, HttpInstanceLink(pc_client))
+    servers = [RoleServer(controller_app(service, controller, policy, base_path="/kvsp/", tick_interval=0.05),
+                          pki.files("pc"))]
+    instances = {n: FakeInstance(n, uris[n]) for n in ("ia", "ib")}
+    servers += [RoleServer(inst.app(policy), pki.files(n)) for n, inst in instances.items()]
+    clients = {n: KvspClient(pki.files(n), timeout=5.0) for n in ("pc", "ia", "ib", "alice", "bob")}
+    try:
+        for name, server in zip(("pc", "ia", "ib"), servers, strict=True):
+            await server.start(sockets=sockets[name])
+        for name in ("h1", "h2"):
+            for sock in sockets[name]:
+                if sock is not None:
+                    sock.close()
+        yield Cluster(uris["pc"], uris, service, controller, instances, clients)
+    finally:
+        for client in [*clients.values(), pc_client]:
+            await client.aclose()
+        for server in servers:
+            await server.close()
+
+
+@pytest.fixture
+async def t(tmp_path: Path) -> AsyncIterator[Cluster]:
+    async with tenant_cluster(tmp_path) as found:
+        yield found
+
+
+def leaked(instance: FakeInstance, scope: bytes) -> list[object]:
+    """Everything *instance* received that carries *scope* (prefetch directives, starts, resumes)."""
+    out: list[object] = []
+    for _kind, body in instance.calls:
+        carried = getattr(body, "scope_id", None)
+        if carried is None and hasattr(body, "checkpoint"):
+            carried = body.checkpoint.scope_id
+        if carried is not None and bytes(carried) == scope:
+            out.append(body)
+    return out
+
+
+async def test_placement_never_crosses_tenants(t: Cluster) -> None:
+    h1 = t.uri("h1")
+    for i in range(4):  # tenant A's cached prefix, at A's holder
+        await t.service.publish(Principal(h1, frozenset({Role.HOLDER}), ALL), k.holder_id(h1), bk(i),
+                                replica(i, holder=h1))
+    ia, ib = t.instances["ia"], t.instances["ib"]
+    # tenant B's instance reports the most attractive figures there are: idle, fast, a fat link to A's holder
+    assert (await t.report("ib", prefill_tokens_per_s=1e9, decode_tokens_per_s=1e9, batch_size=1024)).status == 200
+    # tenant A's own instance is busy and slow
+    assert (await t.report("ia", queued=6, prefill_tokens_per_s=10.0, decode_tokens_per_s=1.0)).status == 200
+
+    body = session_body(1)
+    created = await t.call("alice", "POST", "sessions", body)
+    assert created.status == 201, created.content
+    assert SessionInfo.from_json(created.json()).instance == t.uri("ia")
+    assert [kind for kind, _ in ia.calls] == ["prefetch", "start"]
+    assert ib.calls == []  # not even the prefetch directive naming A's block keys
+
+    # tenant B's own session goes to B's instance (B still gets service)
+    created_b = await t.call("bob", "POST", "sessions", session_body(2) | {"scope_id": S2.hex()})
+    assert created_b.status == 201, created_b.content
+    assert SessionInfo.from_json(created_b.json()).instance == t.uri("ib")
+    assert leaked(ib, S1) == [] and leaked(ia, S2) == []
+
+    # A's instance fails (reports failed): A's running session is not resumed on B's instance, and new sessions of
+    # A fail with the typed 503 while B's idle instance is live
+    assert (await t.report("ia", state=InstanceState.FAILED)).status == 200
+    await asyncio.sleep(0.3)  # a few ticks of the migration loop
+    refused = await t.call("alice", "POST", "sessions", session_body(3))
+    assert refused.status == 503, refused.content
+    assert refused.headers["content-type"].startswith("application/problem+json")
+    assert refused.json()["status"] == 503 and S1.hex() in refused.json()["detail"]
+    assert leaked(ib, S1) == []
+    assert [kind for kind, _ in ib.calls] == ["prefetch", "start"] or [kind for kind, _ in ib.calls] == ["start"]
+    info = await t.call("alice", "GET", f"sessions/{body['session']}")
+    assert info.json()["state"] == "migrating" and "instance" not in info.json()
+
+    # A's instance comes back (a new run): the migrating session resumes there, not anywhere else
+    assert (await t.report("ia", epoch=2)).status == 200
+
+    async def resumed() -> bool:
+        got = await t.call("alice", "GET", f"sessions/{body['session']}")
+        return bool(got.json().get("instance") == t.uri("ia"))
+
+    deadline = time.monotonic() + 5.0
+    while not await resumed():
+        assert time.monotonic() < deadline, "the session was not resumed on tenant A's instance"
+        await asyncio.sleep(0.05)
+    assert leaked(ib, S1) == []
+
+
+async def test_sleeping_instance_of_another_scope_is_not_woken(t: Cluster) -> None:
+    ib = t.instances["ib"]
+    await t.report("ia")
+    await t.report("ib")
+    # B's instance may sleep (A's is active and idle), then A's instance leaves
+    assert (await t.report("ib", requested_state=InstanceState.SLEEPING)).json() == {"state": "draining"}
+    assert (await t.report("ib", state=InstanceState.SLEEPING)).json() == {"state": "sleeping"}
+    assert (await t.report("ia", state=InstanceState.FAILED)).status == 200
+    refused = await t.call("alice", "POST", "sessions", session_body(4, blocks=0) | {"block_keys": []})
+    assert refused.status == 503
+    assert ib.calls == []  # no wake-up (PUT state) for a session it may not serve, no start
+
+
+async def test_a_tenant_b_session_with_only_tenant_a_instances_is_refused(t: Cluster) -> None:
+    await t.report("ia")
+    denied = await t.call("alice", "POST", "sessions", session_body(5) | {"scope_id": S2.hex()})
+    assert denied.status == 403 and denied.json()["type"].endswith("#kvsp-scope-denied")  # alice lacks S2
+    refused = await t.call("bob", "POST", "sessions", session_body(6) | {"scope_id": S2.hex()})
+    assert refused.status == 503
+    assert t.instances["ia"].calls == []
