@@ -15,6 +15,8 @@ Resources, relative to the base URI (the Index Service's, :mod:`http3.index_app`
 * ``POST sessions`` (client) -> 201 :class:`~kvsp_quic.roles.controller_records.SessionInfo` with ``Location``
   (200 for a retry of the same request);
 * ``GET sessions/{session}`` (client, the session's creator) -> 200 ``SessionInfo``;
+* ``DELETE sessions/{session}`` (client, the session's creator; extension) -> 204: the session is cancelled at its
+  instance and forgotten (docs/wire.md, "Cancelling a session");
 * ``PUT sessions/{session}/checkpoint`` (instance, the session's current one) -> 200 ``{"session", "epoch",
   "output_offset"}``; an optional ``"done": true`` member (extension) says the session produced its last token;
 * ``GET instances`` (controller, client) -> ``{"instances": [...]}``: held state, epoch and load of each;
@@ -64,6 +66,7 @@ _MAP_RE = re.compile(r"[A-Za-z0-9._~-]{1,128}")
 CONTROLLER_RULES: tuple[Rule, ...] = (
     Rule("POST", "sessions", ["client"]),
     Rule("GET", "sessions/{session}", ["client"]),
+    Rule("DELETE", "sessions/{session}", ["client"]),
     Rule("PUT", "sessions/{session}/checkpoint", ["instance"]),
     Rule("GET", "instances", ["controller", "client"]),
     Rule("PUT", "instances/{instance_id}/state", ["controller"]),
@@ -99,6 +102,10 @@ def controller_routes(pc: ControllerService, *, max_body_bytes: int = DEFAULT_MA
 
     async def get_session(request: Request) -> Response:
         return kvsp_json(role.session_info(principal_of(request), _session_id(request)).to_json())
+
+    async def delete_session(request: Request) -> Response:
+        await pc.cancel_session(principal_of(request), _session_id(request))
+        return Response(status_code=204, headers={"cache-control": "no-store"})
 
     async def put_checkpoint(request: Request) -> Response:
         session_id = _session_id(request)
@@ -136,6 +143,7 @@ def controller_routes(pc: ControllerService, *, max_body_bytes: int = DEFAULT_MA
     return [
         Route("/sessions", post_session, methods=["POST"]),
         Route("/sessions/{session}", get_session, methods=["GET"]),
+        Route("/sessions/{session}", delete_session, methods=["DELETE"]),
         Route("/sessions/{session}/checkpoint", put_checkpoint, methods=["PUT"]),
         Route("/instances", get_instances, methods=["GET"]),
         Route("/instances/{instance_id}/state", put_state, methods=["PUT"]),

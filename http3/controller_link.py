@@ -13,6 +13,7 @@ import uuid
 from http3.api import KvspApi
 from http3.client import KvspClient
 from kvsp_quic.compat import InstanceState
+from kvsp_quic.problems import problem_from_json
 from kvsp_quic.records import PrefetchDirective
 from kvsp_quic.roles.controller_records import SessionResume, SessionStart
 from kvsp_quic.roles.controller_reshard import ReshardMessage
@@ -39,6 +40,13 @@ class HttpInstanceLink:
 
     async def reshard(self, instance: str, message: ReshardMessage, timeout: float | None = None) -> None:
         await self.api.reshard(instance, message, timeout=timeout)
+
+    async def cancel(self, instance: str, session: uuid.UUID) -> None:
+        """``DELETE {instance}sessions/{id}`` (extension, docs/wire.md "Cancelling a session"): 204, or 404 when the
+        instance no longer has the session; anything else raises its Problem."""
+        response = await self.api.client.request("DELETE", self.api.url(instance, f"sessions/{session}"))
+        if response.status not in (204, 404):
+            raise problem_from_json(response.status, response.content or b"")
 
 
 __all__ = ["HttpInstanceLink"]

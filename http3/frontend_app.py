@@ -1,294 +1,170 @@
-"""The front end: an OpenAI-compatible ``POST /v1/completions`` (streaming and not) over the Placement
-Controller and the inference instances (docs/inference.md).
+"""The front end: an OpenAI-compatible HTTP API over the Placement Controller and the inference instances
+(docs/inference.md; README, "The front end").
 
-For each request it tokenizes the prompt, computes its Block Keys (the front end is a principal of the scope and
-holds the scope key), asks the PC for a session, reads the labelled tokens from the instance, and relays each
-output index exactly once (:class:`kvsp_quic.frontend.TokenRelay`). When the token stream breaks it asks the PC
-where the session went, waits for the new epoch, and resumes reading at the first index it lacks.
+Resources, relative to the front end's base URI:
+
+* ``POST v1/completions``, ``POST v1/chat/completions`` (whole and streamed: :mod:`http3.frontend_openai`; the
+  parameters: :mod:`http3.frontend_params`);
+* ``GET v1/models``, ``GET v1/models/{model}``;
+* ``POST tokenize`` (``{"prompt"}`` or ``{"messages"}``) -> ``{"count", "max_model_len", "tokens"}``, ``POST
+  detokenize`` (``{"tokens"}``) -> ``{"prompt"}`` (vLLM's shapes);
+* ``GET health`` (200, empty) and ``GET version`` (``{"version"}``), without authentication; ``GET metrics``.
+
+Every other request authenticates with a policy-listed client certificate or ``Authorization: Bearer KEY``, within
+its principal's limits (:mod:`http3.frontend_auth`); errors are OpenAI's shape (:mod:`http3.frontend_errors`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
-import secrets
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
-from http3.api import KvspApi, RetryElsewhere
-from http3.app_kit import check_declared_length, role_app
+from http3.app_kit import BasePath, check_declared_length
 from http3.asgi_types import ASGIApp
-from http3.authz import Rule
-from http3.client import KvspClient, TransportError
-from http3.metrics_app import mount_metrics
-from http3.problem_response import install
+from http3.client import TransportError
+from http3.frontend_auth import ApiAuthentication, PrincipalLimits
+from http3.frontend_errors import InvalidParameter, ModelNotFound, install_errors
+from http3.frontend_openai import generate
+from http3.frontend_params import chat_params, check_keys, check_model, completion_params, prompts_of
+from http3.frontend_session import Completion, Frontend, FrontendStats, Tokenizer
+from http3.frontend_text import ChatTemplateError
+from http3.metrics_app import metrics_route
+from kvsp_quic import __version__
 from kvsp_quic.auth import Policy
-from kvsp_quic.frontend import FrontendOptions, SamplingRequest, TokenRelay
-from kvsp_quic.keys import BlockKeyer
 from kvsp_quic.metrics import Registry
-from kvsp_quic.problems import BadRequest, Problem, Unavailable
-from kvsp_quic.roles.controller_records import SessionRequest, SessionState, TokenLine
+from kvsp_quic.problems import BadRequest, Problem
+
+__all__ = ["Completion", "Frontend", "FrontendStats", "Tokenizer", "frontend_app"]
 
 log = logging.getLogger("kvsp.frontend")
 
-RULES = (Rule("POST", "v1/completions", ["client"]), Rule("GET", "v1/models", ["client"]))
+MAX_BODY = 16 << 20
 
 
-class Tokenizer(Protocol):  # the part of gpu.modelfiles.TextTokenizer the front end needs
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
-
-
-@dataclass
-class FrontendStats:
-    sessions: int = 0
-    failovers: int = 0
-    duplicates: int = 0
-    stale: int = 0
-    tokens: int = 0
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(json.dumps(obj, ensure_ascii=False), status_code=status, media_type="application/json",
+                    headers={"cache-control": "no-store"})
 
 
-@dataclass
-class Completion:
-    """One request's run: yields (index, token) as they are released; ``reason`` once it ends."""
-
-    frontend: Frontend
-    prompt: list[int]
-    max_tokens: int
-    sampling: SamplingRequest
-    session: uuid.UUID = field(default_factory=uuid.uuid4)
-    relay: TokenRelay = field(default_factory=TokenRelay)
-    reason: str = ""
-    instance: str = ""
-
-    async def tokens(self) -> AsyncIterator[tuple[int, int]]:
-        fe = self.frontend
-        keys = fe.keyer.keys(self.prompt)
-        request = SessionRequest(self.session, fe.keyer.scope_id, fe.keyer.compat_id, tuple(self.prompt),
-                                 self.max_tokens, self.sampling.sampler(), tuple(keys))
-        try:
-            assigned = await fe.api.create_session(fe.pc, request)
-        except RetryElsewhere as exc:  # the PC is unreachable or busy: the client may try again
-            raise exc.problem or Unavailable(f"the Placement Controller: {exc}") from None
-        if assigned.instance is None:
-            raise Unavailable(f"the Placement Controller placed session {self.session} nowhere")
-        self.instance, epoch = assigned.instance, assigned.epoch
-        self.relay.new_epoch(epoch)
-        fe.stats.sessions += 1
-        try:
-            async for item in self._follow():
-                yield item
-        finally:
-            fe.stats.duplicates += self.relay.duplicates
-            fe.stats.stale += self.relay.stale
-
-    async def _follow(self) -> AsyncIterator[tuple[int, int]]:
-        """Read the current instance's tokens; when they stop (the stream broke, or nothing came for
-        ``stall_check`` seconds and the PC says the session moved), continue at its new instance."""
-        fe = self.frontend
-        deadline: float | None = None
-        while True:
-            queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-            reader = asyncio.create_task(self._pump(self.instance, queue))
-            moved: str | None = None
-            try:
-                while moved is None:
-                    try:
-                        kind, value = await asyncio.wait_for(queue.get(), fe.options.stall_check_s)
-                    except TimeoutError:
-                        moved = await self._peek()  # silence: has the PC moved the session meanwhile?
-                        continue
-                    if kind == "token":
-                        deadline = None
-                        yield value
-                    elif kind == "done":
-                        self.reason = value
-                        return
-                    elif isinstance(value, Problem) and not isinstance(value, TransportError):
-                        raise value
-                    else:
-                        log.info("session %s: token stream from %s broke (%s); asking the PC", self.session,
-                                 self.instance, value)
-                        break
-            finally:
-                reader.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await reader
-            if moved is None:
-                deadline = deadline or time.monotonic() + fe.options.failover_timeout_s
-                moved = await self._moved(deadline)
-            self.instance = moved
-            fe.stats.failovers += 1
-
-    async def _pump(self, instance: str, queue: asyncio.Queue[tuple[str, Any]]) -> None:
-        try:
-            async for index, token, done in self._read(instance):
-                if done is not None:
-                    await queue.put(("done", done))
-                    return
-                await queue.put(("token", (index, token)))
-            await queue.put(("broken", TransportError("the token stream ended without a final line")))
-        except (TransportError, ValueError, Problem) as exc:
-            await queue.put(("broken", exc))
-
-    async def _read(self, instance: str) -> AsyncIterator[tuple[int, int, str | None]]:
-        fe = self.frontend
-        async with fe.api.tokens(instance, self.session, self.relay.next_index,
-                                 timeout=fe.options.read_timeout_s) as lines:
-            async for line in lines:
-                if line.done:
-                    if line.epoch < self.relay.epoch:
-                        continue
-                    if line.failed:
-                        raise Unavailable(f"the instance could not complete the session: "
-                                          f"{line.detail or 'no detail'}")
-                    yield line.index, -1, line.reason or "length"
-                    return
-                assert line.token is not None
-                if self.relay.offer(line.index, line.epoch, line.token):
-                    fe.stats.tokens += 1
-                    yield line.index, line.token, None
-
-    async def _peek(self) -> str | None:
-        """The session's new instance when the PC has moved it to a newer epoch, else None."""
-        try:
-            info = await self.frontend.api.session_info(self.frontend.pc, self.session)
-        except (TransportError, Problem):
-            return None
-        if info.epoch > self.relay.epoch and info.instance:
-            self.relay.new_epoch(info.epoch)
-            return info.instance
-        return None
-
-    async def _moved(self, deadline: float) -> str:
-        """Wait for the PC to move the session to a new epoch; its new instance."""
-        fe = self.frontend
-        while time.monotonic() < deadline:
-            try:
-                info = await fe.api.session_info(fe.pc, self.session)
-            except TransportError as exc:  # RetryElsewhere: unreachable, 5xx
-                log.warning("session %s: the PC is unreachable (%s)", self.session, exc)
-            else:
-                if info.epoch > self.relay.epoch or info.state is SessionState.DONE:
-                    self.relay.new_epoch(info.epoch)
-                    return info.instance or self.instance
-            await asyncio.sleep(fe.options.poll_interval_s)
-        raise Unavailable(f"session {self.session} was not resumed within {fe.options.failover_timeout_s} s")
+async def _body(request: Request) -> dict[str, Any]:
+    check_declared_length(request, MAX_BODY)
+    raw = await request.body()
+    if len(raw) > MAX_BODY:
+        raise Problem(f"the request body exceeds {MAX_BODY} octets", status=413)
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise BadRequest("the body must be a JSON object") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
 
 
-@dataclass
-class Frontend:
-    client: KvspClient
-    pc: str
-    keyer: BlockKeyer
-    tokenizer: Tokenizer
-    model_name: str
-    options: FrontendOptions = field(default_factory=FrontendOptions)
-    random_seed: Callable[[], int] = lambda: secrets.randbelow(1 << 63)
-    stats: FrontendStats = field(default_factory=FrontendStats)
-    api: KvspApi = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.api = KvspApi(self.client)
-
-    def completion(self, body: dict[str, Any]) -> Completion:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                        for t in prompt):
-            tokens = list(prompt)
-        elif isinstance(prompt, str) and prompt:
-            tokens = self.tokenizer.encode(prompt)
-        else:
-            raise BadRequest("prompt: a non-empty string or array of token ids is required")
-        max_tokens = body.get("max_tokens", 16)
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= \
-                self.options.max_tokens:
-            raise BadRequest(f"max_tokens: an integer in [1, {self.options.max_tokens}]")
-        sampling = SamplingRequest.from_openai(_number(body, "temperature"), _number(body, "top_p"),
-                                               _integer(body, "seed"), self.random_seed())
-        return Completion(self, tokens, max_tokens, sampling)
+async def cancel_session(frontend: Frontend, run: Completion) -> None:
+    """``DELETE {pc}sessions/{id}`` (docs/wire.md, "Cancelling a session"): the PC ends the session at its instance
+    and frees its slot. Best effort: a PC without the resource, or one that does not answer, is logged."""
+    url = frontend.api.url(frontend.pc, f"sessions/{run.session}")
+    try:
+        response = await frontend.client.request("DELETE", url, timeout=frontend.placement_timeout_s)
+    except (TransportError, OSError) as exc:
+        log.warning("session %s: the cancel did not reach the PC (%s)", run.session, exc)
+        return
+    frontend.stats.cancelled += 1
+    if response.status not in (200, 204, 404):
+        log.warning("session %s: the PC answered %d to the cancel", run.session, response.status)
+    else:
+        log.info("session %s: cancelled (the PC answered %d)", run.session, response.status)
 
 
-def _number(body: dict[str, Any], name: str) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise BadRequest(f"{name}: must be a number")
-    return float(value)
+def frontend_app(frontend: Frontend, policy: Policy, *, base_path: str = "/",
+                 limits: PrincipalLimits | None = None) -> ASGIApp:
+    async def cancel(run: Completion) -> None:
+        await cancel_session(frontend, run)
 
-
-def _integer(body: dict[str, Any], name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise BadRequest(f"{name}: must be a non-negative integer")
-    return value
-
-
-def frontend_app(frontend: Frontend, policy: Policy, *, base_path: str = "/") -> ASGIApp:
     async def completions(request: Request) -> Response:
-        check_declared_length(request, 1 << 20)
+        params = completion_params(await _body(request), frontend.tokenizer, frontend.limits)
+        return await generate(request, frontend, params, chat=False, cancel=cancel)
+
+    async def chat_completions(request: Request) -> Response:
+        body = await _body(request)
         try:
-            body = json.loads(await request.body())
-        except ValueError:
-            raise BadRequest("the body must be a JSON object") from None
-        if not isinstance(body, dict):
-            raise BadRequest("the body must be a JSON object")
-        run = frontend.completion(body)
-        created = int(time.time())
-        ident = f"cmpl-{run.session}"
-        if body.get("stream"):
-            return StreamingResponse(_sse(run, frontend, ident, created), media_type="text/event-stream",
-                                     headers={"cache-control": "no-store"})
-        ids = [token async for _, token in run.tokens()]
-        return Response(json.dumps({
-            "id": ident, "object": "text_completion", "created": created, "model": frontend.model_name,
-            "choices": [{"text": frontend.tokenizer.decode(ids), "index": 0, "logprobs": None,
-                         "finish_reason": run.reason or "length"}],
-            "usage": {"prompt_tokens": len(run.prompt), "completion_tokens": len(ids),
-                      "total_tokens": len(run.prompt) + len(ids)},
-            "kvsp": {"session": str(run.session), "epoch": run.relay.epoch, "tokens": ids},
-        }), media_type="application/json", headers={"cache-control": "no-store"})
+            params = chat_params(body, frontend.tokenizer, frontend.limits, frontend.chat_template)
+        except ChatTemplateError as exc:
+            raise InvalidParameter("messages", str(exc)) from None
+        return await generate(request, frontend, params, chat=True, cancel=cancel)
+
+    def model_card() -> dict[str, Any]:
+        return {"id": frontend.model_name, "object": "model", "created": 0, "owned_by": "kvsp-quic",
+                "root": frontend.model_name, "parent": None, "max_model_len": frontend.context}
 
     async def models(request: Request) -> Response:
-        return Response(json.dumps({"object": "list", "data": [{"id": frontend.model_name, "object": "model",
-                                                                 "owned_by": "kvsp-quic"}]}),
-                        media_type="application/json", headers={"cache-control": "no-store"})
+        return _json({"object": "list", "data": [model_card()]})
 
-    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
-                            Route("/v1/models", models, methods=["GET"])])
-    install(app)
+    async def model(request: Request) -> Response:
+        name = request.path_params["model"]
+        if name != frontend.model_name:
+            raise ModelNotFound(name, frontend.model_name)
+        return _json(model_card())
+
+    async def tokenize(request: Request) -> Response:
+        body = await _body(request)
+        check_keys(body, frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}))
+        check_model(body, frontend.limits)
+        if body.get("add_special_tokens") not in (None, False) or body.get("add_generation_prompt") not in \
+                (None, True):
+            raise InvalidParameter("add_special_tokens", "special tokens are never added; the generation prompt "
+                                                         "always is", code="unsupported_parameter")
+        if ("prompt" in body) == ("messages" in body):
+            raise InvalidParameter("prompt", "give either prompt (a string) or messages")
+        if "prompt" in body:
+            if not isinstance(body["prompt"], str):
+                raise InvalidParameter("prompt", "must be a string")
+            tokens = frontend.tokenizer.encode(body["prompt"]) if body["prompt"] else []
+        else:
+            try:
+                params = chat_params({"messages": body["messages"]}, frontend.tokenizer, frontend.limits,
+                                     frontend.chat_template)
+            except ChatTemplateError as exc:
+                raise InvalidParameter("messages", str(exc)) from None
+            tokens = list(params.choices[0].prompt)
+        return _json({"count": len(tokens), "max_model_len": frontend.context, "tokens": tokens})
+
+    async def detokenize(request: Request) -> Response:
+        body = await _body(request)
+        check_keys(body, frozenset({"model", "tokens"}))
+        check_model(body, frontend.limits)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list):
+            raise InvalidParameter("tokens", "an array of token ids is required")
+        ids = list(prompts_of(tokens, frontend.tokenizer, frontend.limits)[0][0]) if tokens else []
+        return _json({"prompt": frontend.tokenizer.decode(ids)})
+
+    async def health(request: Request) -> Response:
+        return Response(b"", headers={"cache-control": "no-store"})
+
+    async def version(request: Request) -> Response:
+        return _json({"version": __version__})
+
     registry = Registry()
     registry.counter("kvsp_frontend_events_total", "Sessions, failovers, tokens delivered and tokens discarded",
                      ("event",)).collect(lambda: [({"event": name}, float(value))
                                                   for name, value in vars(frontend.stats).items()])
-    return role_app(app, policy, mount_metrics(app, registry, RULES), base_path)
-
-
-async def _sse(run: Completion, frontend: Frontend, ident: str, created: int) -> AsyncIterator[bytes]:
-    try:
-        async for index, token in run.tokens():
-            chunk = {"id": ident, "object": "text_completion", "created": created, "model": frontend.model_name,
-                     "choices": [{"text": frontend.tokenizer.decode([token]), "index": 0, "logprobs": None,
-                                  "finish_reason": None}],
-                     "kvsp": TokenLine(index, run.relay.epoch, token).to_json()}
-            yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
-        final = {"id": ident, "object": "text_completion", "created": created, "model": frontend.model_name,
-                 "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": run.reason or "length"}]}
-        yield b"data: " + json.dumps(final).encode() + b"\n\n"
-    except Problem as exc:  # the response has started: report in-band, as OpenAI-compatible servers do
-        yield b"data: " + json.dumps({"error": exc.to_json()}).encode() + b"\n\n"
-    yield b"data: [DONE]\n\n"
+    app = Starlette(routes=[
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+        metrics_route(registry),
+    ])
+    install_errors(app)
+    return BasePath(ApiAuthentication(app, policy, frontend.keyer.scope_id, limits), base_path)

@@ -59,6 +59,7 @@ RULES = (
     Rule("GET", "sessions/{session}/tokens", (Role.CLIENT,)),
     Rule("GET", "status", (Role.CONTROLLER, Role.CLIENT)),
     Rule("GET", "sessions/{session}", (Role.CONTROLLER, Role.CLIENT)),
+    Rule("DELETE", "sessions/{session}", _PC),
     # the instance as a holder of its own tiers (http3/holder_app.py RULES, without PUT blocks)
     Rule("GET", "blocks/{compat}/{scope}/{block_key}", _READERS),
     Rule("POST", "leases", _READERS),
@@ -123,6 +124,10 @@ def instance_routes(service: InstanceService[Any], *, max_json_bytes: int = MAX_
         require_scope(principal_of(request), session.scope_id)
         return kvsp_json(session.info())
 
+    async def delete_session(request: Request) -> Response:
+        service.cancel_session(_session_id(request))
+        return Response(status_code=204, headers=NO_STORE)
+
     async def post_reshard(request: Request) -> Response:
         body = await body_of(request)
         msg = parse_reshard(body)
@@ -145,6 +150,7 @@ def instance_routes(service: InstanceService[Any], *, max_json_bytes: int = MAX_
         Route("/sessions/{session}/resume", post_resume, methods=["POST"]),
         Route("/sessions/{session}/tokens", get_tokens, methods=["GET"]),
         Route("/sessions/{session}", get_session, methods=["GET"]),
+        Route("/sessions/{session}", delete_session, methods=["DELETE"]),
         Route("/reshard", post_reshard, methods=["POST"]),
         Route("/state", put_state, methods=["PUT"]),
         Route("/status", get_status, methods=["GET"]),

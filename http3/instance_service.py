@@ -310,6 +310,15 @@ class InstanceService(Generic[P]):
             self._begin(admitted.session, self.planner.resume(admitted.session, body.prompt, admitted.keyer))
         return admitted.session
 
+    def cancel_session(self, sid: uuid.UUID) -> None:
+        """``DELETE sessions/{id}`` from the PC (extension, docs/wire.md "Cancelling a session"): the run stops (its
+        slot and pages are freed; its token stream ends without a final line). 404 for an unknown session."""
+        session = self.role.sessions.get(sid)
+        task = self._runs.get(sid)
+        if task is not None and not task.done():
+            log.info("session %s epoch %d cancelled by the PC", sid, session.epoch)
+            task.cancel()
+
     def _supersede(self, old: InstanceSession | None) -> None:
         if old is None:
             return

@@ -14,6 +14,20 @@ file (TOML) lists the principals::
     scopes = ["*"]                                 # "*" (every scope) or scope_ids in lowercase hex
     publish_for = ["moqt://relay.example:4443/"]   # more holders it may publish replicas for ("*": any)
 
+    [[principal]]                                  # a user of the OpenAI-compatible front end
+    identity = "urn:kvsp:user:alice"               # any absolute URI names a principal that has no certificate
+    roles = ["client"]
+    scopes = ["*"]
+    api_keys = ["sha256:2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae"]
+    max_concurrent = 4                             # requests in flight at the front end (429 beyond)
+    tokens_per_minute = 20000                      # prompt + completion tokens per sliding minute (429 beyond)
+
+``api_keys`` lists the SHA-256 of each key (``sha256:`` and 64 lowercase hex characters: ``printf %s "$KEY" |
+sha256sum``), never a key: the front end hashes the ``Authorization: Bearer`` key of a request and looks the hash
+up (:meth:`Policy.by_api_key`). A hash may belong to one principal only. ``max_concurrent`` and
+``tokens_per_minute`` bound what the front end admits for the principal; absent: no limit.
+Only the front end reads keys and limits; every KVSP role authenticates by certificate alone.
+
 Every key is checked; unknown keys, unknown roles, malformed scope ids and URIs, duplicate identities and
 duplicate list entries raise :class:`PolicyError` with one line naming the file and the key. docs/wire.md
 ("Authorization") records the decisions.
@@ -25,7 +39,10 @@ The checks raise the protocol's problem types: a missing role is :class:`~kvsp_q
 from __future__ import annotations
 
 import enum
+import hashlib
 import os
+import re
+import secrets
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -61,8 +78,21 @@ Scopes: TypeAlias = frozenset[ScopeId] | Literal[_All.ALL]
 Holders: TypeAlias = frozenset[str] | Literal[_All.ALL]
 
 SCOPE_ID_SIZE = 16
-_PRINCIPAL_KEYS = ("identity", "roles", "scopes", "publish_for")
+_LIMIT_KEYS = ("max_concurrent", "tokens_per_minute")
+_PRINCIPAL_KEYS = ("identity", "roles", "scopes", "publish_for", "api_keys", *_LIMIT_KEYS)
 _DEFAULT_KEYS = ("roles", "scopes")
+API_KEY_HASH_PREFIX = "sha256:"
+_API_KEY_HASH_RE = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def api_key_hash(key: str) -> str:
+    """How a policy file records an API key: ``sha256:`` and the SHA-256 of its UTF-8 octets in lowercase hex."""
+    return API_KEY_HASH_PREFIX + hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def new_api_key() -> str:
+    """A fresh API key: ``kvsp-`` and 256 random bits (base64url)."""
+    return "kvsp-" + secrets.token_urlsafe(32)
 _TOP_KEYS = ("defaults", "principal")
 
 
@@ -78,6 +108,9 @@ class Principal:
     roles: frozenset[Role]
     scopes: Scopes = frozenset()
     publish_for: Holders = frozenset()
+    api_keys: frozenset[str] = frozenset()  # hashes (api_key_hash), never keys
+    max_concurrent: int | None = None  # front end: requests in flight (None: no limit)
+    tokens_per_minute: int | None = None  # front end: prompt + completion tokens per sliding minute
 
     def __post_init__(self) -> None:
         if not isinstance(self.identity, str) or not self.identity:
@@ -86,6 +119,12 @@ class Principal:
             raise ValueError(f"Principal.roles must be Role values, got {sorted(map(str, self.roles))}")
         if self.scopes is not ALL and any(len(s) != SCOPE_ID_SIZE for s in self.scopes):
             raise ValueError("Principal.scopes must be 16-octet scope ids or ALL")
+        if any(not _API_KEY_HASH_RE.fullmatch(h) for h in self.api_keys):
+            raise ValueError("Principal.api_keys must be hashes ('sha256:' and 64 lowercase hex characters)")
+        for name in _LIMIT_KEYS:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"Principal.{name} must be a positive integer or None")
 
     def has_role(self, *roles: Role | str) -> bool:
         """True when the principal has at least one of *roles*."""
@@ -105,6 +144,7 @@ class Policy:
     principals: Mapping[str, Principal] = field(default_factory=lambda: MappingProxyType({}))
     source: str = "policy"  # where it came from, for messages
     anyone: bool = False  # --dev only: every verified identity not listed gets every right (see dev_ca)
+    api_keys: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # key hash -> identity
 
     def principal(self, identity: str | None) -> Principal | None:
         """The principal of *identity*, or None when the identity is absent or not in the policy."""
@@ -117,6 +157,22 @@ class Policy:
 
     def __len__(self) -> int:
         return len(self.principals)
+
+    def by_api_key(self, key: str) -> Principal | None:
+        """The principal whose ``api_keys`` list the hash of *key*, or None."""
+        identity = self.api_keys.get(api_key_hash(key))
+        return self.principals.get(identity) if identity is not None else None
+
+    def with_principal(self, principal: Principal) -> Policy:
+        """This policy and *principal* (its identity and key hashes must be new): ``--dev`` adds its API key so."""
+        if principal.identity in self.principals:
+            raise ValueError(f"{principal.identity!r} is already in the policy")
+        taken = [h for h in principal.api_keys if h in self.api_keys]
+        if taken:
+            raise ValueError(f"the API key hash {taken[0]} is already in the policy")
+        keys = {**self.api_keys, **{h: principal.identity for h in principal.api_keys}}
+        return Policy(MappingProxyType({**self.principals, principal.identity: principal}), self.source,
+                      self.anyone, MappingProxyType(keys))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Policy:
@@ -135,7 +191,9 @@ class Policy:
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any], *, source: str = "policy") -> Policy:
         """A policy from the parsed TOML document (or an equivalent dict)."""
-        return cls(MappingProxyType(_Parser(source).policy(obj)), source)
+        principals = _Parser(source).policy(obj)
+        keys = {h: p.identity for p in principals.values() for h in p.api_keys}
+        return cls(MappingProxyType(principals), source, api_keys=MappingProxyType(keys))
 
     @classmethod
     def dev_ca(cls) -> Policy:
@@ -233,6 +291,7 @@ class _Parser:
         default_roles = self.roles(defaults["roles"], "defaults.roles") if "roles" in defaults else None
         default_scopes: Scopes = (self.scopes(defaults["scopes"], "defaults.scopes") if "scopes" in defaults
                                   else frozenset())
+        key_at: dict[str, int] = {}
         entries = top.get("principal")
         if entries is None:
             raise self.error("principal", "no [[principal]] tables: the policy would deny every request")
@@ -262,8 +321,29 @@ class _Parser:
             publish_for = self.publish_for(t.get("publish_for", []), f"{path}.publish_for")
             if (publish_for is ALL or publish_for) and Role.HOLDER not in roles:
                 raise self.error(f"{path}.publish_for", "only a principal with the holder role publishes replicas")
-            out[identity] = Principal(identity, roles, scopes, publish_for)
+            api_keys = self.api_keys(t.get("api_keys", []), f"{path}.api_keys")
+            for h in api_keys:
+                if h in key_at:
+                    raise self.error(f"{path}.api_keys", f"the hash {h} is already listed at principal[{key_at[h]}]")
+                key_at[h] = i
+            limits = {name: self.limit(t[name], f"{path}.{name}") for name in _LIMIT_KEYS if name in t}
+            out[identity] = Principal(identity, roles, scopes, publish_for, api_keys, **limits)
         return out
+
+    def api_keys(self, value: Any, path: str) -> frozenset[str]:
+        items = self.strings(value, path)
+        for i, text in enumerate(items):
+            if not _API_KEY_HASH_RE.fullmatch(text):
+                raise self.error(f"{path}[{i}]", "must be the SHA-256 of a key ('sha256:' and 64 lowercase hex "
+                                                 "characters), never the key itself")
+        return frozenset(items)
+
+    def limit(self, value: Any, path: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.error(path, f"must be an integer, not {_kind(value)}")
+        if value < 1:
+            raise self.error(path, "must be positive")
+        return value
 
     def strings(self, value: Any, path: str) -> list[str]:
         if not isinstance(value, list):

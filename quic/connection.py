@@ -66,6 +66,15 @@ class MutualTlsContext(tls.Context):
                                   cafile=self._cafile)
 
 
+class OptionalClientCertContext(MutualTlsContext):
+    """:class:`MutualTlsContext` for a listener whose clients may send no certificate
+    (``TransportSettings.client_cert_optional``: the front end only). A certificate that is sent is verified as
+    strictly; an empty Certificate message continues the handshake unauthenticated (RFC 8446 4.4.2.4)."""
+
+    def _server_handle_certificate(self, input_buf: Buffer) -> None:
+        tls.Context._server_handle_certificate(self, input_buf)
+
+
 class ServerCheckingContext(tls.Context):
     """A client TLS context that checks the server's name itself.
 
@@ -150,6 +159,7 @@ class KvspQuicConnection(QuicConnection):
     _kvsp_unread_total: int
     _kvsp_uni_budget: int | None
     _kvsp_uni_done: int
+    _kvsp_client_cert_optional: bool = False
 
     def __init__(self, *args: Any, stream_window: int | None = None, connection_window: int | None = None,
                  max_streams: int | None = None, uni_streams: int | None = None, **kwargs: Any) -> None:
@@ -161,11 +171,14 @@ class KvspQuicConnection(QuicConnection):
 
     @classmethod
     def adopt(cls, connection: QuicConnection, *, stream_window: int | None = None,
-              connection_window: int | None = None, max_streams: int | None = None) -> KvspQuicConnection:
-        """Turn a connection aioquic's server created into ours, before it has processed any packet."""
+              connection_window: int | None = None, max_streams: int | None = None,
+              client_cert_optional: bool = False) -> KvspQuicConnection:
+        """Turn a connection aioquic's server created into ours, before it has processed any packet
+        (*client_cert_optional*: :class:`OptionalClientCertContext`, the front end's listener only)."""
         connection.__class__ = cls
         conn: KvspQuicConnection = connection  # type: ignore[assignment]
         conn.kvsp_setup(stream_window, connection_window, max_streams)
+        conn._kvsp_client_cert_optional = client_cert_optional
         return conn
 
     def kvsp_setup(self, stream_window: int | None, connection_window: int | None, max_streams: int | None) -> None:
@@ -185,7 +198,7 @@ class KvspQuicConnection(QuicConnection):
         if self._is_client:
             self.tls.__class__ = ServerCheckingContext
         else:
-            self.tls.__class__ = MutualTlsContext
+            self.tls.__class__ = OptionalClientCertContext if self._kvsp_client_cert_optional else MutualTlsContext
             self.tls._request_client_certificate = True
             self.tls._verify_mode = ssl.CERT_REQUIRED
 

@@ -162,7 +162,8 @@ class QuicListener:
     def _create_protocol(self, connection: QuicConnection, **kwargs: Any) -> ServerConnectionProtocol:
         quic = KvspQuicConnection.adopt(connection, stream_window=self.settings.stream_window,
                                         connection_window=self.settings.connection_window,
-                                        max_streams=self.settings.max_streams)
+                                        max_streams=self.settings.max_streams,
+                                        client_cert_optional=self.settings.client_cert_optional)
         protocol = ServerConnectionProtocol(quic, server=self, **kwargs)
         if self._closing:
             quic.close(error_code=0x0, reason_phrase="server shutting down")  # NO_ERROR: refuse politely

@@ -1,7 +1,10 @@
 """TLS material and settings shared by every transport: QUIC (aioquic) and TCP (``ssl``).
 
-Mutual TLS is the only mode: servers require a client certificate issued by the configured CA, clients verify
-the server against the same CA, both present their own certificate, TLS 1.3 only (spec, "HTTP Usage").
+Mutual TLS is the mode of every KVSP role: servers require a client certificate issued by the configured CA,
+clients verify the server against the same CA, both present their own certificate, TLS 1.3 only (spec, "HTTP
+Usage"). The one exception is the OpenAI-compatible front end, whose users are not KVSP principals:
+``TransportSettings.client_cert_optional`` lets a client without a certificate finish the handshake (one that is
+sent is still verified), and the app authenticates by API key.
 The peer's verified chain is exposed to ASGI apps through the TLS extension, built by :func:`tls_extension`
 in one place for every transport, so the identity an app sees does not depend on the transport.
 """
@@ -79,13 +82,19 @@ class TransportSettings:
     max_body_bytes: int = 1 << 30  # request bodies larger than this get 413
     shutdown_grace: float = 10.0  # graceful shutdown waits this long for in-flight requests
     extra_alpn: Mapping[str, Any] = field(default_factory=dict)  # reserved for MOQT handlers (ALPN -> factory)
+    # The OpenAI-compatible front end only (``kvsp-quic frontend``): its users authenticate with a client
+    # certificate *or* an API key, so its listeners ask for a certificate, verify one that is sent, and accept a
+    # handshake without one (the app then requires ``Authorization: Bearer``). Every KVSP role keeps the default.
+    client_cert_optional: bool = False
 
 
-def ssl_server_context(files: TlsFiles, alpn: Sequence[str] = ("h2", "http/1.1")) -> ssl.SSLContext:
-    """TLS 1.3 over TCP; a client certificate from the CA is required."""
+def ssl_server_context(files: TlsFiles, alpn: Sequence[str] = ("h2", "http/1.1"), *,
+                       client_cert_optional: bool = False) -> ssl.SSLContext:
+    """TLS 1.3 over TCP; a client certificate from the CA is required (*client_cert_optional*: asked for and
+    verified when sent, but a client may send none -- the front end's API-key users)."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.verify_mode = ssl.CERT_OPTIONAL if client_cert_optional else ssl.CERT_REQUIRED
     _load(ctx, files)
     ctx.set_alpn_protocols(list(alpn))
     return ctx

@@ -99,7 +99,8 @@ def test_dev_policy() -> None:
     ("[defaults]\nroles = ['client']\npublish_for = []\n" + _one(),
      "policy 'p.toml': defaults.publish_for: unknown key (allowed: roles, scopes)"),
     ("defaults = 3\n" + _one(), "policy 'p.toml': defaults: must be a table, not a number"),
-    (_one("colour = 'red'"), "principal[0].colour: unknown key (allowed: identity, roles, scopes, publish_for)"),
+    (_one("colour = 'red'"), "principal[0].colour: unknown key (allowed: identity, roles, scopes, publish_for, "
+     "api_keys, max_concurrent, tokens_per_minute)"),
     ("", "principal: no [[principal]] tables"),
     ("principal = []", "principal: no [[principal]] tables"),
     ("[principal]\nidentity = 'x:y'", "principal: must be an array of tables ([[principal]]), not a table"),

@@ -121,7 +121,7 @@ async def system(tmp_path: Path):
     frontend = Frontend(client, servers[0].base_uri(), keyer, Bytes(), "tiny",
                         options=FrontendOptions(poll_interval_ms=10))
     app = frontend_app(frontend, Policy.from_dict({"principal": [{"identity": "urn:kvsp:client:bob",
-                                                                  "roles": ["client"]}]}))
+                                                                  "roles": ["client"], "scopes": "*"}]}))
     edge = RoleServer(app, certs.files("server"))
     await edge.start("127.0.0.1", 0)
     yield certs, fakes, frontend, edge
@@ -134,7 +134,8 @@ async def test_every_index_exactly_once_through_a_failover(system) -> None:
     certs, fakes, frontend, edge = system
     async with KvspClient(certs.files("bob"), retries=0) as user:
         r = await user.request("POST", edge.base_uri("/v1/completions"),
-                               content=json.dumps({"prompt": "hello world!", "max_tokens": 10, "seed": 1}).encode(),
+                               content=json.dumps({"prompt": "hello world!", "max_tokens": 10, "seed": 1,
+                                                   "temperature": 0}).encode(),
                                headers={"content-type": "application/json"})
     assert r.status == 200, r.content
     answer = r.json()
@@ -174,7 +175,7 @@ async def test_bad_requests(system, body: dict[str, Any], message: str) -> None:
     async with KvspClient(certs.files("bob"), retries=0) as user:
         r = await user.request("POST", edge.base_uri("/v1/completions"), content=json.dumps(body).encode(),
                                headers={"content-type": "application/json"})
-    assert r.status == 400 and message in r.json()["detail"]
+    assert r.status == 400 and message in r.json()["error"]["message"] and r.json()["error"]["param"] == message
 
 
 async def test_metrics(system) -> None:

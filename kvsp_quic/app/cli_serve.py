@@ -106,6 +106,8 @@ def add_commands(sub: Any) -> None:
     where.add_argument("--gpu", type=int, metavar="N", help="run on CUDA device N")
     where.add_argument("--device", metavar="DEVICE", help="cpu (default) or cuda:N")
     inst.add_argument("--model", type=Path, metavar="DIR", help="the model directory (kvsp-quic model init DIR ...)")
+    inst.add_argument("--engine", choices=["reference", "transformers"],
+                      help="what computes: reference (default) or transformers (the model's Hugging Face modules)")
     inst.add_argument("--model-name", metavar="NAME", help="the descriptor's model name (default: config.json's)")
     inst.add_argument("--block-tokens", type=int, metavar="B", help="tokens per block (default 16)")
     inst.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="compute dtype (default: the model's)")
@@ -148,10 +150,12 @@ def add_commands(sub: Any) -> None:
 
 
 def add_frontend(sub: Any) -> None:
-    fe = sub.add_parser("frontend", help="run the OpenAI-compatible front end (POST /v1/completions)",
-                        description="Serve POST /v1/completions (streaming and not) and GET /v1/models, routing "
-                                    "every request through the Placement Controller and relaying each output "
-                                    "token exactly once across instance failures (docs/inference.md).")
+    fe = sub.add_parser("frontend", help="run the OpenAI-compatible front end (/v1/completions, /v1/chat/completions)",
+                        description="Serve OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models, "
+                                    "/tokenize, /detokenize, /health, /version), routing every request through the "
+                                    "Placement Controller and relaying each output token exactly once across "
+                                    "instance failures (docs/inference.md). Users authenticate with a client "
+                                    "certificate or 'Authorization: Bearer KEY' (--dev: DIR/api.key; README).")
     _common(fe)
     fe.add_argument("--controller", metavar="URI", help="the Placement Controller's base URI (kvsp-quic index)")
     fe.add_argument("--model", type=Path, metavar="DIR", help="the model directory (tokenizer, descriptor)")
@@ -319,7 +323,8 @@ def cmd_instance(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {}
     for name in ("model", "model_name", "block_tokens", "dtype", "kv_dtype", "index", "controller", "scope_keys",
                  "device_pages", "host_pages", "status_ttl_ms", "max_running", "max_tokens", "checkpoint_tokens",
-                 "sleep_after_idle_ms", "replica_ttl_ms", "warmup_tokens", "moqt", "device", "prefer_transport"):
+                 "sleep_after_idle_ms", "replica_ttl_ms", "warmup_tokens", "moqt", "device", "prefer_transport",
+                 "engine"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
     if args.gpu is not None:

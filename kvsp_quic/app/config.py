@@ -267,13 +267,16 @@ class FrontendSection(FrontendOptions):
     model_name: str | None = None  # the "model" of the OpenAI API and of the descriptor
     block_tokens: int = 16  # must match the instances' --block-tokens
     scope_key: Path | None = None  # the scope the front end's sessions belong to (hex or raw octets)
+    placement_timeout_ms: int = 30_000  # POST sessions at the PC; beyond: 503 with Retry-After
+    max_choices: int = 16  # prompts x n of one request
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.controller is not None:
             base_uri(self.controller, "controller")
-        if self.block_tokens < 1:
-            raise ValueError("block_tokens: must be positive")
+        for name in ("block_tokens", "placement_timeout_ms", "max_choices"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be positive")
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,8 @@ class Cluster:
 async def _stream(client: Any, url: str, prompt: str, max_tokens: int,
                   on_token: Callable[[str, int, int, int], Awaitable[None]] | None = None) -> dict[str, Any]:
     """One streamed completion: time to first token, the (index, epoch, token) triples, the session id."""
-    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "stream": True}).encode()
+    # greedy (the OpenAI default is temperature 1.0): the run with a failure is compared with one without
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0}).encode()
     start = time.perf_counter()
     ttft: float | None = None
     tokens: list[tuple[int, int, int]] = []

@@ -587,7 +587,7 @@ async def run_instance(cfg: InstanceFile, *, dev_dir: Path | None, policy_path: 
         engine = Engine.load(os.fspath(section.model), device=section.device, dtype=section.dtype,
                              kv_dtype=section.kv_dtype, block_tokens=section.block_tokens,
                              device_pages=section.device_pages, host_pages=section.host_pages,
-                             name=section.model_name)
+                             name=section.model_name, engine=section.engine)
     except (ModelError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
     try:
@@ -615,6 +615,7 @@ async def run_instance(cfg: InstanceFile, *, dev_dir: Path | None, policy_path: 
              d.model, engine.model.device, section.device_pages, d.block_tokens, node.role.epoch)
     announce(prepared, instance_id=node.service.instance_id, epoch=node.role.epoch, compat_id=d.compat_id.hex(),
              descriptor=d.to_json(), device=str(engine.model.device), index=section.index,
+             engine=engine.name, engine_build=engine.build, layer_streamed=True,
              controller=section.controller, moqt=node.moqt_uri,
              scope_ids=[k.hex() for k in node.role.keyers],
              scope_key=os.fspath(key_files[0]) if dev_dir is not None and key_files else None)
@@ -630,9 +631,11 @@ async def run_instance(cfg: InstanceFile, *, dev_dir: Path | None, policy_path: 
 
 async def run_frontend(cfg: FrontendFile, *, dev_dir: Path | None, policy_path: Path | None = None,
                        stop: asyncio.Event | None = None) -> None:
-    from gpu.modelfiles import derive_descriptor, load_tokenizer
+    from gpu.modelfiles import DESCRIBED_FAMILIES, ModelConfig, derive_descriptor, load_tokenizer
     from http3.client import KvspClient
     from http3.frontend_app import Frontend, frontend_app
+    from http3.frontend_auth import dev_api_key, with_dev_key
+    from http3.frontend_text import ChatTemplateError, load_chat_template
     from kvsp_quic.keys import BlockKeyer
 
     section = cfg.frontend
@@ -648,11 +651,28 @@ async def run_frontend(cfg: FrontendFile, *, dev_dir: Path | None, policy_path: 
     scope_key = read_scope_key(key_path)
     descriptor = derive_descriptor(section.model, section.block_tokens, name=section.model_name)
     tokenizer = load_tokenizer(section.model)
+    model_config = ModelConfig.load(section.model, families=DESCRIBED_FAMILIES)  # whichever engine serves it
+    try:
+        chat_template = load_chat_template(section.model)
+    except ChatTemplateError as exc:
+        raise ConfigError(str(exc)) from None
     prepared = prepare("frontend", cfg.server, cfg.tls, cfg.transport, dev_dir=dev_dir, policy_path=policy_path)
     client = KvspClient(prepared.files, settings=prepared.settings)
+    # Users authenticate with a client certificate or an API key: the front end's listener alone accepts clients
+    # without a certificate (its client towards the PC and the instances keeps mutual TLS).
+    prepared = dataclasses.replace(prepared, settings=dataclasses.replace(prepared.settings,
+                                                                          client_cert_optional=True))
+    ready_extra: dict[str, Any] = {"openai_base_url": f"{prepared.base_uri}v1"}
+    if dev_dir is not None:
+        api_key = dev_api_key(dev_dir)
+        prepared = dataclasses.replace(prepared, policy=with_dev_key(prepared.policy, api_key))
+        ready_extra.update(api_key=api_key, api_key_file=os.fspath(dev_dir / "api.key"))
     frontend = Frontend(client, section.controller, BlockKeyer(scope_key, descriptor.compat_id,
                                                                 descriptor.block_tokens),
-                        tokenizer, descriptor.model, options=section)
+                        tokenizer, descriptor.model, options=section,
+                        context=model_config.max_position_embeddings, vocab_size=model_config.vocab_size,
+                        chat_template=chat_template, placement_timeout_s=section.placement_timeout_ms / 1000,
+                        max_choices=section.max_choices)
     try:
         server = await serve_app(prepared, frontend_app(frontend, prepared.policy,
                                                          base_path=_path_of(prepared.base_uri)))
@@ -660,7 +680,8 @@ async def run_frontend(cfg: FrontendFile, *, dev_dir: Path | None, policy_path: 
         await client.aclose()
         raise
     log.info("front end at %s (model %s, controller %s)", prepared.base_uri, descriptor.model, section.controller)
-    announce(prepared, controller=section.controller, completions=f"{prepared.base_uri}v1/completions")
+    announce(prepared, controller=section.controller, completions=f"{prepared.base_uri}v1/completions",
+             **ready_extra)
     try:
         await _wait(stop)
     finally:
