@@ -36,7 +36,7 @@ from gpu.generate import decode_step
 from gpu.kvcache import DEVICE, Page, PagedKVCache
 from gpu.model import LlamaModel, StepModel
 from gpu.prefill import BlockInput, PrefillResult, PrefillTrace, prefill
-from gpu.sampling import TokenSampler
+from gpu.sampling import Pick, TokenSampler
 from kvsp_quic.auth import Principal
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.container import ContainerHeader, EncodedContainer
@@ -112,7 +112,7 @@ class Engine:
 
     def check_sampler(self, sampler: Sampler) -> None:
         """ValueError when :class:`~gpu.sampling.TokenSampler` cannot sample with *sampler*."""
-        TokenSampler.from_record(sampler)
+        TokenSampler.from_record(sampler).check_vocab(self.model.config.vocab_size)
 
     async def run(self, plan: RunPlan[Page], hooks: SessionHooks[Page]) -> RunEnd:
         return await run_session(self, plan, hooks)
@@ -151,8 +151,8 @@ class Engine:
         self.decode_rate.add(1, seconds)
         return logits
 
-    async def sample(self, sampler: TokenSampler, logits: torch.Tensor) -> int:
-        return await self.call(sampler.sample, logits)
+    async def sample(self, sampler: TokenSampler, logits: torch.Tensor) -> Pick:
+        return await self.call(sampler.choose, logits)
 
     async def warmup(self, tokens: int) -> None:
         """A throwaway prefill of *tokens* tokens and a few decode steps: the first torch calls are slow, and the
@@ -201,7 +201,7 @@ class Engine:
 async def run_session(engine: Engine, plan: RunPlan[Page], hooks: SessionHooks[Page]) -> RunEnd:
     """Run one session (:class:`~kvsp_quic.engine.RunPlan`); returns the reason it ended."""
     cache = engine.cache
-    sampler = TokenSampler.from_record(plan.sampler)
+    sampler = TokenSampler.from_record(plan.sampler, plan.output)
     b = cache.block_tokens
     result = await engine.prefill(plan.tokens, plan.blocks, keys=plan.keys, load_timeout=plan.load_timeout)
     seq = result.sequence
@@ -216,8 +216,8 @@ async def run_session(engine: Engine, plan: RunPlan[Page], hooks: SessionHooks[P
             logits = await engine.decode(seq, token)
             _after_decode(cache, seq, plan, token, hooks)
         for n in range(1, plan.max_new + 1):
-            token = await engine.sample(sampler, logits)
-            if not hooks.token(token):
+            token, logprobs = await engine.sample(sampler, logits)
+            if not hooks.token(token, logprobs):
                 return RunEnd.FENCED
             if token in plan.stop:
                 return RunEnd.STOP

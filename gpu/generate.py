@@ -52,6 +52,7 @@ def generate_tokens(model: StepModel, prefilled: PrefillResult, sampler: TokenSa
                     on_token: Callable[[int], None] | None = None) -> Generation:
     """Sample up to *max_new_tokens* tokens after a prefill (its sequence grows; release it afterwards).
 
+    *stop_tokens* and the sampler's ``stop_token_ids`` end it (the stop token is the last one).
     The token after the last one is not decoded (nothing needs its logits), so a later continuation starts
     with :func:`decode_step` of the last generated token.
     """
@@ -66,7 +67,7 @@ def generate_tokens(model: StepModel, prefilled: PrefillResult, sampler: TokenSa
         out.append(token)
         if on_token is not None:
             on_token(token)
-        if token in stop_tokens:
+        if token in stop_tokens or token in sampler.stop_token_ids:
             stopped = True
             logits = None
             break

@@ -10,7 +10,8 @@ so that both sides of every exchange read and write the same dataclasses::
     block = await api.get_block(record.holder, record.compat_id, record.scope_id, key)      # BlockBody | Miss
     outcome = await api.checkpoint(controller, checkpoint)                            # Acknowledged | Stale
 
-Operations, by service (each takes the service's base URI first: an ``https://.../`` ending with "/"):
+Operations, by service (each takes the service's base URI first: an ``https://.../`` ending with "/"; for the
+Index Service and the Placement Controller also a :class:`ServiceEndpoints`, several URIs of one service):
 
 * Index Service: :meth:`~KvspApi.lookup`, :meth:`~KvspApi.publish` (= refresh), :meth:`~KvspApi.withdraw`,
   :meth:`~KvspApi.put_status` (also the Placement Controller's);
@@ -48,20 +49,35 @@ Failure semantics -- written here once, for every caller:
   (:meth:`http3.h3_client.H3Pool.discard`): the next request opens a fresh one, which fails fast when the peer is
   gone, instead of waiting on a dead peer until QUIC's idle timeout.
 
+* **Several URIs of one service** -- :class:`ServiceEndpoints` (``--index A --index B``; the Index Service and
+  the Placement Controller): each client prefers one URI (chosen at random: clients spread over the replicas, one
+  client's requests stay on one while it answers); a request safe to retry (the rule above) that meets a
+  transport failure, a timeout, a 5xx or a 429 is sent to the next URI at once (the client's own retries are then
+  one per URI); a URI that failed at the transport level goes to the back of the order and is probed again in the
+  background after a backoff (2 s, doubling to 30 s), its dead pooled connection already dropped. Connections to
+  these URIs keep themselves alive (:class:`~http3.h3_client.KeepAlive`: QUIC PINGs), so a dead or frozen replica
+  is noticed in about a second, not at QUIC's 60 s idle timeout. A plain ``str`` is one URI, as before.
+
 Base URIs are checked and joined with resource paths in one place, :meth:`KvspApi.url`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
 import json
+import logging
+import random
+import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urljoin
 
 from http3.client import Body, KvspClient, Response, TransportError
+from http3.h3_client import CONTROL_KEEPALIVE, KeepAlive
 from kvsp_quic import fields as f
 from kvsp_quic.compat import InstanceState
 from kvsp_quic.keys import uri_id
@@ -94,6 +110,92 @@ ERROR_BODY_LIMIT = 64 << 10  # octets of an error body read for its problem docu
 MISS_STATUSES = frozenset({404, 406, 410})
 ReshardMessage = ReshardPlan | ReshardCommit | ReshardAbort
 R = TypeVar("R", bound=Record)
+T = TypeVar("T")
+log = logging.getLogger("kvsp.api")
+# Set while ServiceEndpoints sends a request: the client's own retries on the same URI (None: the client's default).
+_RETRIES: contextvars.ContextVar[int | None] = contextvars.ContextVar("kvsp_api_retries", default=None)
+
+
+# -- several URIs of one service ------------------------------------------------------------------------------------
+
+
+class ServiceEndpoints:
+    """The base URIs of one service -- the Index Service, or the Placement Controller, and their replicas -- and
+    what this client has learnt of them (the module docstring, "Several URIs of one service"). Pass it wherever
+    :class:`KvspApi` takes the service's URI; keep one per service for the client's lifetime.
+
+    *uris*: one base URI or several (each exactly one: ``"A,B"`` is a ValueError); *start*: the index of the URI
+    this client prefers (default: one at random, so that clients spread over the replicas); *rotate*: spread
+    every request instead (round robin: for replicas that share all their state); *backoff* / *max_backoff*:
+    seconds before a failed URI is probed again, doubling per failed probe; *keepalive*: the PINGs of the
+    client's connections to these URIs (None: none)."""
+
+    def __init__(self, uris: str | Sequence[str], what: str = "service", *, start: int | None = None,
+                 rotate: bool = False, backoff: float = 2.0, max_backoff: float = 30.0,
+                 keepalive: KeepAlive | None = CONTROL_KEEPALIVE, clock: Callable[[], float] = time.monotonic) -> None:
+        try:
+            self.uris = tuple(f.base_uris(uris, what))
+        except f.RecordError as exc:
+            raise ValueError(exc.detail) from None
+        if not self.uris:
+            raise ValueError(f"{what}: at least one base URI")
+        self.what = what
+        self.rotate = rotate
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self.keepalive = keepalive
+        self._clock = clock
+        self._next = random.randrange(len(self.uris)) if start is None else start % len(self.uris)
+        self._down: dict[str, tuple[float, float]] = {}  # uri -> (probe it after, the backoff that led there)
+        self._probes: dict[str, asyncio.Task[None]] = {}
+
+    @classmethod
+    def of(cls, service: str | Sequence[str] | ServiceEndpoints, what: str = "service") -> ServiceEndpoints:
+        """*service* as a :class:`ServiceEndpoints` (itself when it is one)."""
+        return service if isinstance(service, ServiceEndpoints) else cls(service, what)
+
+    def __str__(self) -> str:
+        return ", ".join(self.uris)
+
+    def __repr__(self) -> str:
+        return f"ServiceEndpoints({list(self.uris)!r}, down={sorted(self._down)!r})"
+
+    @property
+    def primary(self) -> str:
+        """The URI the next request goes to first (also what logs name)."""
+        return self.order(advance=False)[0]
+
+    def order(self, *, advance: bool = True) -> list[str]:
+        """The URIs in the order the next request tries them: those that answer, from this client's preferred one
+        (the next one in turn with *rotate*), then those that failed, soonest probe first."""
+        n = len(self.uris)
+        start = self._next
+        if self.rotate and advance:
+            self._next = (self._next + 1) % n
+        ring = [self.uris[(start + i) % n] for i in range(n)]
+        up = [u for u in ring if u not in self._down]
+        return up + sorted((u for u in ring if u in self._down), key=lambda u: self._down[u][0])
+
+    def is_down(self, uri: str) -> bool:
+        return uri in self._down
+
+    def failed(self, uri: str) -> None:
+        """*uri* did not answer (transport failure, timeout): tried last until a probe finds it back (with one URI
+        there is nothing to order: it stays as it is)."""
+        if len(self.uris) == 1:
+            return
+        previous = self._down.get(uri)
+        backoff = self.backoff if previous is None else min(previous[1] * 2, self.max_backoff)
+        self._down[uri] = (self._clock() + backoff, backoff)
+
+    def answered(self, uri: str) -> None:
+        """*uri* answered (any HTTP status): it is up."""
+        self._down.pop(uri, None)
+
+    def probes_due(self) -> list[str]:
+        """The failed URIs whose backoff is over and that no probe is checking now."""
+        now = self._clock()
+        return [u for u, (at, _) in self._down.items() if at <= now and u not in self._probes]
 
 
 # -- outcomes -----------------------------------------------------------------------------------------------------
@@ -203,8 +305,11 @@ class KvspApi:
             raise ValueError(exc.detail) from None
 
     @staticmethod
-    def url(base: str, path: str, query: Mapping[str, str] | None = None) -> str:
-        """The resource *path* (relative, no leading "/") below the base URI *base*."""
+    def url(base: str | ServiceEndpoints, path: str, query: Mapping[str, str] | None = None) -> str:
+        """The resource *path* (relative, no leading "/") below the base URI *base* (of a :class:`ServiceEndpoints`:
+        below its :attr:`~ServiceEndpoints.primary`)."""
+        if isinstance(base, ServiceEndpoints):
+            base = base.primary
         if not base.endswith("/"):
             raise ValueError(f"a base URI ends with '/': {base!r}")
         out = base + path
@@ -224,7 +329,7 @@ class KvspApi:
         try:
             return await self.client.send(method, url, headers=fields, content=content,
                                           timeout=self.timeout if timeout is None else timeout,
-                                          idempotent=idempotent)
+                                          idempotent=idempotent, retries=_RETRIES.get())
         except TransportError as exc:
             if isinstance(exc, RetryElsewhere):
                 raise
@@ -258,6 +363,64 @@ class KvspApi:
             raise problem
         raise BadResponse(f"{method} {url}: unexpected status {status}", status=status)
 
+    async def _at(self, service: str | ServiceEndpoints, call: Callable[[str], Awaitable[T]], *, safe: bool) -> T:
+        """``call(base)`` at the service: at its one URI (a ``str``), or at the URIs of a :class:`ServiceEndpoints`
+        in turn (the module docstring): a request *safe* to retry goes to the next URI after a
+        :class:`RetryElsewhere`; one that is not is sent once. Answers and refusals come back as they are."""
+        if isinstance(service, str):
+            return await call(service)
+        for uri in service.probes_due():
+            self._probe(service, uri)
+        order = service.order()
+        attempts = max(len(order), 1 + self.client.retries) if safe else 1
+        error: RetryElsewhere | None = None
+        for attempt in range(attempts):
+            uri = order[attempt % len(order)]
+            if attempt and attempt % len(order) == 0:
+                await asyncio.sleep(0.05 * (attempt // len(order)))  # every URI failed: a breath before the next round
+            self.client.keep_alive(uri, service.keepalive)
+            token = _RETRIES.set(0)
+            try:
+                result = await call(uri)
+            except RetryElsewhere as exc:
+                error = exc
+                if exc.status is None and not isinstance(exc, BadResponse):  # no answer at all: the URI is down
+                    service.failed(uri)
+                else:
+                    service.answered(uri)
+                if attempt + 1 < attempts:
+                    log.info("%s at %s failed (%s); trying %s", service.what, uri, exc,
+                             order[(attempt + 1) % len(order)])
+                continue
+            except Problem:
+                service.answered(uri)
+                raise
+            finally:
+                _RETRIES.reset(token)
+            service.answered(uri)
+            return result
+        assert error is not None
+        raise error
+
+    def _probe(self, service: ServiceEndpoints, uri: str) -> None:
+        """Check in the background whether the failed *uri* answers again (any HTTP answer to ``GET {uri}``)."""
+        async def probe() -> None:
+            try:
+                self.client.keep_alive(uri, service.keepalive)
+                response = await self.client.send("GET", uri, timeout=self.client.timeout, retries=0)
+                await response.aclose()
+            except (TransportError, OSError) as exc:
+                log.info("%s at %s still does not answer: %s", service.what, uri, exc)
+                service.failed(uri)
+            else:
+                log.info("%s at %s answers again", service.what, uri)
+                service.answered(uri)
+            finally:
+                service._probes.pop(uri, None)
+
+        task = asyncio.get_running_loop().create_task(probe(), name=f"kvsp-probe-{uri}")
+        service._probes[uri] = task
+
     @staticmethod
     def _record(kind: type[R], response: Response, what: str) -> R:
         try:
@@ -274,38 +437,48 @@ class KvspApi:
 
     # -- Index Service ------------------------------------------------------------------------------------------
 
-    async def lookup(self, index: str, request: LookupRequest, *, timeout: float | None = None) -> LookupResponse:
+    async def lookup(self, index: str | ServiceEndpoints, request: LookupRequest, *,
+                     timeout: float | None = None) -> LookupResponse:
         """``POST {index}lookup``: the matched prefix of the request's keys with their replicas (retried: a
         query)."""
-        return await self._json("POST", self.url(index, "lookup"), LookupResponse, body=request, idempotent=True,
-                                timeout=timeout)
+        return await self._at(index, lambda base: self._json(
+            "POST", self.url(base, "lookup"), LookupResponse, body=request, idempotent=True, timeout=timeout),
+            safe=True)
 
-    def replica_url(self, index: str, holder: str, block_key: bytes) -> str:
+    def replica_url(self, index: str | ServiceEndpoints, holder: str, block_key: bytes) -> str:
         """``{index}replicas/{holder-id}/{block_key}``: where *holder*'s record of *block_key* lives."""
         return self.url(index, f"replicas/{uri_id(holder)}/{block_key.hex()}")
 
-    async def publish(self, index: str, record: ReplicaRecord, *, timeout: float | None = None) -> Published:
+    async def publish(self, index: str | ServiceEndpoints, record: ReplicaRecord, *,
+                      timeout: float | None = None) -> Published:
         """``PUT {index}replicas/{holder-id}/{key}``: publish *record* for its holder, or refresh it (the same PUT
         again before ``ttl_ms`` runs out)."""
-        url = self.replica_url(index, record.holder, record.block_key)
-        response = await self._call("PUT", url, ok=(200, 201), body=record, timeout=timeout)
-        assert isinstance(response, Response)
-        return Published(self._record(ReplicaRecord, response, f"PUT {url}"), response.status == 201)
+        async def at(base: str) -> Published:
+            url = self.replica_url(base, record.holder, record.block_key)
+            response = await self._call("PUT", url, ok=(200, 201), body=record, timeout=timeout)
+            assert isinstance(response, Response)
+            return Published(self._record(ReplicaRecord, response, f"PUT {url}"), response.status == 201)
+        return await self._at(index, at, safe=True)
 
     refresh = publish
 
-    async def withdraw(self, index: str, holder: str, block_key: bytes, *, timeout: float | None = None) -> bool:
+    async def withdraw(self, index: str | ServiceEndpoints, holder: str, block_key: bytes, *,
+                       timeout: float | None = None) -> bool:
         """``DELETE {index}replicas/{holder-id}/{key}``: True when withdrawn, False when it was already gone."""
-        url = self.replica_url(index, holder, block_key)
-        response = await self._call("DELETE", url, ok=(200, 202, 204), miss=True, timeout=timeout)
-        return not isinstance(response, Miss)
+        async def at(base: str) -> bool:
+            url = self.replica_url(base, holder, block_key)
+            response = await self._call("DELETE", url, ok=(200, 202, 204), miss=True, timeout=timeout)
+            return not isinstance(response, Miss)
+        return await self._at(index, at, safe=True)
 
-    async def put_status(self, service: str, record: InstanceStatusRecord, *,
+    async def put_status(self, service: str | ServiceEndpoints, record: InstanceStatusRecord, *,
                          timeout: float | None = None) -> InstanceState:
         """``PUT {service}instances/{instance-id}/status`` (Index Service or Placement Controller): the state the
         service holds for the instance."""
-        url = self.url(service, f"instances/{uri_id(record.instance)}/status")
-        return (await self._json("PUT", url, StateMessage, body=record, timeout=timeout)).state
+        path = f"instances/{uri_id(record.instance)}/status"
+        message = await self._at(service, lambda base: self._json(
+            "PUT", self.url(base, path), StateMessage, body=record, timeout=timeout), safe=True)
+        return message.state
 
     # -- holders ------------------------------------------------------------------------------------------------
 
@@ -387,29 +560,42 @@ class KvspApi:
 
     # -- Placement Controller -----------------------------------------------------------------------------------
 
-    async def create_session(self, controller: str, request: SessionRequest, *,
+    async def create_session(self, controller: str | ServiceEndpoints, request: SessionRequest, *,
                              timeout: float | None = None) -> SessionInfo:
         """``POST {controller}sessions``: where the session runs (retried: the client names the session)."""
-        return await self._json("POST", self.url(controller, "sessions"), SessionInfo, ok=(200, 201), body=request,
-                                idempotent=True, timeout=timeout)
+        return await self._at(controller, lambda base: self._json(
+            "POST", self.url(base, "sessions"), SessionInfo, ok=(200, 201), body=request, idempotent=True,
+            timeout=timeout), safe=True)
 
-    async def session_info(self, controller: str, session: uuid.UUID, *,
+    async def session_info(self, controller: str | ServiceEndpoints, session: uuid.UUID, *,
                            timeout: float | None = None) -> SessionInfo:
         """``GET {controller}sessions/{id}``: the PC's view of the session."""
-        return await self._json("GET", self.url(controller, f"sessions/{session}"), SessionInfo, timeout=timeout)
+        return await self._at(controller, lambda base: self._json(
+            "GET", self.url(base, f"sessions/{session}"), SessionInfo, timeout=timeout), safe=True)
 
-    async def checkpoint(self, controller: str, checkpoint: SessionCheckpoint, *, done: bool = False,
-                         timeout: float | None = None) -> Acknowledged | Stale:
+    async def cancel_session(self, controller: str | ServiceEndpoints, session: uuid.UUID, *,
+                             timeout: float | None = None) -> bool:
+        """``DELETE {controller}sessions/{id}`` (docs/wire.md, "Cancelling a session"): True when the PC ended
+        the session, False when it has no such session (404)."""
+        async def at(base: str) -> bool:
+            response = await self._call("DELETE", self.url(base, f"sessions/{session}"), ok=(200, 202, 204),
+                                        miss=True, timeout=timeout)
+            return not isinstance(response, Miss)
+        return await self._at(controller, at, safe=True)
+
+    async def checkpoint(self, controller: str | ServiceEndpoints, checkpoint: SessionCheckpoint, *,
+                         done: bool = False, timeout: float | None = None) -> Acknowledged | Stale:
         """``PUT {controller}sessions/{id}/checkpoint`` (*done*: the extension member saying the session ended).
 
         :class:`Stale` when the PC answers ``kvsp-stale-epoch``, 403 or 404, or acknowledges a newer epoch;
         raises :class:`RetryElsewhere` (try again later) and, for another 4xx, its Problem."""
-        url = self.url(controller, f"sessions/{checkpoint.session}/checkpoint")
+        path = f"sessions/{checkpoint.session}/checkpoint"
         body = checkpoint.to_json()
         if done:
             body["done"] = True
         try:
-            ack = await self._json("PUT", url, CheckpointAck, body=body, timeout=timeout)
+            ack = await self._at(controller, lambda base: self._json(
+                "PUT", self.url(base, path), CheckpointAck, body=body, timeout=timeout), safe=True)
         except Problem as exc:
             if isinstance(exc, StaleEpoch) or exc.status in (403, 404):
                 return Stale(str(exc))
@@ -544,6 +730,6 @@ async def read_limited(response: Response, limit: int = ERROR_BODY_LIMIT) -> byt
 
 
 __all__ = [
-    "Acknowledged", "BadResponse", "BlockBody", "KvspApi", "Lease", "Miss", "Published", "RetryElsewhere", "Stale",
-    "read_limited",
+    "Acknowledged", "BadResponse", "BlockBody", "KvspApi", "Lease", "Miss", "Published", "RetryElsewhere",
+    "ServiceEndpoints", "Stale", "read_limited",
 ]

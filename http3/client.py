@@ -9,7 +9,9 @@ a verifying :class:`~kvsp_quic.container.ContainerDecoder` with :meth:`Response.
 Requests time out; only idempotent requests with a replayable body are retried, and only after a transport
 failure, never after an HTTP answer. A pooled HTTP/3 connection on which a request timed out or the connection
 failed is dropped from the pool at once (its other streams may finish; it closes after the last), so a dead peer
-is not handed out again until QUIC's idle timeout notices it.
+is not handed out again until QUIC's idle timeout notices it. With a :class:`~http3.h3_client.KeepAlive` (for
+every origin: *keepalive*; for one: :meth:`KvspClient.keep_alive`) pooled HTTP/3 connections PING their peer and
+end themselves when it stops answering, so a dead or frozen peer is noticed in about a second even between requests.
 
 The typed KVSP operations and their failure semantics (miss / retry elsewhere / refused) are :mod:`http3.api`'s.
 
@@ -32,7 +34,15 @@ from urllib.parse import quote, urlsplit
 import httpx
 
 from http3.h1_client import BufferSink, H1ConnectTimeout, H1Pool, H1TransportError, IntoBuffer, copy_into
-from http3.h3_client import H3ClientConnection, H3ConnectError, H3Pool, H3Response, H3StreamError
+from http3.h3_client import (
+    CONTROL_KEEPALIVE,
+    H3ClientConnection,
+    H3ConnectError,
+    H3Pool,
+    H3Response,
+    H3StreamError,
+    KeepAlive,
+)
 from kvsp_quic.problems import Problem, problem_from_json
 from quic.tls import TlsFiles, TransportSettings, ssl_client_context
 
@@ -186,7 +196,7 @@ class KvspClient:
                  connect_timeout: float = 5.0, timeout: float = 30.0, retries: int = 2, h3: bool = True,
                  fallback_ttl: float = 300.0, fallback_http2: bool = False, fallback: bool = True,
                  prefer: str | Mapping[str, str] = "h3", connections_per_origin: int = 1,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 keepalive: KeepAlive | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.files = files
         self.settings = settings
         self.timeout = timeout
@@ -195,7 +205,8 @@ class KvspClient:
         self.fallback_ttl = fallback_ttl
         self.fallback = fallback  # False: HTTP/3 or nothing (tests, the interop matrix)
         self._clock = clock
-        self._pool = H3Pool(files, settings, connect_timeout, connections_per_origin=connections_per_origin)
+        self._pool = H3Pool(files, settings, connect_timeout, connections_per_origin=connections_per_origin,
+                            keepalive=keepalive)
         self._no_h3: dict[tuple[str, int], float] = {}  # origin -> when to try HTTP/3 again
         prefs = {"*": prefer} if isinstance(prefer, str) else dict(prefer)
         self._prefer_default = _check_transport(prefs.pop("*", "h3"))
@@ -230,6 +241,11 @@ class KvspClient:
         await self._h1.aclose()
         if self._tcp is not None:
             await self._tcp.aclose()
+
+    def keep_alive(self, url: str, keepalive: KeepAlive | None = CONTROL_KEEPALIVE) -> None:
+        """PING the HTTP/3 connections to *url*'s origin with *keepalive* (None: stop), so that a dead peer is
+        noticed in about ``keepalive.dead_after`` seconds (:class:`~http3.h3_client.KeepAlive`). Cheap to repeat."""
+        self._pool.set_keepalive(*_origin(url), keepalive)
 
     def pooled(self, url: str) -> int:
         """How many pooled HTTP/3 connections to *url*'s origin could take the next request."""
@@ -270,16 +286,17 @@ class KvspClient:
 
     async def send(self, method: str, url: str, *, headers: Mapping[str, str] | None = None,
                    content: Body = None, timeout: float | None = None,
-                   idempotent: bool | None = None) -> Response:
+                   idempotent: bool | None = None, retries: int | None = None) -> Response:
         """Send a request; the caller reads or closes the returned response.
 
         *idempotent* says whether the request may be sent again after a transport failure (default: by its
-        method, :data:`IDEMPOTENT`); a streamed body is never sent twice."""
+        method, :data:`IDEMPOTENT`); a streamed body is never sent twice. *retries*: how many times at most
+        (default: the client's); :class:`http3.api.ServiceEndpoints` sends once per URI and retries elsewhere."""
         method = method.upper()
         timeout = self.timeout if timeout is None else timeout
-        replayable = content is None or isinstance(content, bytes | bytearray | memoryview)
-        retry = method in IDEMPOTENT if idempotent is None else idempotent
-        attempts = 1 + (self.retries if retry and replayable else 0)
+        if retries is None:
+            retries = self.retries
+        attempts = 1 + (retries if self.may_retry(method, content, idempotent) else 0)
         for attempt in range(attempts):
             used: list[H3ClientConnection] = []  # the pooled connection this attempt went out on
             try:
@@ -296,6 +313,13 @@ class KvspClient:
                 log.info("%s %s failed (%s); retrying", method, url, error)
                 await asyncio.sleep(0.05 * (attempt + 1))
         raise error
+
+    @staticmethod
+    def may_retry(method: str, content: Body, idempotent: bool | None) -> bool:
+        """The retry rule: a request is sent again after a transport failure only when it is idempotent (by its
+        method, :data:`IDEMPOTENT`, unless *idempotent* says otherwise) and its body can be replayed."""
+        replayable = content is None or isinstance(content, bytes | bytearray | memoryview)
+        return (method.upper() in IDEMPOTENT if idempotent is None else idempotent) and replayable
 
     async def _send_once(self, method: str, url: str, headers: Mapping[str, str], content: Body,
                          timeout: float, used: list[H3ClientConnection]) -> Response:

@@ -27,6 +27,10 @@ Resources, relative to the base URI (the Index Service's, :mod:`http3.index_app`
   "undelivered"}``;
 * ``GET metrics`` (any principal).
 
+With a shared control store (``ControllerService(..., shared=RedisControlStore)``, ``--store redis``) every one of
+these resources reads and writes the PC's state there, so any number of these apps sharing it are interchangeable
+(docs/operations.md, "Replicated Index Service and Placement Controller").
+
 The rules are the role's (:class:`~kvsp_quic.roles.controller.PlacementController`), the I/O its adapter's
 (:class:`~http3.controller_service.ControllerService`); the PC's requests to instances go through
 :class:`~http3.controller_link.HttpInstanceLink`.
@@ -101,7 +105,7 @@ def controller_routes(pc: ControllerService, *, max_body_bytes: int = DEFAULT_MA
         return kvsp_json(info.to_json(), 201 if created else 200, {"location": f"sessions/{info.session}"})
 
     async def get_session(request: Request) -> Response:
-        return kvsp_json(role.session_info(principal_of(request), _session_id(request)).to_json())
+        return kvsp_json((await pc.session_info(principal_of(request), _session_id(request))).to_json())
 
     async def delete_session(request: Request) -> Response:
         await pc.cancel_session(principal_of(request), _session_id(request))
@@ -112,22 +116,23 @@ def controller_routes(pc: ControllerService, *, max_body_bytes: int = DEFAULT_MA
         obj = f.loads_object(await read_json_body(request, max_body_bytes))
         checkpoint = SessionCheckpoint.from_json(obj)
         done = f.boolean(obj["done"], "done") if obj.get("done") is not None else False
-        ack = role.checkpoint(principal_of(request), session_id, checkpoint, done=done)
+        ack = await pc.checkpoint(principal_of(request), session_id, checkpoint, done=done)
         return kvsp_json(ack.to_json())
 
     async def get_instances(request: Request) -> Response:
-        return kvsp_json({"instances": role.instances()})
+        return kvsp_json({"instances": await pc.instances()})
 
     async def put_state(request: Request) -> Response:
         wanted = str(request.path_params["instance_id"])
         message = StateMessage.loads(await read_json_body(request, 64 << 10))
+        await pc.refresh()
         instance = next((i for i in role.known_instances() if k.uri_id(i) == wanted), None)
         if instance is None:
             raise NotFound(f"no instance with instance-id {wanted!r}")
         return kvsp_json(StateMessage(await pc.set_instance_state(instance, message.state)).to_json())
 
     async def get_map(request: Request) -> Response:
-        return kvsp_json(role.shard_map(_map_id(request)).to_json())
+        return kvsp_json((await pc.get_map(_map_id(request))).to_json())
 
     async def put_map(request: Request) -> Response:
         map_id = _map_id(request)
@@ -136,8 +141,8 @@ def controller_routes(pc: ControllerService, *, max_body_bytes: int = DEFAULT_MA
         if new.map != map_id:
             raise BadRequest(f"map: the body names {new.map!r}, the path {map_id!r}")
         deadline = f.positive(obj["deadline_ms"], "deadline_ms") if obj.get("deadline_ms") is not None else None
-        if map_id not in role.maps:
-            return kvsp_json(pc.put_map(new).to_json(), 201)
+        if not await pc.has_map(map_id):
+            return kvsp_json((await pc.put_map(new)).to_json(), 201)
         return kvsp_json((await pc.reshard(new, deadline)).to_json())
 
     return [
@@ -171,8 +176,8 @@ def controller_app(service: IndexService, pc: ControllerService, policy: Policy,
             finally:
                 await pc.aclose()
 
-    routes = index_routes(service, max_body_bytes=max_body_bytes, report_status=pc.report_status,
-                          metrics=registry)
+    on_status = pc.report_status if pc.shared is None else pc.report_status_shared
+    routes = index_routes(service, max_body_bytes=max_body_bytes, report_status=on_status, metrics=registry)
     app = Starlette(routes=routes + controller_routes(pc, max_body_bytes=max_session_bytes),
                     lifespan=lifespan)
     install(app)

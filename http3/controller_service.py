@@ -20,15 +20,24 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Mapping, Sequence
-from typing import Protocol
+from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
+from typing import Any, Protocol
 
 from kvsp_quic.auth import Principal
 from kvsp_quic.compat import InstanceState
-from kvsp_quic.problems import BadRequest, Problem
-from kvsp_quic.records import InstanceStatusRecord, LookupResponse, PrefetchDirective, ShardMap, StateMessage
+from kvsp_quic.problems import BadRequest, PlanConflict, Problem, StaleEpoch, Unavailable
+from kvsp_quic.records import (
+    CheckpointAck,
+    InstanceStatusRecord,
+    LookupResponse,
+    PrefetchDirective,
+    ReshardCommit,
+    SessionCheckpoint,
+    ShardMap,
+    StateMessage,
+)
 from kvsp_quic.roles.controller import PlacementController
-from kvsp_quic.roles.controller_records import SessionInfo, SessionRequest, SessionResume, SessionStart
+from kvsp_quic.roles.controller_records import SessionInfo, SessionRequest, SessionResume, SessionStart, SessionState
 from kvsp_quic.roles.controller_reshard import ReshardMessage, ReshardOutcome
 from kvsp_quic.roles.controller_sessions import (
     Admitted,
@@ -37,7 +46,9 @@ from kvsp_quic.roles.controller_sessions import (
     PlacedSession,
     StartOutcome,
 )
+from kvsp_quic.roles.controller_store import load_statuses, placed_session, stored_session, stored_status
 from kvsp_quic.roles.placement import Choice
+from kvsp_quic.storage.control_store import ControlStore
 
 log = logging.getLogger("kvsp.controller")
 
@@ -119,21 +130,165 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+class Superseded(Exception):
+    """With a shared store: the session this replica was placing is gone, or another replica moved it on (a
+    higher epoch): this one stands down."""
+
+
+_CAS_TRIES = 16
+
+
 class ControllerService:
     """The asyncio side of the Placement Controller (see the module docstring). ``role`` answers everything that
     needs no I/O (session info, checkpoints, instances, shard maps, metrics)."""
 
-    def __init__(self, role: PlacementController, link: InstanceLink, *, starter: Starter | None = None) -> None:
+    def __init__(self, role: PlacementController, link: InstanceLink, *, starter: Starter | None = None,
+                 shared: ControlStore | None = None, replica: str | None = None) -> None:
         self.role = role
         self.link = link
         self.starter = starter
+        # With a shared store the PC's state lives there (several replicas); without, in the role (one process).
+        self.shared = shared
+        self.replica = replica or uuid.uuid4().hex  # this replica's name on the leases it takes
+        self._based: dict[uuid.UUID, int] = {}  # per session this replica places: the epoch it last stored
         self.kick = asyncio.Event()  # set when a report makes a failover likely: the ticker runs at once
         self._activation: asyncio.Event | None = None  # set when an instance becomes active (the hook's waiters)
         self._locks: dict[uuid.UUID, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[bool]] = set()
         self._migrating: set[uuid.UUID] = set()
 
+    # -- the shared store (several replicas): read before a decision, write after it ------------------------------
+
+    async def refresh(self) -> None:
+        """With a shared store: load every replica's instance statuses into the role's table."""
+        if self.shared is not None:
+            load_statuses(self.role, await self.shared.statuses())
+
+    async def _push_status(self, instance: str) -> None:
+        if self.shared is None:
+            return
+        status = stored_status(self.role, instance)
+        if status is None:
+            return
+        higher = await self.shared.put_status(status)
+        if higher is not None:
+            raise StaleEpoch(f"instance {instance!r}: epoch {status.record.epoch} is older than {higher}")
+
+    def _ttl_ms(self, session: PlacedSession) -> int:
+        config = self.role.config
+        return config.done_ttl_ms if session.state is SessionState.DONE else config.session_ttl_ms
+
+    async def _fetch(self, session_id: uuid.UUID) -> PlacedSession | None:
+        """With a shared store: the stored session, put in the role's table for the decision that follows."""
+        assert self.shared is not None
+        stored = await self.shared.load(session_id)
+        if stored is None:
+            self.role.sessions.pop(session_id, None)
+            return None
+        session = placed_session(stored, self.role.clock())
+        self.role.sessions[session_id] = session
+        return session
+
+    def _evict(self, session_id: uuid.UUID) -> None:
+        """With a shared store the role's table is a cache of the decision under way: drop the entry."""
+        if self.shared is not None:
+            self.role.sessions.pop(session_id, None)
+
+    async def _persist(self, session: PlacedSession, *, strict: bool = False) -> None:
+        """With a shared store: write back what the placement of *session* (under its lease) changed. When another
+        replica wrote it since -- a checkpoint -- that is taken in and the write is tried again; *strict* (an
+        epoch increment decided on what was read) or a session gone or moved to another epoch: :class:`Superseded`.
+        """
+        if self.shared is None:
+            return
+        for _ in range(_CAS_TRIES):
+            version = await self.shared.save(session.id, stored_session(session), self._ttl_ms(session))
+            if version is not None:
+                session.version = version
+                self._based[session.id] = session.epoch
+                return
+            stored = await self.shared.load(session.id)
+            if stored is None:
+                raise Superseded(f"session {session.id} is gone")
+            fresh = placed_session(stored, self.role.clock())
+            if strict or fresh.epoch != self._based.get(session.id, fresh.epoch):
+                raise Superseded(f"session {session.id} is at epoch {fresh.epoch} at another replica")
+            session.adopt(fresh)
+        raise Unavailable(f"session {session.id}: too many concurrent writes")
+
+    @contextlib.asynccontextmanager
+    async def _leased(self, session_id: uuid.UUID) -> AsyncIterator[bool]:
+        """With a shared store: hold the session's placement lease (renewed) for the block; yields False when
+        another replica holds it (this one stands down). Without: yields True."""
+        if self.shared is None:
+            yield True
+            return
+        shared, ttl_ms = self.shared, self.role.config.lease_ms
+        if not await shared.lease(session_id, self.replica, ttl_ms):
+            yield False
+            return
+
+        async def renew() -> None:
+            while True:
+                await asyncio.sleep(ttl_ms / 3000)
+                try:
+                    await shared.lease(session_id, self.replica, ttl_ms)
+                except Exception as exc:  # the store is away: the next renewal tries again
+                    log.warning("renewing the lease of session %s failed: %s", session_id, exc)
+
+        renewal = asyncio.create_task(renew())
+        try:
+            yield True
+        finally:
+            renewal.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewal
+            self._based.pop(session_id, None)
+            with contextlib.suppress(Exception):
+                await shared.release(session_id, self.replica)
+
+    async def session_info(self, principal: Principal, session_id: uuid.UUID) -> SessionInfo:
+        """GET sessions/{id} (through the shared store when there is one)."""
+        if self.shared is None:
+            return self.role.session_info(principal, session_id)
+        await self._fetch(session_id)
+        try:
+            return self.role.session_info(principal, session_id)
+        finally:
+            self._evict(session_id)
+
+    async def checkpoint(self, principal: Principal, session_id: uuid.UUID, cp: SessionCheckpoint, *,
+                         done: bool = False) -> CheckpointAck:
+        """PUT sessions/{id}/checkpoint. With a shared store the role judges the stored session and the result is
+        written back only if nobody wrote it since (else judged again): the highest checkpoint wins, and a
+        checkpoint of an epoch another replica just ended is refused, atomically."""
+        if self.shared is None:
+            return self.role.checkpoint(principal, session_id, cp, done=done)
+        for _ in range(_CAS_TRIES):
+            session = await self._fetch(session_id)
+            try:
+                ack = self.role.checkpoint(principal, session_id, cp, done=done)
+            finally:
+                self._evict(session_id)
+            assert session is not None  # role.checkpoint raised NotFound otherwise
+            if await self.shared.save(session_id, stored_session(session), self._ttl_ms(session)) is not None:
+                return ack
+        raise Unavailable(f"session {session_id}: too many concurrent writes")
+
+    async def instances(self) -> list[dict[str, object]]:
+        await self.refresh()
+        return self.role.instances()
+
     # -- lifecycle ------------------------------------------------------------------------------------------------
+
+    async def report_status_shared(self, principal: Principal, instance_id: str,
+                                   record: InstanceStatusRecord) -> StateMessage:
+        """PUT instances/{instance-id}/status with a shared store: judged on every replica's view of the instance,
+        written through (the store refuses an epoch lower than one any replica accepted)."""
+        await self.refresh()
+        answer = self.report_status(principal, instance_id, record)
+        await self._push_status(record.instance)
+        return answer
 
     def report_status(self, principal: Principal, instance_id: str, record: InstanceStatusRecord) -> StateMessage:
         """PUT instances/{instance-id}/status, through the role; wakes whoever waits for it."""
@@ -148,8 +303,11 @@ class ControllerService:
         """PUT state on *instance*; the state it answered is held from then on."""
         self.role.check_state_change(instance, state)
         answered = await self.link.set_state(instance, state)
+        if self.shared is not None:
+            await self.refresh()
         if self.role.state_answered(instance, answered):
             self._activated()
+        await self._push_status(instance)
         return answered
 
     def _activated(self) -> None:
@@ -227,6 +385,7 @@ class ControllerService:
                     exclude.add(choice.instance)
                     continue
             assignment = self.role.assign(session, entry, found)
+            await self._persist(session)  # the instance may checkpoint (at any replica) before it answers
             error = None
             try:
                 await self._send(assignment, session.id)
@@ -237,7 +396,9 @@ class ControllerService:
                 # every instance of the model would, so it is the caller's 400, not tried elsewhere.
                 self.role.start_outcome(session, assignment, error, choice, found)
                 raise error
-            if self.role.start_outcome(session, assignment, error, choice, found) is StartOutcome.OK:
+            outcome = self.role.start_outcome(session, assignment, error, choice, found)
+            await self._persist(session)
+            if outcome is StartOutcome.OK:
                 return True
             exclude.add(choice.instance)
         return False
@@ -259,34 +420,70 @@ class ControllerService:
     def _lock(self, session_id: uuid.UUID) -> asyncio.Lock:
         return self._locks.setdefault(session_id, asyncio.Lock())
 
+    async def _admit(self, principal: Principal, request: SessionRequest) -> Admitted | SessionInfo:
+        """The role's admission; with a shared store, on the stored session, and the new one stored (only once:
+        a concurrent POST of the same session at another replica is a retry here)."""
+        if self.shared is None:
+            admission = self.role.admit(principal, request)
+            return admission if isinstance(admission, Admitted) else admission.info
+        await self.refresh()
+        for _ in range(_CAS_TRIES):
+            await self._fetch(request.session)
+            try:
+                admission = self.role.admit(principal, request)
+            finally:
+                self._evict(request.session)
+            if not isinstance(admission, Admitted):
+                return admission.info
+            session = admission.session
+            version = await self.shared.save(session.id, stored_session(session), self._ttl_ms(session))
+            if version is not None:
+                session.version = version
+                return admission
+        raise Unavailable(f"session {request.session}: too many concurrent writes")
+
     async def create_session(self, principal: Principal, request: SessionRequest) -> tuple[SessionInfo, bool]:
         """POST sessions: place and start the session; (its info, whether it was created now)."""
-        admission = self.role.admit(principal, request)
+        admission = await self._admit(principal, request)
         if not isinstance(admission, Admitted):
-            return admission.info, False  # a retry of the same request
+            return admission, False  # a retry of the same request
         session = admission.session
         started = time.perf_counter()
-        async with self._lock(session.id):
+        async with self._lock(session.id), self._leased(session.id) as held:
+            if not held:  # another replica took it over already (it cannot, unless this one stalled)
+                raise Unavailable(f"session {session.id} is being placed by another replica")
+            self._based[session.id] = session.epoch
             try:
                 placed = await self._place(session)
             except BaseException:
                 self.role.abandon(session)
+                if self.shared is not None:
+                    with contextlib.suppress(Exception):
+                        await self.shared.delete(session.id)
                 raise
             if not placed:
-                raise self.role.unplaced(session)
-            return self.role.placed(session, time.perf_counter() - started), True
+                problem = self.role.unplaced(session)
+                if self.shared is not None:
+                    await self.shared.delete(session.id)
+                raise problem
+            info = self.role.placed(session, time.perf_counter() - started)
+            await self._persist(session)
+            self._evict(session.id)
+            return info, True
 
     async def cancel_session(self, principal: Principal, session_id: uuid.UUID) -> None:
         """``DELETE sessions/{id}`` (extension; docs/wire.md, "Cancelling a session"): only the session's creator
         (404 for anyone else); the PC forgets the session (never migrates it) and tells its instance to stop the
         run and free its slot. The instance's answer is not waited for beyond the link's timeout, nor required."""
-        self.role.session_info(principal, session_id)
+        await self.session_info(principal, session_id)
         async with self._lock(session_id):
-            session = self.role.sessions.get(session_id)
+            session = self.role.sessions.get(session_id) if self.shared is None else await self._fetch(session_id)
             if session is None:
                 return
             instance = session.instance
             self.role.abandon(session)
+            if self.shared is not None:
+                await self.shared.delete(session_id)
         log.info("session %s cancelled by its creator (instance %s)", session_id, instance)
         if instance is not None:
             try:
@@ -308,23 +505,68 @@ class ControllerService:
             self.role.migrated(session)
             return True
 
+    async def migrate_shared(self, session_id: uuid.UUID) -> bool:
+        """:meth:`migrate` with a shared store: under the session's lease, on the stored session; the epoch
+        increment is a compare-and-set, so of several replicas that decide to migrate it one does, and the others
+        stand down (False, as when no instance took it: the next tick looks again)."""
+        assert self.shared is not None
+        async with self._lock(session_id), self._leased(session_id) as held:
+            if not held:
+                return False
+            session = await self._fetch(session_id)
+            self._evict(session_id)
+            if session is None:
+                await self.shared.forget(session_id)
+                return True
+            if not self.role.needs_migration(session):
+                return True
+            self._based[session_id] = session.epoch
+            try:
+                self.role.begin_migration(session)
+                await self._persist(session, strict=True)
+                if not await self._place(session):
+                    return False
+                self.role.migrated(session)
+                await self._persist(session)
+            except Superseded as exc:
+                log.info("migration of session %s: standing down (%s)", session_id, exc)
+                return False
+            return True
+
+    def _failed_run(self, instance: str, instance_epoch: int) -> bool:
+        status = self.role.status
+        state = status.state(instance)
+        highest = status.highest_epoch(instance)
+        return state is None or state is InstanceState.FAILED or (highest is not None and highest > instance_epoch)
+
+    async def tick_shared(self) -> list[asyncio.Task[bool]]:
+        """:meth:`tick` with a shared store: every replica's statuses, then the sessions of the instance runs that
+        failed and those waiting for a migration (the store expires old sessions itself)."""
+        assert self.shared is not None
+        await self.refresh()
+        due = await self.shared.candidates(self._failed_run)
+        started = [self._spawn(i, self.migrate_shared(i)) for i in due if i not in self._migrating]
+        for session_id in [i for i, lock in self._locks.items() if i not in self._migrating and not lock.locked()]:
+            del self._locks[session_id]
+        return started
+
     def tick(self) -> list[asyncio.Task[bool]]:
         """Start the migrations that are due (each in its own task, returned) and forget old sessions."""
-        started = [self._spawn_migration(s) for s in self.role.tick() if s.id not in self._migrating]
+        started = [self._spawn(s.id, self.migrate(s)) for s in self.role.tick() if s.id not in self._migrating]
         for session_id in [i for i, lock in self._locks.items() if i not in self.role.sessions and not lock.locked()]:
             del self._locks[session_id]
         return started
 
-    def _spawn_migration(self, session: PlacedSession) -> asyncio.Task[bool]:
-        self._migrating.add(session.id)
-        task = asyncio.create_task(self.migrate(session))
+    def _spawn(self, session_id: uuid.UUID, work: Coroutine[Any, Any, bool]) -> asyncio.Task[bool]:
+        self._migrating.add(session_id)
+        task = asyncio.create_task(work)
         self._tasks.add(task)
 
         def done(t: asyncio.Task[bool]) -> None:
             self._tasks.discard(t)
-            self._migrating.discard(session.id)
+            self._migrating.discard(session_id)
             if not t.cancelled() and t.exception() is not None:
-                log.error("migrating session %s failed", session.id, exc_info=t.exception())
+                log.error("migrating session %s failed", session_id, exc_info=t.exception())
 
         task.add_done_callback(done)
         return task
@@ -333,7 +575,13 @@ class ControllerService:
         """Tick every *interval* seconds, and at once when a report says an instance failed or restarted."""
         while True:
             self.kick.clear()
-            self.tick()
+            if self.shared is None:
+                self.tick()
+            else:
+                try:
+                    await self.tick_shared()
+                except Exception as exc:  # the store is away: the next tick tries again
+                    log.warning("controller tick failed: %s", _why(exc))
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(interval):
                     await self.kick.wait()
@@ -347,13 +595,46 @@ class ControllerService:
 
     # -- resharding -----------------------------------------------------------------------------------------------
 
-    def put_map(self, shard_map: ShardMap) -> ReshardOutcome:
+    async def _pull_map(self, map_id: str) -> None:
+        if self.shared is not None:
+            found = await self.shared.get_map(map_id)
+            if found is not None:
+                self.role.maps[map_id] = found
+            else:
+                self.role.maps.pop(map_id, None)
+
+    async def get_map(self, map_id: str) -> ShardMap:
+        await self._pull_map(map_id)
+        return self.role.shard_map(map_id)
+
+    async def has_map(self, map_id: str) -> bool:
+        await self._pull_map(map_id)
+        return map_id in self.role.maps
+
+    async def put_map(self, shard_map: ShardMap) -> ReshardOutcome:
+        if self.shared is not None:
+            existing = await self.shared.add_map(shard_map)
+            if existing is not None:
+                self.role.maps[shard_map.map] = existing
         return self.role.register_map(shard_map)
 
     async def reshard(self, new: ShardMap, deadline_ms: int | None = None) -> ReshardOutcome:
         """Move a map from version v to v+1 = ``new.version``: send every member its plan; when all acknowledged
         (200, after loading their fetch ranges) within the deadline, commit to all members, otherwise abort to
         all members (the role decides, and keeps the authoritative version)."""
+        if self.shared is not None:
+            deadline = deadline_ms or self.role.config.reshard_deadline_ms
+            if not await self.shared.lock_map(new.map, self.replica, 3 * deadline + 5000):
+                raise PlanConflict(f"a reshard of map {new.map!r} is in progress")
+            try:
+                await self._pull_map(new.map)
+                return await self._reshard(new, deadline_ms)
+            finally:
+                with contextlib.suppress(Exception):
+                    await self.shared.unlock_map(new.map, self.replica)
+        return await self._reshard(new, deadline_ms)
+
+    async def _reshard(self, new: ShardMap, deadline_ms: int | None) -> ReshardOutcome:
         round_ = self.role.begin_reshard(new, deadline_ms)
         everyone = round_.members
         acknowledged: list[str] = []
@@ -378,6 +659,11 @@ class ControllerService:
                     if not task.cancelled():
                         task.exception()  # retrieved: it is reported in failed already
             message = self.role.decide_reshard(round_, failed)
+            if (self.shared is not None and isinstance(message, ReshardCommit)
+                    and not await self.shared.commit_map(round_.old.version, round_.new)):
+                failed["controller"] = "the map changed at another replica of the PC"
+                self.role.maps[new.map] = round_.old
+                message = self.role.decide_reshard(round_, failed)
             results = await asyncio.gather(*(self.link.reshard(i, message) for i in everyone),
                                            return_exceptions=True)
             for instance, result in zip(everyone, results, strict=True):

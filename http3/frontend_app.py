@@ -69,17 +69,13 @@ async def _body(request: Request) -> dict[str, Any]:
 async def cancel_session(frontend: Frontend, run: Completion) -> None:
     """``DELETE {pc}sessions/{id}`` (docs/wire.md, "Cancelling a session"): the PC ends the session at its instance
     and frees its slot. Best effort: a PC without the resource, or one that does not answer, is logged."""
-    url = frontend.api.url(frontend.pc, f"sessions/{run.session}")
     try:
-        response = await frontend.client.request("DELETE", url, timeout=frontend.placement_timeout_s)
-    except (TransportError, OSError) as exc:
+        ended = await frontend.api.cancel_session(frontend.pc, run.session, timeout=frontend.placement_timeout_s)
+    except (TransportError, OSError, Problem) as exc:
         log.warning("session %s: the cancel did not reach the PC (%s)", run.session, exc)
         return
     frontend.stats.cancelled += 1
-    if response.status not in (200, 204, 404):
-        log.warning("session %s: the PC answered %d to the cancel", run.session, response.status)
-    else:
-        log.info("session %s: cancelled (the PC answered %d)", run.session, response.status)
+    log.info("session %s: %s", run.session, "cancelled" if ended else "cancelled (the PC no longer had it)")
 
 
 def frontend_app(frontend: Frontend, policy: Policy, *, base_path: str = "/",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from starlette.responses import Response, StreamingResponse
 from http3.frontend_auth import charge
 from http3.frontend_errors import error_json
 from http3.frontend_params import Params
-from http3.frontend_session import Completion, Frontend
+from http3.frontend_session import Completion, Frontend, Logprobs, Tokenizer
 from http3.frontend_text import StopText
 from kvsp_quic.problems import Problem
 from kvsp_quic.roles.controller_records import TokenLine
@@ -52,6 +53,13 @@ class Choice:
     prefix: str = ""  # echo: the prompt's text
     out: list[int] = field(default_factory=list)
     parts: list[str] = field(default_factory=list)  # the released text (whole answers)
+    logprobs: list[Logprobs | None] = field(default_factory=list)  # per output token, when asked for
+    chars: int = 0  # streamed completions with logprobs: the length of the tokens' texts so far (text_offset)
+
+    @property
+    def cumulative(self) -> float:
+        """The sum of the output's log probabilities (best_of ranks candidates by it)."""
+        return sum(lp[0] if lp is not None else -math.inf for lp in self.logprobs) if self.logprobs else -math.inf
 
     @property
     def reason(self) -> str:
@@ -72,19 +80,64 @@ class Shape:
                "created": self.created, "model": self.model, "choices": choices, **extra}
         return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
-    def delta(self, index: int, text: str | None, reason: str | None, *, role: bool = False) -> dict[str, Any]:
+    def delta(self, index: int, text: str | None, reason: str | None, *, role: bool = False,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
-        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
 
-    def whole(self, index: int, text: str, reason: str) -> dict[str, Any]:
+    def whole(self, index: int, text: str, reason: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                     "finish_reason": reason}
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+
+@dataclass
+class LogprobShape:
+    """OpenAI's log probability objects: completions' ``{tokens, token_logprobs, top_logprobs, text_offset}`` and
+    chat's ``{content: [{token, logprob, bytes, top_logprobs}]}``. Token strings are each token decoded alone; *top*
+    alternatives are shown (completions' ``top_logprobs`` also hold the chosen token, as vLLM's do). A token without
+    log probabilities (taken by a resumed run from its checkpoint) has null ones."""
+
+    tokenizer: Tokenizer
+    chat: bool
+    top: int
+
+    def text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def render(self, tokens: Sequence[int], logprobs: Sequence[Logprobs | None], offset: int = 0) -> dict[str, Any]:
+        """The object of *tokens*, the first at character *offset* of the choice's text (completions)."""
+        if self.chat:
+            return {"content": [self._chat_entry(t, lp) for t, lp in zip(tokens, logprobs, strict=True)]}
+        out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, lp in zip(tokens, logprobs, strict=True):
+            text = self.text(token)
+            out["tokens"].append(text)
+            out["text_offset"].append(offset)
+            offset += len(text)
+            if lp is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            out["token_logprobs"].append(lp[0])
+            alternatives: dict[str, float] = {}
+            for t, v in lp[1][:self.top]:  # best first: of tokens with equal texts the likeliest is shown
+                alternatives.setdefault(self.text(t), v)
+            alternatives.setdefault(text, lp[0])
+            out["top_logprobs"].append(alternatives)
+        return out
+
+    def _chat_entry(self, token: int, lp: Logprobs | None) -> dict[str, Any]:
+        text = self.text(token)
+        return {"token": text, "logprob": None if lp is None else lp[0], "bytes": list(text.encode()),
+                "top_logprobs": [] if lp is None else [
+                    {"token": (alt := self.text(t)), "logprob": v, "bytes": list(alt.encode())}
+                    for t, v in lp[1][:self.top]]}
 
 
 def usage(params: Params, choices: Sequence[Choice]) -> dict[str, int]:
@@ -225,6 +278,7 @@ async def generate(request: Request, frontend: Frontend, params: Params, *, chat
             c = choices[i]
             if kind == "token":
                 c.out.append(value[1])
+                c.logprobs.append(value[2])
                 c.parts.append(c.text.add(value[1]))
                 charge(request, 1)
                 if c.text.stopped is not None:  # a stop string: this choice is complete
@@ -242,17 +296,22 @@ async def generate(request: Request, frontend: Frontend, params: Params, *, chat
         gone.cancel()
         merge.close()
         background(cancel_unfinished(runs, cancel))
+    answered = best(choices, params)
+    lps = None if params.logprobs is None else LogprobShape(frontend.tokenizer, chat, params.logprobs)
     body: dict[str, Any] = {
         "id": shape.ident, "object": "chat.completion" if chat else "text_completion", "created": shape.created,
         "model": frontend.model_name,
-        "choices": [shape.whole(c.index, c.prefix + "".join(c.parts), c.reason) for c in choices],
+        "choices": [shape.whole(c.index, c.prefix + "".join(c.parts), c.reason,
+                                None if lps is None else lps.render(c.out, c.logprobs, len(c.prefix)))
+                    for c in answered],
         "usage": usage(params, choices),
     }
-    if len(choices) == 1:
-        body["kvsp"] = {"session": str(runs[0].session), "epoch": runs[0].relay.epoch, "tokens": choices[0].out}
+    if len(answered) == 1:
+        c = answered[0]
+        body["kvsp"] = {"session": str(c.run.session), "epoch": c.run.relay.epoch, "tokens": c.out}
     else:
         body["kvsp"] = {"choices": [{"session": str(c.run.session), "epoch": c.run.relay.epoch, "tokens": c.out}
-                                    for c in choices]}
+                                    for c in answered]}
     return Response(json.dumps(body, ensure_ascii=False), media_type="application/json",
                     headers={"cache-control": "no-store"})
 
@@ -262,6 +321,8 @@ async def _stream(request: Request, shape: Shape, params: Params, choices: list[
                   gone: asyncio.Task[None]) -> AsyncIterator[bytes]:
     runs = [c.run for c in choices]
     extra: dict[str, Any] = {"usage": None} if params.include_usage else {}
+    lps = None if params.logprobs is None else LogprobShape(choices[0].run.frontend.tokenizer, shape.chat,
+                                                            params.logprobs)
     try:
         for c in choices:  # the role (chat) or the echoed prompt first
             if shape.chat or c.prefix:
@@ -272,10 +333,14 @@ async def _stream(request: Request, shape: Shape, params: Params, choices: list[
             kind, i, value = event
             c = choices[i]
             if kind == "token":
-                index, token = value
+                index, token, logprobs = value
                 c.out.append(token)
+                c.logprobs.append(logprobs)
                 charge(request, 1)
-                yield shape.chunk([shape.delta(c.index, c.text.add(token), None)],
+                rendered = None if lps is None else lps.render([token], [logprobs], len(c.prefix) + c.chars)
+                if rendered is not None and not shape.chat:
+                    c.chars += len(rendered["tokens"][0])
+                yield shape.chunk([shape.delta(c.index, c.text.add(token), None, logprobs=rendered)],
                                   kvsp=TokenLine(index, c.run.relay.epoch, token).to_json(), **extra)
                 if c.text.stopped is not None:  # a stop string: this choice is complete
                     merge.stop(i)
@@ -298,6 +363,21 @@ async def _stream(request: Request, shape: Shape, params: Params, choices: list[
         gone.cancel()
         merge.close()
         background(cancel_unfinished(runs, cancel))
+
+
+def best(choices: Sequence[Choice], params: Params) -> list[Choice]:
+    """The choices answered: all of them, or with ``best_of`` > ``n`` the *n* candidates of each prompt with the
+    highest cumulative log probability (numbered again: prompt x n + rank)."""
+    if params.best_of <= params.n:
+        return list(choices)
+    out = []
+    for p in range(params.prompts):
+        group = list(choices[p * params.best_of:(p + 1) * params.best_of])
+        ranked = sorted(group, key=lambda c: c.cumulative, reverse=True)[:params.n]
+        for rank, c in enumerate(ranked):
+            c.index = p * params.n + rank
+            out.append(c)
+    return out
 
 
 _BACKGROUND: set[asyncio.Task[None]] = set()

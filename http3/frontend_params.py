@@ -1,9 +1,14 @@
 """The request parameters of the front end's OpenAI-compatible endpoints: what is implemented, checked strictly.
 
 A parameter this server does not implement is refused with 400 naming it, never ignored; a parameter that is
-implemented only at its neutral value (``presence_penalty: 0``, ``logit_bias: {}``, ``n`` equal to ``best_of``)
-is accepted at that value, because clients such as LangChain send the defaults explicitly. docs: README,
-"The front end".
+implemented only at its neutral value (``suffix: ""``, ``tools: []``) is accepted at that value, because clients such
+as LangChain send the defaults explicitly. docs: README, "The front end".
+
+The sampler's parameters (``top_k``, ``min_p``, ``presence_penalty``, ``frequency_penalty``,
+``repetition_penalty``, ``logit_bias``, ``stop_token_ids``, and ``logprobs``: completions' integer, chat's boolean
+with ``top_logprobs``) travel in the session's sampler record to the instance (gpu/sampling.py). ``best_of``
+candidates (at least ``n``, not streamed) are sessions too; the ``n`` with the highest cumulative log probability
+are answered.
 
 ``stop`` strings are matched in the detokenized text (a match ends the choice with ``finish_reason: "stop"`` and
 cancels its session). ``max_tokens`` absent is 16 (``/v1/completions``) or up to the context (chat); ``null`` is up
@@ -16,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from http3.frontend_errors import InvalidParameter, ModelNotFound
@@ -26,23 +31,19 @@ SEED_MODULUS = 1 << 64  # the sampler's seed is a 64-bit unsigned integer; a neg
 
 # Accepted only at these (neutral) values; None always means "not set".
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "suffix": ("",),
-    "logprobs": (False,), "top_logprobs": (0,), "tool_choice": ("none",), "tools": ([],),
+    "suffix": ("",), "tool_choice": ("none",), "tools": ([],),
     "response_format": ({"type": "text"},), "functions": ([],), "function_call": ("none",),
 }
 _NOT_IMPLEMENTED = {
-    "frequency_penalty": "penalties are not implemented by this server's samplers (greedy, top-p)",
-    "presence_penalty": "penalties are not implemented by this server's samplers (greedy, top-p)",
-    "logit_bias": "logit bias is not implemented by this server's samplers",
     "suffix": "insertion (suffix) is not supported",
-    "logprobs": "log probabilities are not returned by this server",
-    "top_logprobs": "log probabilities are not returned by this server",
     "tool_choice": "tools are not supported", "tools": "tools are not supported",
     "response_format": "only the text response format is supported",
     "functions": "functions are not supported", "function_call": "functions are not supported",
 }
 _COMMON = ("model", "max_tokens", "n", "best_of", "temperature", "top_p", "seed", "stream", "stream_options", "user",
-           "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "stop", "include_stop_str_in_output")
+           "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "logprobs", "top_k", "min_p",
+           "stop", "stop_token_ids", "include_stop_str_in_output")
+MAX_LOGPROBS = 20  # vLLM's max_logprobs
 MAX_STOPS = 16
 COMPLETION_KEYS = frozenset((*_COMMON, "prompt", "echo", "suffix"))
 CHAT_KEYS = frozenset((*_COMMON, "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
@@ -90,6 +91,10 @@ class Params:
     user: str | None
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first (finish_reason "stop")
     include_stop: bool = False  # include_stop_str_in_output (vLLM): the text ends after it
+    sampling: Mapping[str, Any] = field(default_factory=dict)  # the sampler's further parameters (sampling())
+    logprobs: int | None = None  # alternatives per token (completions' logprobs, chat's top_logprobs); None: none
+    best_of: int = 1  # candidates per prompt; the n of them with the highest cumulative logprob are answered
+    n: int = 1  # choices per prompt
 
 
 def check_keys(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
@@ -212,15 +217,16 @@ def max_tokens_for(body: Mapping[str, Any], name: str, prompt_len: int, default:
 
 
 def common(body: Mapping[str, Any], prompts: Sequence[tuple[tuple[int, ...], str | None]], limits: Limits, *,
-           max_tokens_name: str, default_max_tokens: int | None, echo: bool = False) -> Params:
+           max_tokens_name: str, default_max_tokens: int | None, echo: bool = False, chat: bool = False) -> Params:
     n = integer(body, "n", 1, limits.max_choices) or 1
-    best_of = integer(body, "best_of", 1, limits.max_choices)
-    if best_of is not None and best_of != n:
-        raise InvalidParameter("best_of", "only best_of equal to n is supported (no candidates are discarded)",
-                               code="unsupported_parameter")
-    if len(prompts) * n > limits.max_choices:
-        raise InvalidParameter("n", f"{len(prompts)} prompts x n = {len(prompts) * n} choices; at most "
-                                    f"{limits.max_choices} per request")
+    best_of = integer(body, "best_of", 1, limits.max_choices) or n
+    if best_of < n:
+        raise InvalidParameter("best_of", f"best_of ({best_of}) must be at least n ({n})")
+    if best_of > n and boolean(body, "stream"):
+        raise InvalidParameter("best_of", "best_of greater than n cannot be streamed (the best are known at the end)")
+    if len(prompts) * best_of > limits.max_choices:
+        raise InvalidParameter("n", f"{len(prompts)} prompts x {'best_of' if best_of > n else 'n'} = "
+                                    f"{len(prompts) * best_of} choices; at most {limits.max_choices} per request")
     temperature = number(body, "temperature", 0, 2)
     top_p = number(body, "top_p", 0, 1, low_open=True)
     seed = integer(body, "seed", -(1 << 63), SEED_MODULUS - 1)
@@ -244,12 +250,75 @@ def common(body: Mapping[str, Any], prompts: Sequence[tuple[tuple[int, ...], str
     choices = []
     for p, (tokens, text) in enumerate(prompts):
         limit = max_tokens_for(body, name, len(tokens), default_max_tokens, limits)
-        for j in range(n):
-            choices.append(Choice(p * n + j, tokens, text, limit,
+        for j in range(best_of):  # candidates j >= n compete for the n choices (their index: p * n + rank)
+            choices.append(Choice(p * best_of + j, tokens, text, limit,
                                   None if seed is None else (seed + j) % SEED_MODULUS))
+    logprobs = logprobs_of(body, chat=chat)
+    if echo and logprobs is not None:
+        raise InvalidParameter("echo", "echo with logprobs is not supported (the prompt's log probabilities are not "
+                                       "computed)", code="unsupported_parameter")
+    extra = sampling(body, limits)
+    if logprobs is not None or best_of > n:
+        extra["logprobs"] = logprobs or 0
     return Params(tuple(choices), len(prompts), sum(len(t) for t, _ in prompts),
                   1.0 if temperature is None else temperature, top_p, stream, include_usage, echo, user, stop,
-                  include_stop)
+                  include_stop, extra, logprobs, best_of, n)
+
+
+def logprobs_of(body: Mapping[str, Any], *, chat: bool) -> int | None:
+    """The alternatives per token asked for: completions' ``logprobs`` (an integer), chat's ``logprobs`` (true) and
+    ``top_logprobs``; None when no log probabilities are wanted."""
+    if not chat:
+        if body.get("logprobs") is False:  # sent by some clients as "off"
+            return None
+        return integer(body, "logprobs", 0, MAX_LOGPROBS)
+    wanted = boolean(body, "logprobs")
+    top = integer(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if top and not wanted:
+        raise InvalidParameter("top_logprobs", "needs logprobs: true")
+    return (top or 0) if wanted else None
+
+
+def sampling(body: Mapping[str, Any], limits: Limits) -> dict[str, Any]:
+    """The sampler's parameters besides temperature and top_p (gpu/sampling.py), at their non-neutral values:
+    ``top_k`` (-1 or 0: all tokens), ``min_p``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``
+    (vLLM), ``logit_bias`` ({"token id": -100..100}), ``stop_token_ids`` (vLLM)."""
+    out: dict[str, Any] = {}
+    top_k = integer(body, "top_k", -1, limits.vocab_size)
+    if top_k is not None and top_k > 0:
+        out["top_k"] = top_k
+    min_p = number(body, "min_p", 0, 1)
+    if min_p:
+        out["min_p"] = min_p
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = number(body, name, -2, 2)
+        if value:
+            out[name] = value
+    repetition = number(body, "repetition_penalty", 0, 100, low_open=True)
+    if repetition is not None and repetition != 1:
+        out["repetition_penalty"] = repetition
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise InvalidParameter("logit_bias", "an object mapping token ids to biases in [-100, 100]")
+        checked: dict[str, float] = {}
+        for key, value in bias.items():
+            if not (isinstance(key, str) and key.isdigit()) or not int(key) < limits.vocab_size:
+                raise InvalidParameter("logit_bias", f"{key!r} is not a token id of the vocabulary (ids are in [0, "
+                                                     f"{limits.vocab_size - 1}])", code="invalid_token_id")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not -100 <= value <= 100:
+                raise InvalidParameter("logit_bias", f"the bias of token {key} must be a number in [-100, 100]")
+            if value:
+                checked[str(int(key))] = float(value)
+        if checked:
+            out["logit_bias"] = checked
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list):
+            raise InvalidParameter("stop_token_ids", "an array of token ids")
+        if stop_ids:
+            out["stop_token_ids"] = sorted(set(_token_ids(stop_ids, "stop_token_ids", limits)))
+    return out
 
 
 def stop_strings(value: Any) -> tuple[str, ...]:
@@ -258,7 +327,7 @@ def stop_strings(value: Any) -> tuple[str, ...]:
         return ()
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise InvalidParameter("stop", "a string or an array of strings (stop token ids are not supported)")
+        raise InvalidParameter("stop", "a string or an array of strings (token ids: stop_token_ids)")
     if len(items) > MAX_STOPS:
         raise InvalidParameter("stop", f"at most {MAX_STOPS} stop strings")
     if any(not s for s in items):
@@ -314,4 +383,4 @@ def chat_params(body: Mapping[str, Any], tokenizer: Tokenizer, limits: Limits,
     prompt = tuple(tokenizer.encode(text))
     if not prompt:
         raise InvalidParameter("messages", "the rendered prompt is empty")
-    return common(body, [(prompt, text)], limits, max_tokens_name="max_tokens", default_max_tokens=None)
+    return common(body, [(prompt, text)], limits, max_tokens_name="max_tokens", default_max_tokens=None, chat=True)

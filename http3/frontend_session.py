@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from http3.api import KvspApi, RetryElsewhere
+from http3.api import KvspApi, RetryElsewhere, ServiceEndpoints
 from http3.client import KvspClient, TransportError
 from http3.frontend_errors import Overloaded, RateLimited
 from http3.frontend_params import Limits, Params
@@ -29,6 +29,7 @@ from kvsp_quic.problems import Problem
 from kvsp_quic.roles.controller_records import SessionRequest, SessionState
 
 log = logging.getLogger("kvsp.frontend")
+Logprobs = tuple[float, tuple[tuple[int, float], ...]]  # a token's log probability and the best alternatives
 
 class Tokenizer(Protocol):  # the part of gpu.modelfiles.TextTokenizer the front end needs
     def encode(self, text: str) -> list[int]: ...
@@ -48,7 +49,8 @@ class FrontendStats:
 
 @dataclass
 class Completion:
-    """One choice's session: yields (index, token) as they are released; ``reason`` once it ends."""
+    """One choice's session: yields (index, token, logprobs) as they are released (logprobs: the token line's
+    (logprob, ((token, logprob), ...)) when the sampler asks for them, else None); ``reason`` once it ends."""
 
     frontend: Frontend
     prompt: list[int]
@@ -86,8 +88,8 @@ class Completion:
         self.placed = True
         fe.stats.sessions += 1
 
-    async def tokens(self) -> AsyncIterator[tuple[int, int]]:
-        """(index, token) as they are released, exactly once each, across instance failures."""
+    async def tokens(self) -> AsyncIterator[tuple[int, int, Logprobs | None]]:
+        """(index, token, logprobs) as they are released, exactly once each, across instance failures."""
         if not self.placed:
             await self.place()
         try:
@@ -99,7 +101,7 @@ class Completion:
             self.frontend.stats.stale += self.relay.stale
             self.relay.duplicates = self.relay.stale = 0
 
-    async def _follow(self) -> AsyncIterator[tuple[int, int]]:
+    async def _follow(self) -> AsyncIterator[tuple[int, int, Logprobs | None]]:
         """Read the current instance's tokens; when they stop (the stream broke, or nothing came for
         ``stall_check`` seconds and the PC says the session moved), continue at its new instance."""
         fe = self.frontend
@@ -139,16 +141,16 @@ class Completion:
 
     async def _pump(self, instance: str, queue: asyncio.Queue[tuple[str, Any]]) -> None:
         try:
-            async for index, token, done in self._read(instance):
+            async for index, token, done, logprobs in self._read(instance):
                 if done is not None:
                     await queue.put(("done", done))
                     return
-                await queue.put(("token", (index, token)))
+                await queue.put(("token", (index, token, logprobs)))
             await queue.put(("broken", TransportError("the token stream ended without a final line")))
         except (TransportError, ValueError, Problem) as exc:
             await queue.put(("broken", exc))
 
-    async def _read(self, instance: str) -> AsyncIterator[tuple[int, int, str | None]]:
+    async def _read(self, instance: str) -> AsyncIterator[tuple[int, int, str | None, Logprobs | None]]:
         fe = self.frontend
         async with fe.api.tokens(instance, self.session, self.relay.next_index,
                                  timeout=fe.options.read_timeout_s) as lines:
@@ -159,12 +161,13 @@ class Completion:
                     if line.failed:
                         raise Overloaded(f"the instance could not complete the session: "
                                          f"{line.detail or 'no detail'}")
-                    yield line.index, -1, line.reason or "length"
+                    yield line.index, -1, line.reason or "length", None
                     return
                 assert line.token is not None
                 if self.relay.offer(line.index, line.epoch, line.token):
                     fe.stats.tokens += 1
-                    yield line.index, line.token, None
+                    logprobs = None if line.logprob is None else (line.logprob, line.top_logprobs or ())
+                    yield line.index, line.token, None, logprobs
 
     async def _peek(self) -> str | None:
         """The session's new instance when the PC has moved it to a newer epoch, else None."""
@@ -198,7 +201,7 @@ class Completion:
 @dataclass
 class Frontend:
     client: KvspClient
-    pc: str
+    pc: str | ServiceEndpoints  # the Placement Controller's URI, or URIs (failover; made a ServiceEndpoints)
     keyer: BlockKeyer
     tokenizer: Tokenizer
     model_name: str
@@ -214,6 +217,7 @@ class Frontend:
 
     def __post_init__(self) -> None:
         self.api = KvspApi(self.client)
+        self.pc = ServiceEndpoints.of(self.pc, "controller")
 
     @property
     def limits(self) -> Limits:
@@ -222,5 +226,6 @@ class Frontend:
     def completions(self, params: Params) -> list[Completion]:
         """One session per choice of *params* (each its own seed: the request's plus the choice's number)."""
         return [Completion(self, list(c.prompt), c.max_tokens,
-                           SamplingRequest.from_openai(params.temperature, params.top_p, c.seed, self.random_seed()))
+                           SamplingRequest.from_openai(params.temperature, params.top_p, c.seed, self.random_seed(),
+                                                       params.sampling))
                 for c in params.choices]

@@ -15,6 +15,10 @@ parses the response head by hand and lets TLS decrypt the body straight into the
 * a connection goes back to its origin's pool only after its response was read to the end with nothing left
   over and neither side said ``Connection: close``; one that is closed while idle is never handed out.
 
+Every request checks that the server is the role called: its certificate's SAN URI must cover the URL
+(:func:`quic.tls.serves`: host, port when the identity states one, base path), else :class:`H1TransportError`
+before anything is sent (issue 13: a co-located role's valid certificate must not answer for another role).
+
 Failures (refused, reset, TLS, a malformed or truncated response) raise :class:`H1TransportError`; a connect
 that times out raises :class:`H1ConnectTimeout`. Cancelling a request (e.g. a caller's timeout) closes its
 connection. Backpressure: a streamed body that the caller does not take pauses reading at :data:`RX_HIGH_WATER`.
@@ -34,6 +38,8 @@ import re
 import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from typing import Any, Protocol
+
+from quic.tls import serves, ssl_peer_identity
 
 Buffer = bytes | bytearray | memoryview
 Fields = Sequence[tuple[bytes, bytes]]
@@ -67,6 +73,7 @@ class H1Connection(asyncio.BufferedProtocol):
         self.origin = origin
         self.authority = (f"{origin[0]}:{origin[1]}" if ":" not in origin[0] else f"[{origin[0]}]:{origin[1]}").encode()
         self.transport: asyncio.Transport | None = None
+        self.peer_identity: str | None = None
         self.closed = False  # connection lost, or closed by us
         self.reusable = True  # false once either side said close, or an exchange ended abnormally
         self.busy = False
@@ -88,12 +95,14 @@ class H1Connection(asyncio.BufferedProtocol):
         self._write_paused = False
         self._reading_paused = False
         self._expect_body = True
+        self.lost = False  # the transport reported connection_lost (its socket is closed)
 
     # -- asyncio.BufferedProtocol ---------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        self.peer_identity = ssl_peer_identity(transport)  # the server's role (SAN URI), checked per request
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -151,6 +160,7 @@ class H1Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.lost = True
         self.reusable = False
         if self._phase == _UNTIL_CLOSE and exc is None:
             self._phase = _DONE
@@ -576,8 +586,10 @@ class H1Response:
 class H1Pool:
     """Keep-alive HTTP/1.1 connections per origin (host, port); at most *max_idle* idle ones kept per origin."""
 
-    def __init__(self, context: ssl.SSLContext, *, connect_timeout: float = 5.0, max_idle: int = 16) -> None:
+    def __init__(self, context: ssl.SSLContext, *, connect_timeout: float = 5.0, max_idle: int = 16,
+                 check_identity: bool = True) -> None:
         self.context = context
+        self.check_identity = check_identity  # the server's SAN URI must cover each URL (quic.tls.serves)
         self.connect_timeout = connect_timeout
         self.max_idle = max_idle
         self._idle: dict[tuple[str, int], list[H1Connection]] = {}
@@ -616,6 +628,12 @@ class H1Pool:
     async def request(self, host: str, port: int, method: str, target: str, fields: Fields = (),
                       body: Buffer | AsyncIterable[bytes] | None = None) -> H1Response:
         conn = await self.connection(host, port)
+        problem = serves(conn.peer_identity, "https", host, port, target.split("?", 1)[0]) if self.check_identity \
+            else None
+        if problem is not None:  # a valid certificate of another role: nothing is sent to it
+            conn.close()
+            self._all.discard(conn)
+            raise H1TransportError(f"{method} https://{host}:{port}{target}: {problem}")
         try:
             status, headers = await conn.exchange(method, target, fields, body)
         except (OSError, ssl.SSLError) as exc:
@@ -642,13 +660,22 @@ class H1Pool:
         conn.close()
         self._all.discard(conn)
 
-    async def aclose(self) -> None:
-        for conn in list(self._all):
+    async def aclose(self, grace: float = 1.0) -> None:
+        """Close every connection: TLS close_notify, then the socket once the transport lets go of it -- waited
+        for (up to *grace* seconds, then aborted), so no socket outlives the pool (nor the event loop)."""
+        conns = list(self._all)
+        for conn in conns:
             conn.close()
         self._all.clear()
         self._idle.clear()
+        deadline = asyncio.get_running_loop().time() + grace
         with contextlib.suppress(Exception):
-            await asyncio.sleep(0)  # let the transports close
+            await asyncio.sleep(0)
+            while any(not c.lost for c in conns) and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.01)
+        for conn in conns:
+            if not conn.lost and conn.transport is not None:
+                conn.transport.abort()
 
 
 __all__ = [

@@ -2,7 +2,8 @@
 
 :class:`H3ClientConnection` is one QUIC connection to one origin; :class:`H3Pool` keeps connections per origin,
 spreads concurrent requests over up to ``connections_per_origin`` of them (least-loaded first) and opens another
-when every stream of the existing ones is taken. The facade that adds fallback to HTTP/2 and
+when every stream of the existing ones is taken; with a :class:`KeepAlive` (for every origin, or per origin) each
+connection PINGs its peer and ends itself when the peer stops answering. The facade that adds fallback to HTTP/2 and
 HTTP/1.1, retries and timeouts is :mod:`http3.client`. The QUIC side (batched receiving, transmits, send
 backpressure, HANDSHAKE_DONE, connecting) is :mod:`quic.protocol`'s.
 """
@@ -13,16 +14,18 @@ import asyncio
 import collections
 import contextlib
 from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from aioquic.h3.connection import H3Connection
 from aioquic.h3.events import DataReceived, HeadersReceived
 from aioquic.quic import events
+from cryptography.hazmat.primitives.serialization import Encoding
 
 from http3.h3_frames import send_data
 from quic.connection import KvspQuicConnection
 from quic.protocol import KvspQuicProtocol, QuicConnectError, connect_quic
-from quic.tls import TlsFiles, TransportSettings
+from quic.tls import TlsFiles, TransportSettings, identity_of_der, serves
 
 H3_NO_ERROR = 0x100
 H3_REQUEST_CANCELLED = 0x10C
@@ -35,6 +38,38 @@ class H3ConnectError(QuicConnectError):
 
 class H3StreamError(ConnectionError):
     """The stream or connection broke during an exchange."""
+
+
+class H3IdentityError(H3StreamError):
+    """The server's certificate is valid but not for the role called (quic.tls.serves): nothing was sent."""
+
+
+
+@dataclass(frozen=True)
+class KeepAlive:
+    """QUIC PINGs on a pooled connection (RFC 9000 19.2) so that a dead or frozen peer is noticed in about
+    ``interval`` x ``missed`` seconds rather than at QUIC's idle timeout (60 s): every *interval* seconds the
+    connection sends a PING unless it is over; after *missed* intervals in a row in which nothing at all arrived
+    from the peer (a PING's acknowledgement, or anything else) the connection ends itself (RFC 9000 10.1: "silently
+    closed", after a best-effort CONNECTION_CLOSE), its requests in flight fail with :class:`H3StreamError`, and
+    the pool no longer hands it out. Ticks are counted, not wall time, so a client whose own event loop was busy
+    does not take its backlog for a silent peer. For connections to the control plane (Index Service, Placement
+    Controller), whose answers are small and prompt."""
+
+    interval: float = 0.4
+    missed: int = 3
+
+    def __post_init__(self) -> None:
+        if not self.interval > 0 or isinstance(self.missed, bool) or self.missed < 1:
+            raise ValueError("a keep-alive has a positive interval and misses at least 1 PING")
+
+    @property
+    def dead_after(self) -> float:
+        """About how long a silent peer keeps its connection (seconds)."""
+        return self.interval * self.missed
+
+
+CONTROL_KEEPALIVE = KeepAlive()  # the control plane's (Index Service, Placement Controller): ~1.2-1.6 s to notice
 
 
 class H3Response:
@@ -155,10 +190,61 @@ class H3ClientConnection(KvspQuicProtocol):
         self.origin: tuple[str, int] = ("", 0)  # (host, port) in its pool
         self.retired = False  # dropped from its pool: takes no new requests, closes after its last stream
         self._closing: asyncio.Task[None] | None = None
+        self.keepalive: KeepAlive | None = None
+        self._heard = 0  # datagrams received from the peer (the keep-alive's evidence of life)
+        self._pinger: asyncio.Task[None] | None = None
+        self.peer_identity: str | None = None  # the server's SAN URI, read once after the handshake
+        self._identity_read = False
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        self._heard += 1
+        super().datagram_received(data, addr)
+
+    def keep_alive(self, keepalive: KeepAlive) -> None:
+        """PING the peer from now on, and end the connection when it stops answering (:class:`KeepAlive`)."""
+        self.keepalive = keepalive
+        if (self._pinger is None or self._pinger.done()) and not self.closed:
+            self._pinger = self._loop.create_task(self._ping_loop(), name="h3-keepalive")
+
+    async def _ping_loop(self) -> None:
+        missed, heard, uid = 0, self._heard, 1 << 62  # uids far from aioquic's own ping() waiters (ids of futures)
+        while (keepalive := self.keepalive) is not None and not self.closed:
+            await asyncio.sleep(keepalive.interval)
+            if self._over():
+                return
+            missed = missed + 1 if self._heard == heard else 0
+            heard = self._heard
+            if missed >= keepalive.missed:
+                self.abandon(f"the peer answered no PING for {missed * keepalive.interval:.1f} s")
+                return
+            uid += 1
+            self.quic.send_ping(uid)
+            self.transmit()
+
+    def _over(self) -> bool:
+        return self.closed
+
+    def abandon(self, reason: str) -> None:
+        """End the connection now, the peer being silent: a CONNECTION_CLOSE is sent (best effort), no closing
+        period is waited out, and every request in flight fails at once."""
+        if self.closed:
+            return
+        self.quic.close(error_code=H3_NO_ERROR, reason_phrase=reason)
+        self.transmit()
+        self.quic.end_now()
+        self._process_events()  # ConnectionTerminated: every response fails, the socket is let go
+        self.transmit()
+
+    async def aclose(self) -> None:
+        if self._pinger is not None and self._pinger is not asyncio.current_task():
+            self._pinger.cancel()
+        await super().aclose()
 
     def quic_event_received(self, event: events.QuicEvent) -> None:
         super().quic_event_received(event)
         if isinstance(event, events.ConnectionTerminated):
+            if self._pinger is not None and self._pinger is not asyncio.current_task():
+                self._pinger.cancel()
             err = self.connection_closed_error()
             for response in list(self._responses.values()):
                 response._on_error(err)
@@ -206,6 +292,7 @@ class H3ClientConnection(KvspQuicProtocol):
         """Send a request and return once the response headers are in; the body streams afterwards."""
         if self.closed:
             raise self.connection_closed_error()
+        self._check_identity(authority, path)
         stream_id = self.quic.get_next_available_stream_id()
         if method == "HEAD":
             self.h3.head_streams.add(stream_id)
@@ -232,6 +319,20 @@ class H3ClientConnection(KvspQuicProtocol):
         if response._ended and not response._chunks:
             self.stream_done(stream_id)
         return response
+
+    def _check_identity(self, authority: str, path: str) -> None:
+        """The server must be the role called: its certificate's SAN URI covers ``https://authority/path``
+        (:func:`quic.tls.serves`); else :class:`H3IdentityError` and nothing is sent."""
+        if not self._identity_read:
+            cert = self.quic.peer_certificate
+            self.peer_identity = identity_of_der(cert.public_bytes(Encoding.DER)) if cert is not None else None
+            self._identity_read = True
+        host, _, port = authority.rpartition(":")
+        if not host or not port.isdigit():
+            host, port = authority, "443"
+        problem = serves(self.peer_identity, "https", host.strip("[]"), int(port), path.split("?", 1)[0])
+        if problem is not None:
+            raise H3IdentityError(f"https://{authority}{path}: {problem}")
 
     async def _send_body(self, stream_id: int, body: bytes | bytearray | memoryview | AsyncIterable[bytes],
                          response: H3Response) -> None:
@@ -302,7 +403,7 @@ class H3Pool:
     a failed connect fails every request waiting for it at once."""
 
     def __init__(self, files: TlsFiles, settings: TransportSettings, connect_timeout: float, *,
-                 connections_per_origin: int = 1) -> None:
+                 connections_per_origin: int = 1, keepalive: KeepAlive | None = None) -> None:
         if isinstance(connections_per_origin, bool) or connections_per_origin < 1:
             raise ValueError(f"connections_per_origin must be at least 1, not {connections_per_origin!r}")
         self.files = files
@@ -310,6 +411,8 @@ class H3Pool:
         self.connect_timeout = connect_timeout
         self.connections_per_origin = connections_per_origin
         self.connects = 0  # connections opened (tests, metrics)
+        self.keepalive = keepalive  # for every origin (None: none) ...
+        self._keepalive: dict[tuple[str, int], KeepAlive | None] = {}  # ... unless set for the origin
         self._conns: dict[tuple[str, int], list[H3ClientConnection]] = {}
         self._connecting: dict[tuple[str, int], list[_Connecting]] = {}
         self._joining: dict[H3ClientConnection, _Connecting] = {}  # requests that waited for its connect
@@ -403,6 +506,9 @@ class H3Pool:
             raise H3ConnectError(f"HTTP/3 to {key[0]}:{key[1]}: the client is closed")
         self.connects += 1
         conn.origin = key
+        keepalive = self._keepalive.get(key, self.keepalive)
+        if keepalive is not None:
+            conn.keep_alive(keepalive)
         self._conns.setdefault(key, []).append(conn)
         if pending.waiters:
             self._joining[conn] = pending
@@ -414,6 +520,18 @@ class H3Pool:
             conn.retire()
         self._retired = {c for c in self._retired if not c.closed}
         self._retired.add(conn)
+
+    def set_keepalive(self, host: str, port: int, keepalive: KeepAlive | None) -> None:
+        """Keep the connections to (*host*, *port*) alive with *keepalive* (None: no PINGs), those open included."""
+        key = (host, port)
+        if key in self._keepalive and self._keepalive[key] == keepalive:
+            return
+        self._keepalive[key] = keepalive
+        for conn in self._conns.get(key, []):
+            if keepalive is None:
+                conn.keepalive = None
+            elif not conn.closed:
+                conn.keep_alive(keepalive)
 
     def discard(self, conn: H3ClientConnection) -> None:
         """Drop *conn* from the pool after a timeout or a connection error on it: the next request to its origin

@@ -39,7 +39,7 @@ from kvsp_quic.auth import Policy, Principal, Role
 from kvsp_quic.metrics import Registry, holder_collectors
 from kvsp_quic.problems import ContentTooLarge, NotFound, Problem, UnsupportedMediaType
 from kvsp_quic.records import LeaseRenewal, LeaseRequest
-from kvsp_quic.roles.holder import Fetched, Holder, parse_codec, parse_layers
+from kvsp_quic.roles.holder import Fetched, Holder, parse_codec, parse_layers, parse_position
 from kvsp_quic.roles.holder_worker import HolderWorker
 from quic.tls import scope_identity
 
@@ -91,10 +91,16 @@ async def serve_block_get(holder: ServedHolder, principal: Principal, path: tupl
 
 
 async def serve_block_put(holder: ServedHolder, principal: Principal, path: tuple[str, str, str],
-                          headers: list[tuple[bytes, bytes]], receive: Receive, send: Send) -> tuple[int, int]:
-    """``PUT blocks/{compat}/{scope}/{block_key}``: the body fed chunk by chunk into the holder's incremental
-    decoder; 201 with the Replica Record. Returns (octets received, octets sent); (n, 0) when the client left."""
+                          headers: list[tuple[bytes, bytes]], receive: Receive, send: Send,
+                          query_string: bytes = b"") -> tuple[int, int]:
+    """``PUT blocks/{compat}/{scope}/{block_key}[?chain=<hex32>&position=<i>]``: the body fed chunk by chunk into
+    the holder's incremental decoder; 201 with the Replica Record. Returns (octets received, octets sent); (n, 0)
+    when the client left. ``chain`` and ``position`` declare where the block sits in its token sequence (K[0] and
+    i), for prefix-aware eviction (docs/wire.md, "Holder")."""
     compat, scope_id, key = _block_ids(path)
+    position = None
+    if query_string:
+        position = parse_position(dict(parse_qsl(query_string.decode("latin-1"), keep_blank_values=True)), key)
     content_type = declared = if_none_match = None
     for name, value in headers:
         if name == b"content-type" and content_type is None:
@@ -109,6 +115,7 @@ async def serve_block_put(holder: ServedHolder, principal: Principal, path: tupl
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ContentTooLarge(f"the request body of {declared} octets exceeds the limit of {limit}")
     upload = holder.begin_store(principal, compat, scope_id, key, if_none_match)
+    upload.position = position
     received = 0
     while True:
         message = await receive()
@@ -139,7 +146,8 @@ class _BlockEndpoint:
         p = scope["path_params"]
         path = (p["compat"], p["scope"], p["block_key"])
         if scope["method"] == "PUT":
-            await serve_block_put(self.holder, principal_of(scope), path, scope["headers"], receive, send)
+            await serve_block_put(self.holder, principal_of(scope), path, scope["headers"], receive, send,
+                                  scope["query_string"])
         else:
             await serve_block_get(self.holder, principal_of(scope), path, scope["query_string"], scope["method"],
                                   send)
@@ -221,7 +229,7 @@ class BlockHotPath:
                 self._count(scope, "out", out)
             else:
                 received, out = await serve_block_put(self.holder, principal, block, scope["headers"], receive,
-                                                      tracking_send)
+                                                      tracking_send, scope.get("query_string", b""))
                 self._count(scope, "in", received)
                 self._count(scope, "out", out)
         except Problem as problem:

@@ -6,7 +6,8 @@
 
 Resources, relative to the base URI's path (docs/wire.md, "Index Service"), with the roles of :data:`INDEX_RULES`:
 
-* ``PUT replicas/{holder_id}/{block_key}`` (holder): 201 + the stored record when created, 200 + it when refreshed;
+* ``PUT replicas/{holder_id}/{block_key}`` (holder): 201 + the stored record when created, 200 + it when refreshed
+  (a ``moqt://`` record is authorized by its namespace's publisher as well: :meth:`IndexService.publish`);
 * ``DELETE replicas/{holder_id}/{block_key}`` (holder): 204;
 * ``POST lookup`` (controller, instance, client, holder): 200 + the lookup response;
 * ``PUT instances/{instance_id}/status`` (instance): 200 + ``{"state": s}``;
@@ -27,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from starlette.applications import Starlette
@@ -92,7 +93,8 @@ def _uri_id(request: Request, name: str) -> str:
     return value
 
 
-StatusHandler = Callable[[Principal, str, InstanceStatusRecord], StateMessage]
+# The status handler answers at once, or (a Placement Controller with a shared store) after awaiting it.
+StatusHandler = Callable[[Principal, str, InstanceStatusRecord], StateMessage | Awaitable[StateMessage]]
 
 
 def index_routes(service: IndexService, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -129,7 +131,10 @@ def index_routes(service: IndexService, *, max_body_bytes: int = DEFAULT_MAX_BOD
         principal = principal_of(request)
         instance_id = _uri_id(request, "instance_id")
         record = InstanceStatusRecord.loads(await read_json_body(request, max_body_bytes))
-        return kvsp_json(on_status(principal, instance_id, record).to_json())
+        answer = on_status(principal, instance_id, record)
+        if not isinstance(answer, StateMessage):
+            answer = await answer
+        return kvsp_json(answer.to_json())
 
     return [
         Route("/replicas/{holder_id}/{block_key}", put_replica, methods=["PUT"]),

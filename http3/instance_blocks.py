@@ -18,6 +18,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Se
 from dataclasses import dataclass, field
 from typing import Any, Generic
 
+from http3.api import ServiceEndpoints
 from http3.client import KvspClient
 from http3.retrieval import BlockFetcher, BlockSource, HttpSource
 from kvsp_quic.compat import CompatDescriptor
@@ -66,12 +67,13 @@ class BlockFinder:
     the source that leases ``moqt://`` replicas); *ranking*: the order in which a block's replicas are tried
     (default :class:`~kvsp_quic.retrieval_plan.DefaultRanking`)."""
 
-    def __init__(self, client: KvspClient, index: str, *, descriptor: CompatDescriptor, own: Sequence[str],
+    def __init__(self, client: KvspClient, index: str | Sequence[str] | ServiceEndpoints, *,
+                 descriptor: CompatDescriptor, own: Sequence[str],
                  sources: Sequence[BlockSource] | None = None, https_of: dict[str, str] | None = None,
                  ranking: Ranking | None = None, timeout: float = 10.0,
                  metrics: RetrievalMetrics | None = None) -> None:
         self.client = client
-        self.index = index
+        self.index = ServiceEndpoints.of(index, "index")  # shared by its fetchers: one view of the replicas
         self.descriptor = descriptor
         self.own = list(own)
         self.sources: list[BlockSource] = list(sources) if sources is not None else [

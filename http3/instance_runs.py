@@ -15,7 +15,16 @@ from collections.abc import AsyncIterable, Awaitable, Callable, Mapping, Sequenc
 from typing import Generic
 
 from http3.instance_blocks import BlockFinder, BlockLoads, close_all, nothing, restrict
-from kvsp_quic.engine import BlockInput, InstanceEngine, P, PageCache, PrefillOutcome, PrefixUnavailable, RunPlan
+from kvsp_quic.engine import (
+    BlockInput,
+    InstanceEngine,
+    Logprobs,
+    P,
+    PageCache,
+    PrefillOutcome,
+    PrefixUnavailable,
+    RunPlan,
+)
 from kvsp_quic.keys import BlockKeyChain, BlockKeyer
 from kvsp_quic.metrics import KvspMetrics
 from kvsp_quic.problems import Problem
@@ -88,7 +97,7 @@ class RunPlanner(Generic[P]):
             blocks = [x if x is not None else nothing() for x in inputs[:last + 1]]
             return RunPlan(tokens=tokens, blocks=blocks, keys=keys, chain=BlockKeyChain(keyer, tokens),
                            chain_first_block=0, sampler=session.sampler(), max_new=session.remaining,
-                           stop=session.stop, load_timeout=self.load_timeout_s)
+                           stop=session.stop, load_timeout=self.load_timeout_s, output=list(session.output))
 
         return make
 
@@ -125,7 +134,8 @@ class RunPlanner(Generic[P]):
             return RunPlan(tokens=seq[:end], blocks=[x for x in inputs[:usable] if x is not None], keys=keys[:first],
                            chain=chain, chain_first_block=first, replay=seq[end:],
                            must_load=0 if prompt is not None else p, sampler=session.sampler(),
-                           max_new=session.remaining, stop=session.stop, load_timeout=self.load_timeout_s)
+                           max_new=session.remaining, stop=session.stop, load_timeout=self.load_timeout_s,
+                           output=list(session.output))
 
         return make
 
@@ -164,11 +174,11 @@ class RunHooks(Generic[P]):
                 self.cache.release(page)
         self.held.clear()
 
-    def token(self, token: int) -> bool:
+    def token(self, token: int, logprobs: Logprobs | None = None) -> bool:
         s = self.session
         if s.phase.finished:
             return False
-        s.append(token, self.clock())
+        s.append(token, self.clock(), logprobs)
         return True
 
     def page_complete(self, page: P, key: bytes) -> None:

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic
 
-from http3.api import Acknowledged, KvspApi, Stale
+from http3.api import Acknowledged, KvspApi, ServiceEndpoints, Stale
 from http3.client import KvspClient, TransportError
 from http3.instance_blocks import BlockFinder, BlockLoad, BlockLoads, restrict
 from http3.instance_reshard import Resharding
@@ -90,7 +90,10 @@ CheckpointOutcome = Acknowledged | Stale | RetryLater
 
 def token_line(session: InstanceSession, index: int) -> bytes:
     """The NDJSON line of output token *index* of *session*."""
-    return TokenLine(index, session.epoch, session.output[index]).encode()
+    lp = session.logprobs.get(index)
+    if lp is None:
+        return TokenLine(index, session.epoch, session.output[index]).encode()
+    return TokenLine(index, session.epoch, session.output[index], logprob=lp[0], top_logprobs=lp[1]).encode()
 
 
 def final_line(session: InstanceSession, index: int) -> bytes | None:
@@ -120,6 +123,8 @@ class InstanceService(Generic[P]):
         self.api = KvspApi(client, timeout=options.request_timeout_s)
         self.finder = finder
         self.options = options
+        # the PC's URIs, one view of them for status reports and checkpoints (failover: http3.api.ServiceEndpoints)
+        self.controller = ServiceEndpoints.of(options.controller, "controller") if options.controller else None
         self.publisher = publisher
         self.instance_id = uri_id(role.settings.base_uri)
         self.loads: BlockLoads[P] = BlockLoads(engine.cache, on_loaded=self._loaded, on_finished=self._load_finished)
@@ -147,7 +152,7 @@ class InstanceService(Generic[P]):
         if self.publisher is not None:
             self.publisher.start()
         self._background.append(loop.create_task(self._timers(), name="instance-timers"))
-        if self.options.controller is not None:
+        if self.controller is not None:
             self._background.append(loop.create_task(self._status_loop(), name="instance-status"))
 
     async def aclose(self) -> None:
@@ -355,9 +360,10 @@ class InstanceService(Generic[P]):
         except (PrefixUnavailable, Problem, ValueError, RuntimeError) as exc:  # RuntimeError: the cache is full
             log.warning("session %s epoch %d failed: %s", session.id, session.epoch, exc)
             self.role.finish_session(session, Phase.FAILED, "error", str(exc))
-        except Exception as exc:
-            log.exception("session %s epoch %d failed", session.id, session.epoch)
-            self.role.finish_session(session, Phase.FAILED, "error", repr(exc))
+        except Exception:  # an internal fault: its text stays in the log (it can name paths, peers, other data)
+            ref = uuid.uuid4().hex[:12]
+            log.exception("session %s epoch %d failed (ref %s)", session.id, session.epoch, ref)
+            self.role.finish_session(session, Phase.FAILED, "error", f"internal error (ref {ref} in the log)")
         finally:
             for page in held:
                 with contextlib.suppress(ValueError):
@@ -371,7 +377,7 @@ class InstanceService(Generic[P]):
 
     async def _checkpoints(self, session: InstanceSession) -> None:
         """Send the session's checkpoints to the PC, the latest first; retry failures; stop when fenced."""
-        controller = self.options.controller
+        controller = self.controller
         signal = self._signal(session)
         while True:
             wake = signal.waiter()
@@ -401,7 +407,8 @@ class InstanceService(Generic[P]):
             if isinstance(outcome, RetryLater):
                 await asyncio.sleep(self.options.checkpoint_retry_s)
 
-    async def _put_checkpoint(self, controller: str, cp: SessionCheckpoint, done: bool) -> CheckpointOutcome:
+    async def _put_checkpoint(self, controller: str | ServiceEndpoints, cp: SessionCheckpoint,
+                              done: bool) -> CheckpointOutcome:
         """``PUT {pc}sessions/{id}/checkpoint`` (with the extension member ``"done"`` once the session ended: the PC
         never migrates it)."""
         try:
@@ -443,7 +450,7 @@ class InstanceService(Generic[P]):
         return held
 
     async def _status_loop(self) -> None:
-        controller = self.options.controller
+        controller = self.controller
         assert controller is not None
         while True:
             delay = self.role.report_due()

@@ -10,7 +10,9 @@ The requests are :class:`http3.api.KvspApi`'s (its failure semantics): a publish
 stores the record; a withdrawal when the record is gone (withdrawn, or already gone). A refusal, a 5xx and every
 transport failure are reported as failed, and the holder retries with backoff. Requests run in their
 own tasks, at most *concurrency* at a time, so request handling never waits for the Index Service. The loop
-also drives the holder's timers (:meth:`Holder.tick`).
+also drives the holder's timers (:meth:`Holder.tick`). The ``ttl_ms`` of the record the Index Service answers a
+publish with (it caps TTLs) goes back to the holder: refreshes are due a third of it after the request, and
+``Cache-Control: max-age`` of the block never outlives it.
 
 With *moqt_uri* (the holder's ``moqt://host:port/``, whose UDP port serves MOQT next to HTTP/3) every record is
 also published as its MOQT twin (:func:`kvsp_quic.records.moqt_record`: ``holder`` = *moqt_uri*, ``moqt_namespace``) at
@@ -29,8 +31,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
 
-from http3.api import KvspApi
+from http3.api import KvspApi, ServiceEndpoints
 from http3.client import KvspClient
 from kvsp_quic.keys import uri_id
 from kvsp_quic.problems import Problem
@@ -41,12 +44,13 @@ log = logging.getLogger("kvsp.publisher")
 
 
 class ReplicaPublisher:
-    def __init__(self, holder: Holder, client: KvspClient, index_base: str, *, concurrency: int = 8,
+    def __init__(self, holder: Holder, client: KvspClient, index_base: str | Sequence[str] | ServiceEndpoints, *,
+                 concurrency: int = 8,
                  max_sleep: float = 1.0, timeout: float = 10.0, moqt_uri: str | None = None) -> None:
         self.holder = holder
         self.client = client
         self.api = KvspApi(client)
-        self.index_base = KvspApi.base(index_base, "index base URI")
+        self.index_base = ServiceEndpoints.of(index_base, "index base URI")  # one URI or several (failover)
         self.holder_id = uri_id(holder.base_uri)
         self.moqt_uri = KvspApi.base(moqt_uri, "moqt URI", schemes=("moqt",)) if moqt_uri is not None else None
         self._moqt_refused = False  # the Index Service answered 403 for a MOQT twin (logged once)
@@ -120,8 +124,9 @@ class ReplicaPublisher:
     async def _send(self, intent: Intent) -> None:
         url = self.url(intent.block_key)
         ok = False
+        granted: list[int] = []  # the TTL the Index Service granted the https record (it caps TTLs)
         try:
-            ok = await self._one(intent, url, intent.record)
+            ok = await self._one(intent, url, intent.record, granted=granted)
             if ok and self.moqt_uri is not None:
                 twin = moqt_record(intent.record, self.moqt_uri) if intent.record is not None else None
                 ok = await self._one(intent, self.url(intent.block_key, self.moqt_uri), twin, twin=True)
@@ -132,17 +137,21 @@ class ReplicaPublisher:
             log.info("%s %s failed: %s", intent.kind.value, url, exc)
         except Exception:
             log.exception("%s %s failed", intent.kind.value, url)
-        self.holder.intent_done(intent, ok)
+        self.holder.intent_done(intent, ok, granted[0] if ok and granted else None)
         self._wake.set()
 
-    async def _one(self, intent: Intent, url: str, record: ReplicaRecord | None, *, twin: bool = False) -> bool:
+    async def _one(self, intent: Intent, url: str, record: ReplicaRecord | None, *, twin: bool = False,
+                   granted: list[int] | None = None) -> bool:
         """One publish or withdrawal through :class:`~http3.api.KvspApi`: True when done (a withdrawal of a record
-        already gone is done too). A 4xx refusal is False (retried with backoff), except a 403 for a MOQT twin
-        (the policy lacks publish_for: not worth retrying); a transport failure or 5xx raises (retried too)."""
+        already gone is done too); the ``ttl_ms`` the Index Service granted a publish is appended to *granted*.
+        A 4xx refusal is False (retried with backoff), except a 403 for a MOQT twin (the policy lacks publish_for:
+        not worth retrying); a transport failure or 5xx raises (retried too)."""
         try:
             if intent.kind is IntentKind.PUBLISH:
                 assert record is not None
-                await self.api.publish(self.index_base, record, timeout=self.timeout)
+                published = await self.api.publish(self.index_base, record, timeout=self.timeout)
+                if granted is not None:
+                    granted.append(published.record.ttl_ms)
             else:
                 holder = self.holder.base_uri if not twin else self.moqt_uri
                 assert holder is not None

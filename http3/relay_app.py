@@ -1,5 +1,10 @@
 """The relay's HTTP side (same port as its MOQT, TCP and HTTP/3): ``GET status`` (its counters as JSON) and
-``GET metrics`` (Prometheus), for any principal of the policy, like every role's app."""
+``GET metrics`` (Prometheus), for any principal of the policy, like every role's app.
+
+``status`` lists only the published namespaces the caller could discover over MOQT (the relay's
+``rules.visible``: a KVSP namespace to a reader of its scope, an open prefix to anyone in the policy), so a
+principal of one tenant learns nothing of another tenant's publishers through it (issue 13); the counters are
+aggregates and stay as they are. ``metrics`` carries no namespace."""
 
 from __future__ import annotations
 
@@ -13,17 +18,35 @@ from starlette.routing import Route
 
 from http3.app_kit import kvsp_json, role_app
 from http3.asgi_types import ASGIApp
-from http3.authz import ANY_ROLE, Rule
+from http3.authz import ANY_ROLE, Rule, principal_of
 from http3.metrics_app import audit_metrics, mount_metrics
 from http3.problem_response import install
 from kvsp_quic.auth import Policy
 from kvsp_quic.metrics import Registry
+from moqt.relay.namespaces import render
+from moqt.types import Namespace
 
 RULES = (Rule("GET", "status", ANY_ROLE),)
 
 
+class Visibility(Protocol):
+    def visible(self, identity: str | None, namespace: Namespace) -> bool: ...
+
+
+class Published(Protocol):
+    @property
+    def namespace(self) -> Namespace: ...
+
+
 class RelayStatus(Protocol):
-    """What the app reads of the relay (:class:`moqt.relay.Relay`): its counters as a JSON object."""
+    """What the app reads of the relay (:class:`moqt.relay.Relay`): its counters as a JSON object, its published
+    namespaces and the rules that say who may see them."""
+
+    @property
+    def rules(self) -> Visibility: ...
+
+    @property
+    def announcements(self) -> list[Any]: ...
 
     def status(self) -> dict[str, Any]: ...
 
@@ -45,7 +68,11 @@ def relay_app(relay: RelayStatus, policy: Policy, *, base_path: str = "/") -> AS
     audit_metrics(registry)
 
     async def status(request: Request) -> Response:
-        return kvsp_json(relay.status())
+        identity = principal_of(request).identity
+        body = relay.status()
+        body["namespaces"] = [render(a.namespace) for a in relay.announcements
+                              if relay.rules.visible(identity, a.namespace)]
+        return kvsp_json(body)
 
     app = Starlette(routes=[Route("/status", status, methods=["GET"])])
     install(app)

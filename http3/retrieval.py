@@ -52,7 +52,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from http3.api import BadResponse, KvspApi, Lease, Miss, RetryElsewhere
+from http3.api import BadResponse, KvspApi, Lease, Miss, RetryElsewhere, ServiceEndpoints
 from http3.client import KvspClient, TransportError
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.container import (
@@ -401,7 +401,8 @@ class BlockFetcher:
       views (``k_parts``); ``assemble=True`` copies each container into one buffer from *allocate*.
     """
 
-    def __init__(self, client: KvspClient, index_uri: str, *, lease_ms: int | None = None,
+    def __init__(self, client: KvspClient, index_uri: str | Sequence[str] | ServiceEndpoints, *,
+                 lease_ms: int | None = None,
                  metrics: RetrievalMetrics | None = None, ranking: Ranking | None = None,
                  links: Iterable[Link] | Mapping[str, Link] | None = None, failures: FailureMemory | None = None,
                  descriptors: Iterable[CompatDescriptor] = (), exclude_holders: Iterable[str] = (),
@@ -417,7 +418,7 @@ class BlockFetcher:
             raise ValueError("links feed the default ranking; give them to your ranking instead")
         self.client = client
         self.api = KvspApi(client, timeout=timeout)
-        self.index_uri = KvspApi.base(index_uri, "index URI")
+        self.index_uri = ServiceEndpoints.of(index_uri, "index URI")  # one URI or several (failover)
         self.lease_ms = lease_ms
         self.metrics = metrics if metrics is not None else RetrievalMetrics()
         self.ranking: Ranking = ranking if ranking is not None else DefaultRanking(links)

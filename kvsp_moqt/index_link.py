@@ -5,18 +5,21 @@ to the relay, and Replica Records for the blocks it caches.
   block up (``POST lookup``) and connects (:class:`~moqt.aio.MoqtPool`, the relay's own certificate) to the first
   ``moqt://`` replica whose ``moqt_namespace`` is the track's namespace and whose holder is not the relay itself.
   The record comes back with the connection: the relay keeps it with the fetch.
-* **Records.** When a complete KVSP block enters the relay's cache, the relay needs the publisher's Replica Record
-  for the digests (MOQT carries none). *Decision:* it takes the record the lookup above returned, or, for a block
-  that came from a session that published its namespace to the relay, looks the block up once: the record whose
-  ``moqt_namespace`` is the track's namespace, or else the ``https`` record whose holder-id is the namespace's
-  fourth field. It then checks every cached layer's SHA-256 against ``layer_digests`` (a relay never advertises
-  what it cannot vouch for: a mismatch drops the block from the cache) and publishes, at
-  ``replicas/{holder-id of its moqt URI}/{block_key}``, the record with ``holder`` = the relay's ``moqt://`` URI,
-  ``moqt_namespace`` = the track's namespace (unchanged: a FETCH through the relay names the same track),
+* **Records.** The relay caches a complete KVSP block only once its layers match a Replica Record from the Index
+  Service, and advertises only what it cached (:meth:`IndexLink.admit`, asked before the block enters the cache;
+  docs/security.md, "Relay poisoning"). The record is bound to the namespace's publisher (the fourth field): the
+  publisher's own ``https`` record (holder-id = that field) first, else a ``moqt://`` record of another endpoint
+  whose ``moqt_namespace`` is the track's namespace (the Index Service authorizes such a record by the
+  namespace's publisher, spec "Records"; the record :meth:`resolve` found the upstream by is one of these). Every
+  layer's SHA-256 must equal ``layer_digests``; else -- or when no record is found, or the Index Service cannot
+  be reached -- the block is not cached (what was already forwarded downstream was cut-through: the subscribers
+  verify it against their own records) and nothing is advertised. An admitted block is published, at
+  ``replicas/{holder-id of its moqt URI}/{block_key}``, as the record with ``holder`` = the relay's ``moqt://``
+  URI, ``moqt_namespace`` = the track's namespace (unchanged: a FETCH through the relay names the same track),
   ``residency`` = all layers in ``host`` (memory), and the relay's TTL; refreshed every third of the TTL,
-  withdrawn when the block leaves the cache and when the relay stops. No record is published for a block whose
-  record cannot be found. The Index Service authorizes these like a holder's MOQT twins: the relay's identity
-  needs the holder role and its ``moqt://`` URI in ``publish_for``.
+  withdrawn when the block leaves the cache and when the relay stops. The Index Service authorizes these by the
+  relay's identity (the holder role and its ``moqt://`` URI in ``publish_for``) and by the namespace's publisher:
+  either the relay may publish for it too, or the publisher's own record of the block carries the same digests.
 """
 
 from __future__ import annotations
@@ -26,10 +29,10 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
-from http3.api import KvspApi
+from http3.api import KvspApi, ServiceEndpoints
 from http3.client import KvspClient, TransportError
 from kvsp_moqt.tracks import KvspTrack, parse_track
 from kvsp_quic.fields import BlockKey, CompatId, ScopeId
@@ -50,11 +53,12 @@ log = logging.getLogger("kvsp.relay.index")
 
 
 class IndexLink:
-    def __init__(self, client: KvspClient, index_base: str, pool: MoqtPool, *, moqt_uri: str,
+    def __init__(self, client: KvspClient, index_base: str | Sequence[str] | ServiceEndpoints, pool: MoqtPool, *,
+                 moqt_uri: str,
                  publish: bool = True, ttl_ms: int = 60_000, timeout: float = 10.0) -> None:
         self.client = client
         self.api = KvspApi(client)
-        self.index_base = KvspApi.base(index_base, "index base URI")
+        self.index_base = ServiceEndpoints.of(index_base, "index base URI")  # one URI or several (failover)
         self.pool = pool
         self.moqt_uri = KvspApi.base(moqt_uri, "relay moqt URI", schemes=("moqt",))
         self.holder_id = holder_id(self.moqt_uri)
@@ -65,8 +69,8 @@ class IndexLink:
         self.refused = False  # the Index Service answered 403 for our records (logged once)
         self._tasks: set[asyncio.Task[None]] = set()
         self._refresher: asyncio.Task[None] | None = None
-        self.failures = 0
-        self.on_corrupt: Callable[[TrackFetch], None] | None = None  # the relay drops such a block from its cache
+        self.failures = 0  # blocks whose layers did not match their records (not cached)
+        self.unverified = 0  # blocks without a record to check them against (not cached)
 
     # -- upstreams -----------------------------------------------------------------------------------------------
 
@@ -96,6 +100,7 @@ class IndexLink:
     # -- records of what the relay caches --------------------------------------------------------------------
 
     def cached(self, fetch: TrackFetch) -> None:
+        """An admitted block entered the cache: advertise it."""
         if self.publish:
             self._spawn(self._publish(fetch))
 
@@ -116,39 +121,51 @@ class IndexLink:
         return dataclasses.replace(original, holder=self.moqt_uri, moqt_namespace=encode_moqt_namespace(namespace),
                                    residency=(ResidencyEntry("host", (0, last)),), ttl_ms=self.ttl_ms)
 
-    async def _original(self, fetch: TrackFetch) -> ReplicaRecord | None:
-        if isinstance(fetch.origin, ReplicaRecord):  # the record resolve() found the upstream by
-            return fetch.origin
+    def candidates(self, fetch: TrackFetch, records: list[ReplicaRecord]) -> list[ReplicaRecord]:
+        """The records a cached block may be checked against, best first: the namespace's publisher's own
+        ``https`` record, then ``moqt://`` records of the same namespace at other endpoints (never the relay's)."""
         track = parse_track(fetch.namespace, fetch.track_name)
         assert track is not None
-        try:
-            records = await self.lookup(track)
-        except (TransportError, Problem) as exc:
-            log.info("no record for %s: %s", track.block_key.hex(), exc)
-            return None
+        own = [r for r in records if r.holder.startswith("https://") and holder_id(r.holder) == track.holder_id]
+        twins = [r for r in records if r.holder != self.moqt_uri and r.namespace == fetch.namespace]
+        return [r for r in own + twins if r.layer_digests is not None and bytes(r.block_key) == track.block_key]
+
+    async def admit(self, fetch: TrackFetch) -> bool:
+        """Whether a complete fetch of a KVSP block may enter the relay's cache: its layers match a record from
+        the Index Service (see the module docstring). The record that matched becomes ``fetch.origin`` (what
+        :meth:`cached` advertises)."""
+        track = parse_track(fetch.namespace, fetch.track_name)
+        assert track is not None
+        origin = fetch.origin if isinstance(fetch.origin, ReplicaRecord) else None
+        records = self.candidates(fetch, [origin]) if origin is not None else []
+        if not records:
+            try:
+                records = self.candidates(fetch, await self.lookup(track))
+            except (TransportError, Problem) as exc:
+                log.info("no record for %s (%s): not cached", track.block_key.hex(), exc)
+                self.unverified += 1
+                return False
+        if not records:
+            log.info("block %s has no record of its namespace's publisher: not cached", track.block_key.hex())
+            self.unverified += 1
+            return False
+        problems = []
         for record in records:
-            if record.holder != self.moqt_uri and record.moqt_namespace is not None and \
-                    decode_moqt_namespace(record.moqt_namespace) == fetch.namespace:
-                return record
-        for record in records:
-            if record.holder.startswith("https://") and holder_id(record.holder) == track.holder_id:
-                return record
-        return None
+            problem = verify(fetch, record)
+            if problem is None:
+                fetch.origin = record
+                return True
+            problems.append(f"{record.holder}: {problem}")
+        log.warning("block %s from %s does not match its records (%s): not cached", track.block_key.hex(),
+                    fetch.upstream, "; ".join(problems))
+        self.failures += 1
+        return False
 
     async def _publish(self, fetch: TrackFetch) -> None:
         track = parse_track(fetch.namespace, fetch.track_name)
         assert track is not None
-        original = await self._original(fetch)
-        if original is None or original.layer_digests is None:
-            log.info("block %s is cached but has no publisher's record to advertise", track.block_key.hex())
-            return
-        problem = verify(fetch, original)
-        if problem is not None:
-            log.warning("block %s from %s does not match its record (%s): not advertised", track.block_key.hex(),
-                        fetch.upstream, problem)
-            self.failures += 1
-            if self.on_corrupt is not None:
-                self.on_corrupt(fetch)
+        original = fetch.origin
+        if not isinstance(original, ReplicaRecord) or original.layer_digests is None:  # not admitted
             return
         record = self.relay_record(original, fetch.namespace)
         if await self._put(record):

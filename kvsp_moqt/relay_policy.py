@@ -5,8 +5,8 @@
   prefixes for generic traffic); :class:`KvspTrackShapes` -- the track shapes (a KVSP track is one block: group 0,
   immutable, so an upstream FETCH runs to the end of the block and later requests for the rest join it);
 * :class:`KvspUpstreams` -- upstreams for KVSP tracks nobody published to the relay, found through the Index
-  Service (:class:`kvsp_moqt.index_link.IndexLink`), which also advertises the blocks the relay caches once their
-  layers match the publisher's Replica Record, and withdraws them when they leave the cache.
+  Service (:class:`kvsp_moqt.index_link.IndexLink`), which admits a block to the cache only once its layers match
+  the publisher's Replica Record, advertises the blocks the relay caches, and withdraws them when they leave it.
 """
 
 from __future__ import annotations
@@ -43,6 +43,12 @@ class KvspUpstreams:
         conn, record = found
         return Upstream(conn, record)
 
+    async def admit(self, fetch: TrackFetch) -> bool:
+        """A KVSP block is cached only once its layers match a record from the Index Service; other tracks are."""
+        if parse_track(fetch.namespace, fetch.track_name) is None:
+            return True
+        return await self.link.admit(fetch)
+
     def cached(self, fetch: TrackFetch) -> None:
         if parse_track(fetch.namespace, fetch.track_name) is not None:
             self.link.cached(fetch)
@@ -55,11 +61,8 @@ class KvspUpstreams:
 def kvsp_relay(rules: RelayRules, config: RelayConfig | None = None, *, link: IndexLink | None = None) -> Relay:
     """A relay for KVSP tracks (and *rules*' open prefixes); with *link*, tracks nobody published to it are
     fetched from the holders the Index Service names, and what it caches is advertised there (a cached block
-    whose layers do not match the publisher's record is dropped from the cache)."""
-    relay = Relay(rules, config, tracks=KvspTrackShapes(), upstreams=KvspUpstreams(link) if link is not None else None)
-    if link is not None:
-        link.on_corrupt = relay.drop
-    return relay
+    whose layers do not match the publisher's record never enters the cache)."""
+    return Relay(rules, config, tracks=KvspTrackShapes(), upstreams=KvspUpstreams(link) if link is not None else None)
 
 
 __all__ = ["KvspTrackShapes", "KvspUpstreams", "kvsp_relay"]

@@ -109,6 +109,11 @@ class RunPlan(Generic[P]):
     stop: Collection[int] = ()
     load_timeout: float | None = None  # a block still arriving after this long is recomputed
     chain_first_block: int = 0  # the block index of ``chain.keys[0]`` (a resumed session's: after the prompt)
+    output: Sequence[int] = ()  # the session's output before the first sampled token (the penalties count it)
+
+
+Logprobs: TypeAlias = tuple[float, tuple[tuple[int, float], ...]]
+"""A sampled token's log probability and the most likely alternatives, (token, log probability), best first."""
 
 
 class PrefillOutcome(Protocol):
@@ -136,8 +141,9 @@ class SessionHooks(Protocol[P_contra]):
     def prefilled(self, result: PrefillOutcome) -> None:
         """The prefill is done (before any token is sampled)."""
 
-    def token(self, token: int) -> bool:
-        """A token was sampled; False stops the run (the session was fenced)."""
+    def token(self, token: int, logprobs: Logprobs | None = None) -> bool:
+        """A token was sampled (with its :data:`Logprobs` when the sampler's ``logprobs`` asks for them); False
+        stops the run (the session was fenced)."""
 
     def page_complete(self, page: P_contra, key: bytes) -> None:
         """A page of the sequence is complete and named *key* (publish it)."""

@@ -242,6 +242,32 @@ def base_uri(value: Any, path: str, *, schemes: tuple[str, ...] = ("https",)) ->
     return text
 
 
+BASE_URIS = "one or more base URIs"  # the marker of an Annotated list field that TOML may give as one string
+
+
+def base_uris(value: Any, path: str, *, schemes: tuple[str, ...] = ("https",)) -> list[str]:
+    """The base URIs of one service, each checked as :func:`base_uri`: a list, or one URI (a string, as earlier
+    releases wrote it), or None (none). Each entry must be exactly one URI: ``"https://a/,https://b/"`` is refused
+    (name the option twice, or write a list), as is a URI given twice."""
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list | tuple):
+        raise fail(path, f"must be a list of base URIs, not {_json_kind(value)}")
+    out: list[str] = []
+    for i, item in enumerate(items):
+        where = f"{path}[{i}]" if not isinstance(value, str) else path
+        text = string(item, where)
+        if any(c in text for c in ", \t\n;") or text.count("://") != 1:
+            raise fail(where, f"{text!r} is not exactly one base URI (for several, repeat the option or write a "
+                              f"list)")
+        base_uri(text, where, schemes=schemes)
+        if text in out:
+            raise fail(where, f"{text!r} is listed twice")
+        out.append(text)
+    return out
+
+
 @functools.lru_cache(maxsize=4096)
 def _base_uri_problem(text: str, schemes: tuple[str, ...]) -> str | None:
     """What is wrong with *text* as a base URI, or None. Cached: a control plane sees the same few holder URIs

@@ -8,7 +8,9 @@ discards the duplicates by index". :class:`TokenRelay` is that rule; docs/infere
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kvsp_quic.problems import BadRequest
 from kvsp_quic.records import Sampler
@@ -80,26 +82,34 @@ class TokenRelay:
         self.epoch = max(self.epoch, epoch)
 
 
+GREEDY_NEUTRAL = ("top_k", "min_p")  # argmax-invariant: dropped from a greedy sampler's parameters
+
+
 @dataclass(frozen=True)
 class SamplingRequest:
-    """An OpenAI-style request's sampling fields as the Session Checkpoint's sampler."""
+    """An OpenAI-style request's sampling fields as the Session Checkpoint's sampler. *extra*: the sampler's further
+    parameters (gpu/sampling.py: ``top_k``, ``min_p``, the penalties, ``logit_bias``, ``logprobs``,
+    ``stop_token_ids``), checked by the front end; ``top_k`` and ``min_p`` do not change a greedy choice and are
+    left out of a greedy sampler."""
 
     method: str
-    params: dict[str, float]
+    params: dict[str, Any]
     seed: int
     deterministic: bool
 
     @classmethod
     def from_openai(cls, temperature: float | None, top_p: float | None, seed: int | None,
-                    default_seed: int) -> SamplingRequest:
+                    default_seed: int, extra: Mapping[str, Any] | None = None) -> SamplingRequest:
         if temperature is not None and (temperature < 0 or temperature > 2):
             raise BadRequest("temperature must be in [0, 2]")
         if top_p is not None and not 0 < top_p <= 1:
             raise BadRequest("top_p must be in (0, 1]")
-        if temperature == 0 or (temperature is None and top_p is None):
-            return cls("greedy", {}, seed if seed is not None else default_seed, True)
+        extra = dict(extra or {})
+        if temperature == 0 or (temperature is None and top_p is None and not set(extra) & set(GREEDY_NEUTRAL)):
+            params = {k: v for k, v in extra.items() if k not in GREEDY_NEUTRAL}
+            return cls("greedy", params, seed if seed is not None else default_seed, True)
         params = {"p": top_p if top_p is not None else 1.0, "temperature": temperature if temperature is not None
-                  else 1.0}
+                  else 1.0, **extra}
         return cls("top-p", params, seed if seed is not None else default_seed, False)
 
     def sampler(self) -> Sampler:

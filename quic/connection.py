@@ -38,12 +38,14 @@ from typing import Any, cast
 
 from aioquic import tls
 from aioquic.buffer import Buffer  # type: ignore[attr-defined]  # re-exported from aioquic._buffer
-from aioquic.quic.connection import QuicConnection
+from aioquic.quic.connection import QuicConnection, QuicConnectionState
 from aioquic.quic.packet import pull_quic_transport_parameters
 from aioquic.quic.recovery import QuicPacketPacer
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from quic.tls import check_server_auth
 
 log = logging.getLogger("kvsp.quic")
 
@@ -92,6 +94,11 @@ class ServerCheckingContext(tls.Context):
             self._server_name = name
         if self._verify_mode != ssl.CERT_NONE and name is not None:
             check_server_name(self._peer_certificate, name)
+        if self._verify_mode != ssl.CERT_NONE and self._peer_certificate is not None:
+            try:  # a client's certificate (clientAuth only) never authenticates a server (issue 13)
+                check_server_auth(self._peer_certificate)
+            except ValueError as exc:
+                raise tls.AlertUnsupportedCertificate(str(exc)) from None
 
 
 def check_server_name(cert: x509.Certificate | None, name: str) -> None:
@@ -277,6 +284,15 @@ class KvspQuicConnection(QuicConnection):
         space = self._spaces.get(tls.Epoch.ONE_RTT)
         if space is not None and space.ack_at is not None and space.ack_at > now:
             space.ack_at = now
+
+    # -- keep-alive ---------------------------------------------------------------------------------------------
+
+    def end_now(self) -> None:
+        """End a connection that :meth:`close` is closing without waiting out its closing period: the peer has
+        gone silent (keep-alive PINGs unacknowledged), which RFC 9000 10.1 treats like an idle timeout: "the
+        connection is silently closed and its state is discarded". The ConnectionTerminated event follows."""
+        if self._close_event is not None and self._state is not QuicConnectionState.TERMINATED:
+            self._close_end()
 
     # -- pacing ---------------------------------------------------------------------------------------------------
 

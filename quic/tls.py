@@ -12,16 +12,19 @@ in one place for every transport, so the identity an app sees does not depend on
 from __future__ import annotations
 
 import functools
+import ipaddress
 import os
 import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from aioquic.quic.configuration import QuicConfiguration
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
 ALPN_H3 = "h3"
 ALPN_MOQT_14 = "moq-00"
@@ -181,6 +184,81 @@ def identity_of_pem(pem: str) -> str | None:
     except x509.ExtensionNotFound:
         return None
     return uris[0] if len(uris) == 1 else None
+
+
+# -- The server's role identity (clients) ----------------------------------------------------------------------
+#
+# A client that calls a role checks, besides the chain and the host name, that the server *is* that role: its
+# certificate's SAN URI (the role's base URI, its identity) must cover the URL called (:func:`serves`). Without
+# this, any certificate of the CA naming the host -- every ``--dev`` certificate names 127.0.0.1 and localhost --
+# would answer for any role there. A server certificate must also allow serverAuth (a client's certificate,
+# which ``quic.pki`` issues with clientAuth only, never serves).
+
+
+class ServerIdentityError(ConnectionError):
+    """The server's certificate is valid, but not for the role called: one line for the user."""
+
+
+@functools.lru_cache(maxsize=4096)
+def identity_of_der(der: bytes) -> str | None:
+    """The identity of a DER certificate: its single SAN URI (None when it has none or several)."""
+    cert = x509.load_der_x509_certificate(der)
+    try:
+        uris = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+            x509.UniformResourceIdentifier)
+    except (x509.ExtensionNotFound, ValueError):
+        return None
+    return uris[0] if len(uris) == 1 else None
+
+
+def _host(host: str | None) -> str:
+    text = (host or "").lower().rstrip(".")
+    try:
+        return str(ipaddress.ip_address(text.strip("[]")))
+    except ValueError:
+        return text
+
+
+def serves(identity: str | None, scheme: str, host: str, port: int, path: str) -> str | None:
+    """None when a server whose certificate names *identity* may answer for ``scheme://host:port/path``; else
+    why not (one line). The identity must be an ``https`` base URI of the URL's origin: its host is *host* (IP
+    addresses compared as addresses, names case-insensitively) and its port -- when it states one -- is *port*;
+    an identity without a port names the role on any port (test and deployment PKIs that do not fix ports;
+    ``--dev`` certificates always state theirs, and co-located roles differ by port). The base path is not
+    compared: an origin is one TLS endpoint with one certificate and one SAN URI, so roles that share an origin
+    (the Index Service and the PC in one process) share it, and *path* is kept for the callers' messages.
+    *scheme* ``moqt``: the port is not compared (a MOQT endpoint listens beside its role's ``https`` port)."""
+    if identity is None:
+        return "the server certificate names no role (no single SAN URI)"
+    try:
+        parts = urlsplit(identity)
+        wanted_port = parts.port
+    except ValueError:
+        return f"the server certificate's SAN URI {identity!r} is not a base URI"
+    if parts.scheme != "https" or not parts.hostname or not parts.path.endswith("/"):
+        return f"the server's identity {identity!r} is not a role's https base URI"
+    if _host(parts.hostname) != _host(host):
+        return f"the server's identity {identity!r} is not for host {host}"
+    if scheme != "moqt" and wanted_port is not None and wanted_port != port:
+        return f"the server's identity {identity!r} is not the role at port {port}"
+    return None
+
+
+def check_server_auth(cert: x509.Certificate) -> None:
+    """ValueError unless *cert* may authenticate a server (no Extended Key Usage, or one with serverAuth)."""
+    try:
+        eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        return
+    if ExtendedKeyUsageOID.SERVER_AUTH not in eku:
+        raise ValueError("the server certificate is not valid for server authentication (no serverAuth)")
+
+
+def ssl_peer_identity(transport: Any) -> str | None:
+    """The SAN URI of the peer certificate of an asyncio TLS *transport* (None: none, or not TLS)."""
+    ssl_object = transport.get_extra_info("ssl_object") if transport is not None else None
+    der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+    return identity_of_der(der) if der else None
 
 
 def scope_identity(scope: Mapping[str, Any]) -> str | None:

@@ -150,11 +150,13 @@ def test_errors_in_openai_shape(cluster: dict[str, Any]) -> None:
         with pytest.raises(openai.NotFoundError):
             client.models.retrieve("gpt-4o")
         cases: list[tuple[dict[str, Any], str, str]] = [
-            ({"prompt": "x", "extra_body": {"top_k": 5}}, "top_k", "unrecognized"),
+            ({"prompt": "x", "extra_body": {"top_kk": 5}}, "top_kk", "unrecognized"),
+            ({"prompt": "x", "extra_body": {"top_k": -5}}, "top_k", "[-1, 300]"),
             ({"prompt": "x", "stop": [""]}, "stop", "must not be empty"),
-            ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "penalties"),
-            ({"prompt": "x", "logprobs": 2}, "logprobs", "log probabilities"),
-            ({"prompt": "x", "best_of": 3}, "best_of", "best_of"),
+            ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
+            ({"prompt": "x", "logit_bias": {"300": 5}}, "logit_bias", "not a token id"),
+            ({"prompt": "x", "logprobs": 21}, "logprobs", "[0, 20]"),
+            ({"prompt": "x", "best_of": 3, "n": 4}, "best_of", "at least n"),
             ({"prompt": [5, 299, 300]}, "prompt", "out of the vocabulary"),
             ({"prompt": "y" * (CONTEXT - 4), "max_tokens": 10}, "max_tokens", f"maximum context length is {CONTEXT}"),
             ({"prompt": "y" * CONTEXT}, "prompt", f"maximum context length is {CONTEXT}"),
@@ -253,3 +255,85 @@ async def test_a_client_that_goes_away_cancels_its_session(cluster: dict[str, An
             await asyncio.sleep(0.05)
         assert at_pc.status == 404, at_pc.content  # the PC forgot it
         assert state["state"] == "superseded" and state["output_offset"] < INSTANCE_MAX_TOKENS, state
+
+
+def test_sampler_parameters(cluster: dict[str, Any]) -> None:
+    """top_k, logit_bias, the penalties and stop token ids, with outcomes computed by hand from the sampler's rules
+    (gpu/sampling.py): a bias of 100 on 'A' (65) and 'B' (66) leaves every other token far behind."""
+    with sdk(cluster) as client:
+        def text(prompt: str = "xyz", **kwargs: Any) -> str:
+            kwargs.setdefault("temperature", 0)
+            return str(client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=8, **kwargs)
+                       .choices[0].text)
+
+        greedy = text("Hello")
+        assert text("Hello", temperature=1.0, seed=11, extra_body={"top_k": 1}) == greedy  # top_k 1: the argmax
+        assert text("Hello", temperature=1.0, seed=11, extra_body={"min_p": 1.0}) == greedy  # only the best
+        assert text(logit_bias={"65": 100}) == "A" * 8  # forced greedily
+        assert text(temperature=1.0, seed=5, logit_bias={"65": 100}) == "A" * 8  # and sampled
+        assert text(logit_bias={"65": -100, "66": 100}) == "B" * 8
+        both = {"65": 100, "66": 100}
+        plain = text(logit_bias=both)
+        assert set(plain) <= {"A", "B"}
+        # frequency: a token already chosen k times loses 2k, more than the raw logits of A and B differ, so each
+        # pair of tokens holds one A and one B
+        alternating = text(logit_bias=both, frequency_penalty=2.0)
+        assert all(sorted(alternating[i:i + 2]) == ["A", "B"] for i in range(0, 8, 2)), alternating
+        # presence: once both are present, both lose 2: the second token is the other one, then as without
+        present = text(logit_bias=both, presence_penalty=2.0)
+        assert sorted(present[:2]) == ["A", "B"], present
+        # repetition: a positive logit of a token seen in the prompt or the output is divided by the penalty
+        assert text("xAz", logit_bias=both, extra_body={"repetition_penalty": 1.5})[0] == "B"
+        assert text("xBz", logit_bias=both, extra_body={"repetition_penalty": 1.5})[0] == "A"
+        repeated = text(logit_bias=both, extra_body={"repetition_penalty": 1.5})
+        assert sorted(repeated[:2]) == ["A", "B"], repeated
+        # stop token ids (vLLM): the run ends with the first of them, which is part of the output
+        whole = client.completions.create(model="tiny-chat", prompt="Hello", max_tokens=8, temperature=0)
+        tokens = whole.model_extra["kvsp"]["tokens"]
+        stop = tokens[3]
+        cut = client.completions.create(model="tiny-chat", prompt="Hello", max_tokens=8, temperature=0,
+                                        extra_body={"stop_token_ids": [stop]})
+        assert cut.model_extra["kvsp"]["tokens"] == tokens[:tokens.index(stop) + 1]
+        assert cut.choices[0].finish_reason == "stop"
+
+
+def test_logprobs_in_both_shapes(cluster: dict[str, Any]) -> None:
+    with sdk(cluster) as client:
+        whole = client.completions.create(model="tiny-chat", prompt="Hello", max_tokens=6, temperature=0, logprobs=3)
+        lp = whole.choices[0].logprobs
+        n = whole.usage.completion_tokens
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
+        for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+            assert chosen <= 0 and len(top) <= 3 + 1
+            assert chosen == pytest.approx(max(top.values()))  # greedy takes the most likely token
+        streamed = list(client.completions.create(model="tiny-chat", prompt="Hello", max_tokens=6, temperature=0,
+                                                  logprobs=3, stream=True))
+        parts = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs is not None]
+        assert [x for p in parts for x in p.token_logprobs] == lp.token_logprobs
+        assert [x for p in parts for x in p.text_offset] == lp.text_offset
+        chat = client.chat.completions.create(model="tiny-chat", max_tokens=5, temperature=0, logprobs=True,
+                                              top_logprobs=2, messages=[{"role": "user", "content": "Hi"}])
+        content = chat.choices[0].logprobs.content
+        assert len(content) == chat.usage.completion_tokens
+        for entry in content:
+            assert len(entry.top_logprobs) == 2 and entry.bytes == list(entry.token.encode())
+            assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+            assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        plain = client.chat.completions.create(model="tiny-chat", max_tokens=2, temperature=0,
+                                               messages=[{"role": "user", "content": "Hi"}])
+        assert plain.choices[0].logprobs is None
+        stream = list(client.chat.completions.create(model="tiny-chat", max_tokens=5, temperature=0, logprobs=True,
+                                                     stream=True, messages=[{"role": "user", "content": "Hi"}]))
+        entries = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in content])
+
+
+def test_best_of_answers_the_most_likely_candidates(cluster: dict[str, Any]) -> None:
+    with sdk(cluster) as client:
+        candidates = client.completions.create(model="tiny-chat", prompt="Once", max_tokens=5, n=3, seed=21,
+                                               logprobs=0)
+        totals = [sum(c.logprobs.token_logprobs) for c in candidates.choices]
+        best = client.completions.create(model="tiny-chat", prompt="Once", max_tokens=5, n=1, best_of=3, seed=21)
+        assert len(best.choices) == 1 and best.choices[0].index == 0 and best.choices[0].logprobs is None
+        assert best.choices[0].text == candidates.choices[totals.index(max(totals))].text

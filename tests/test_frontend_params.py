@@ -39,6 +39,39 @@ def test_defaults_and_accepted_neutral_values() -> None:
     assert params({"prompt": "y" * 50, "max_tokens": None}).choices[0].max_tokens == 14  # the context's room
 
 
+def test_sampler_parameters_travel_in_the_sampler() -> None:
+    p = params({"prompt": "x", "top_k": 5, "min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -0.25,
+                "repetition_penalty": 1.3, "logit_bias": {"7": 100, "9": -5, "11": 0}, "stop_token_ids": [4, 2, 4],
+                "logprobs": 3})
+    assert p.sampling == {"top_k": 5, "min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -0.25,
+                          "repetition_penalty": 1.3, "logit_bias": {"7": 100.0, "9": -5.0}, "stop_token_ids": [2, 4],
+                          "logprobs": 3}
+    assert p.logprobs == 3
+    # neutral values are left out; top_k -1 and 0 mean all tokens (vLLM)
+    neutral = params({"prompt": "x", "top_k": -1, "min_p": 0, "presence_penalty": 0, "repetition_penalty": 1,
+                      "logit_bias": {}, "stop_token_ids": [], "logprobs": False})
+    assert neutral.sampling == {} and neutral.logprobs is None
+    assert params({"prompt": "x", "logprobs": 0}).sampling == {"logprobs": 0}  # the chosen token's only
+    best = params({"prompt": ["a", "b"], "n": 2, "best_of": 3, "seed": 1})
+    assert (best.n, best.best_of, len(best.choices), best.logprobs) == (2, 3, 6, None)
+    assert best.sampling == {"logprobs": 0}  # candidates are ranked by their cumulative log probability
+
+
+def test_chat_logprobs() -> None:
+    def render(messages: list[dict[str, Any]]) -> str:
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages)
+
+    base = {"messages": [{"role": "user", "content": "x"}]}
+    assert chat_params({**base, "logprobs": True, "top_logprobs": 4}, Utf8(), LIMITS, render).logprobs == 4
+    assert chat_params({**base, "logprobs": True}, Utf8(), LIMITS, render).logprobs == 0
+    assert chat_params({**base, "logprobs": False, "top_logprobs": 0}, Utf8(), LIMITS, render).logprobs is None
+    for body, param in (({**base, "top_logprobs": 2}, "top_logprobs"), ({**base, "logprobs": 2}, "logprobs"),
+                        ({**base, "logprobs": True, "top_logprobs": 21}, "top_logprobs")):
+        with pytest.raises(InvalidParameter) as info:
+            chat_params(body, Utf8(), LIMITS, render)
+        assert info.value.param == param
+
+
 def test_batches_and_n() -> None:
     p = params({"prompt": ["ab", [1, 2, 3]], "n": 2, "seed": 5, "temperature": 0})
     assert [c.index for c in p.choices] == [0, 1, 2, 3] and p.prompts == 2 and p.prompt_tokens == 5
@@ -50,18 +83,27 @@ def test_batches_and_n() -> None:
     ({"prompt": "x", "stream": "yes"}, "stream", "boolean"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream is true"),
     ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options", ""),
-    ({"prompt": "x", "top_k": 3}, "top_k", "unrecognized"),
-    ({"prompt": "x", "min_p": 0.1}, "min_p", "unrecognized"),
-    ({"prompt": "x", "repetition_penalty": 1.1}, "repetition_penalty", "unrecognized"),
-    ({"prompt": "x", "frequency_penalty": 0.1}, "frequency_penalty", "penalties"),
-    ({"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias", "logit bias"),
-    ({"prompt": "x", "stop": [1, 2]}, "stop", "token ids are not supported"),
+    ({"prompt": "x", "top_k": -2}, "top_k", "[-1, 300]"),
+    ({"prompt": "x", "min_p": 1.1}, "min_p", "[0, 1]"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "(0, 100]"),
+    ({"prompt": "x", "frequency_penalty": 2.1}, "frequency_penalty", "[-2, 2]"),
+    ({"prompt": "x", "presence_penalty": "1"}, "presence_penalty", "number"),
+    ({"prompt": "x", "logit_bias": {"300": 1}}, "logit_bias", "not a token id"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", "not a token id"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+    ({"prompt": "x", "logit_bias": [5]}, "logit_bias", "object"),
+    ({"prompt": "x", "stop_token_ids": [1, 300]}, "stop_token_ids", "out of the vocabulary"),
+    ({"prompt": "x", "stop_token_ids": 5}, "stop_token_ids", "array"),
+    ({"prompt": "x", "stop": [1, 2]}, "stop", "stop_token_ids"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs", "[0, 20]"),
+    ({"prompt": "x", "logprobs": 1, "echo": True}, "echo", "echo with logprobs"),
+    ({"prompt": "x", "best_of": 2, "n": 3}, "best_of", "at least n"),
+    ({"prompt": "x", "best_of": 2, "stream": True}, "best_of", "streamed"),
+    ({"prompt": ["a", "b"], "best_of": 5}, "n", "best_of = 10"),
     ({"prompt": "x", "stop": ["a", ""]}, "stop", "must not be empty"),
     ({"prompt": "x", "stop": [str(i) for i in range(17)]}, "stop", "at most 16"),
     ({"prompt": "x", "include_stop_str_in_output": 1}, "include_stop_str_in_output", "boolean"),
     ({"prompt": "x", "suffix": "end"}, "suffix", "suffix"),
-    ({"prompt": "x", "logprobs": 0}, "logprobs", "log probabilities"),
-    ({"prompt": "x", "best_of": 2}, "best_of", "equal to n"),
     ({"prompt": "x", "n": 9}, "n", "[1, 8]"),
     ({"prompt": ["a", "b", "c"], "n": 3}, "n", "at most 8"),
     ({"prompt": "x", "temperature": 2.5}, "temperature", "[0, 2]"),

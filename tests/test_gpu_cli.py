@@ -39,7 +39,7 @@ def test_init_writes_a_loadable_model_and_the_descriptor_matches(capsys: pytest.
                          "--rope-scaling", '{"rope_type": "linear", "factor": 2.0}', "--name", "kvsp/tiny")
     assert code == 0, err
     summary = json.loads(out)
-    assert summary["files"] == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert summary["files"] == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     assert summary["positional"] == "rope;theta=10000,scaling=linear"
     config = json.loads((target / "config.json").read_text())
     assert (config["num_hidden_layers"], config["num_key_value_heads"], config["head_dim"], config["hidden_size"],

@@ -29,7 +29,7 @@ from tests.pki import TestPki, make_pki
 
 MiB = 1 << 20
 BIG = os.urandom(16 * MiB + 123)
-HOLDER_URI = "https://holder.test/kvsp/"
+HOLDER_URI = "https://127.0.0.1/kvsp/"  # clients check the SAN URI names the host called (issue 13)
 ALICE = "urn:kvsp:client:alice"
 BOB = "urn:kvsp:client:bob"
 SCOPE = "6d1c6481cd428737da312c089db3832a"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import socket
 import ssl
 from dataclasses import replace
 from pathlib import Path
@@ -271,9 +272,13 @@ async def test_head_responses_keep_their_content_length(certs: TestPki) -> None:
 
 async def test_role_certificates_with_a_port_in_their_uri(tmp_path: Path) -> None:
     # Every real role's certificate names its base URI with a port; aioquic's stock name check chokes on that.
-    certs = make_pki(tmp_path, roles={"server": "https://127.0.0.1:8443/kvsp/"})
+    # Clients pin that port (issue 13): the certificate names the port the listener then binds.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    certs = make_pki(tmp_path, roles={"server": f"https://127.0.0.1:{port}/kvsp/"})
     listener = QuicListener(certs.files("server"), {"h3": h3_handler(App())}, settings=SMALL_WINDOWS)
-    await listener.start("127.0.0.1", 0)
+    await listener.start("127.0.0.1", port)
     try:
         async with KvspClient(certs.files("alice"), settings=SMALL_WINDOWS) as client:
             assert (await client.request("GET", url(listener))).status == 200

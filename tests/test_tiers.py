@@ -264,3 +264,158 @@ def test_failed_demotion_drops_an_unleased_victim(d: CompatDescriptor, tmp_path:
     with pytest.raises(t.NoRoom, match="leased") as info:  # a leased victim is kept, the new block refused
         store.put(*block(d, 3), lambda b: True)
     assert info.value.outcome is not None and block(d, 2)[0].id in store.tiers[0]
+
+
+# -- prefix-aware eviction -----------------------------------------------------------------------------------------
+
+CHAIN_A = bytes([0xA]) * 32
+CHAIN_B = bytes([0xB]) * 32
+
+
+def test_prefix_eviction_keeps_a_leading_run_of_one_long_chain(d: CompatDescriptor) -> None:
+    size = block(d, 1)[0].size
+    store = TieredStore([HostTier(4 * size, t.eviction_policy("prefix"))])
+    lru = TieredStore([HostTier(4 * size, t.eviction_policy("lru"))])
+    for i in range(10):  # one chain of 10 blocks, stored in order, into room for 4
+        meta, data = block(d, i)
+        store.put(meta, data, never, t.ChainPosition(CHAIN_A, i))
+        lru.put(meta, data, never)
+    held = sorted(n for n in range(10) if block(d, n)[0].id in store)
+    assert held[:3] == [0, 1, 2] and len(held) == 4  # a leading run (and the newest block)
+    assert sorted(n for n in range(10) if block(d, n)[0].id in lru) == [6, 7, 8, 9]  # LRU keeps the tail
+
+
+def test_prefix_eviction_takes_the_deepest_blocks_of_the_coldest_chain(d: CompatDescriptor) -> None:
+    size = block(d, 1)[0].size
+    host = HostTier(6 * size, t.PrefixPolicy())
+    store = TieredStore([host])
+    metas = {}
+    for n, (chain, i) in enumerate([(CHAIN_A, 0), (CHAIN_B, 0), (CHAIN_A, 1), (CHAIN_B, 1), (CHAIN_A, 2),
+                                    (CHAIN_B, 2)]):
+        meta, data = block(d, n)
+        store.put(meta, data, never, t.ChainPosition(chain, i))
+        metas[chain, i] = meta
+    store.read(metas[CHAIN_A, 0].id)  # chain A is read: B is now the coldest
+    order = list(host.policy.victims())
+    assert order == [metas[c, i].id for c, i in [(CHAIN_B, 2), (CHAIN_B, 1), (CHAIN_B, 0), (CHAIN_A, 2),
+                                                 (CHAIN_A, 1), (CHAIN_A, 0)]]
+    # out-of-order arrival does not matter: the declared position does
+    meta, data = block(d, 20)
+    outcome = store.put(meta, data, never, t.ChainPosition(CHAIN_A, 3))
+    assert [m.id for m in outcome.evicted] == [metas[CHAIN_B, 2].id]
+    metas[CHAIN_A, 3] = meta
+    # blocks without a position are chains of their own: least recently used first
+    store.remove(metas[CHAIN_B, 1].id)
+    store.remove(metas[CHAIN_B, 0].id)
+    solo1, solo2 = block(d, 30), block(d, 31)
+    store.put(*solo1, never)
+    store.put(*solo2, never)
+    store.read(solo1[0].id)
+    assert next(iter(host.policy.victims())) == metas[CHAIN_A, 3].id  # chain A (read before the solos) is colder
+    assert list(host.policy.victims())[4:] == [solo2[0].id, solo1[0].id]
+
+
+def test_prefix_eviction_across_tiers_demotes_the_deep_end(d: CompatDescriptor, tmp_path: Path) -> None:
+    size = block(d, 1)[0].size
+    disk = LocalStorageTier(LocalStorageConfig(tmp_path / "blocks", 100 * size, fsync=False), t.PrefixPolicy())
+    store = TieredStore([HostTier(3 * size, t.PrefixPolicy()), disk])
+    for i in range(8):
+        store.put(*block(d, i), never, t.ChainPosition(CHAIN_A, i))
+    in_host = sorted(n for n in range(8) if block(d, n)[0].id in store.tiers[0])
+    assert in_host[:2] == [0, 1] and len(in_host) == 3  # the head stays in memory, the deep end went to disk
+    assert all(block(d, n)[0].id in store for n in range(8))
+    assert store.position(block(d, 5)[0].id) == t.ChainPosition(CHAIN_A, 5)  # kept across the demotion
+
+
+# -- write-through ---------------------------------------------------------------------------------------------------
+
+
+def test_write_through_files_every_host_block_and_a_restart_recovers_them(d: CompatDescriptor,
+                                                                         tmp_path: Path) -> None:
+    meta1 = block(d, 1)[0]
+    size, on_disk = meta1.size, t.file_header_size(len(meta1.layer_digests)) + meta1.size
+    disk = local(tmp_path, 2 * on_disk, fsync=False)
+    store = TieredStore([HostTier(2 * size), disk])
+    assert store.enable_write_through()
+    for n in range(4):
+        store.put(*block(d, n), never)
+    assert sorted(n for n in range(4) if block(d, n)[0].id in store.tiers[0]) == [2, 3]
+    files = {p.name for p in disk.directory.glob("*.kvb")}
+    assert files == {disk.path_of(block(d, n)[0].id).name for n in range(4)}  # host blocks have files too
+    assert disk.used == 2 * disk.footprint(block(d, 0)[0])  # ... not counted against local storage
+    inode = disk.path_of(block(d, 2)[0].id).stat().st_ino
+    store.put(*block(d, 4), never)  # demotes block 2 (its file was written already), drops block 0
+    assert not disk.path_of(block(d, 0)[0].id).exists()
+    assert block(d, 2)[0].id in disk and disk.path_of(block(d, 2)[0].id).stat().st_ino == inode
+    store.remove(block(d, 3)[0].id)  # gone from memory: its file goes too
+    assert not disk.path_of(block(d, 3)[0].id).exists()
+
+    # restart: every file is found; what local storage cannot hold goes back to memory
+    again_disk = local(tmp_path, 2 * on_disk, fsync=False)
+    again = TieredStore([HostTier(2 * size), again_disk])
+    again.enable_write_through()
+    recovered, dropped, evicted = again.recover()
+    assert sorted(m.id.block_key[-1] for m in recovered) == [1, 2, 4] and dropped == [] and evicted == []
+    assert again_disk.used <= again_disk.capacity and len(again.tiers[0]) == 1  # (0 was evicted before)
+    assert again_disk.has_shadow(next(iter(again.tiers[0].blocks())))  # its file stays, written through
+    for n in (1, 2, 4):
+        assert bytes(again.read(block(d, n)[0].id)[1]) == bytes(block(d, n)[1])
+
+
+def test_a_failed_write_through_keeps_nothing(d: CompatDescriptor, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    disk = local(tmp_path, 1 << 20, fsync=False)
+    store = TieredStore([HostTier(1 << 20), disk])
+    store.enable_write_through()
+
+    def broken(meta: BlockMeta, data: memoryview) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(disk, "_keep", broken)
+    meta, data = block(d, 1)
+    with pytest.raises(t.NoRoom, match="through"):
+        store.put(meta, data, never)
+    assert meta.id not in store and store.tiers[0].used == 0
+
+
+# -- file modes, what a restart adopts -------------------------------------------------------------------------------
+
+
+def test_block_files_are_private_and_a_restart_adopts_only_verified_files(d: CompatDescriptor,
+                                                                           tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        disk = local(tmp_path, 1 << 20, fsync=False)
+        for n in range(3):
+            disk.store(*block(d, n))
+    finally:
+        os.umask(old)
+    assert disk.directory.stat().st_mode & 0o777 == 0o700
+    assert {p.stat().st_mode & 0o777 for p in disk.directory.iterdir()} == {0o600}
+    one, two = disk.path_of(block(d, 1)[0].id), disk.path_of(block(d, 2)[0].id)
+    os.replace(one, two)  # a file stored under another block's name: its header names block 1
+    (disk.directory / disk.path_of(block(d, 5)[0].id).name).symlink_to(disk.path_of(block(d, 0)[0].id))
+    zero = disk.path_of(block(d, 0)[0].id)
+    zero.chmod(0o644)
+    again = local(tmp_path, 1 << 20, fsync=False)
+    result = again.scan()
+    assert [m.id for m in result.recovered] == [block(d, 0)[0].id]
+    assert [(name, reason) for name, reason in result.dropped] == [(two.name, "the file names another block")]
+    assert zero.stat().st_mode & 0o777 == 0o600  # adopted, and made private
+
+
+def test_shared_host_tier_files_are_private(d: CompatDescriptor, tmp_path: Path) -> None:
+    from kvsp_quic.storage.shared_host import SharedHostTier
+
+    old = os.umask(0o000)
+    try:
+        tier = SharedHostTier(tmp_path, 10 << 20)
+        store = TieredStore([tier])
+        meta, data = block(d, 1)
+        alloc = tier.allocate(d.layers, len(data))
+        alloc.container[:] = data
+        store.put(meta, alloc.container, never)
+        store.put(*block(d, 2), never)  # octets from elsewhere: a file of their own
+    finally:
+        os.umask(old)
+    assert {p.stat().st_mode & 0o777 for p in tmp_path.iterdir()} == {0o600}

@@ -16,6 +16,10 @@ from typing import Any
 from kvsp_quic.app.cli_args import nonneg_int, positive_int, usage
 
 SUPPORTED_DTYPES = ("fp32", "bf16", "fp16")
+# The chat template ``model init`` writes into tokenizer_config.json (the front end's /v1/chat/completions renders
+# it: http3/frontend_text.load_chat_template): each message as <|role|>content and a newline, then <|assistant|>.
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 
@@ -26,7 +30,8 @@ def add_commands(sub: Any) -> None:
     model.set_defaults(handler=lambda _a: usage(model))
 
     init = msub.add_parser(
-        "init", help="write a small random-weights Llama model (config.json, model.safetensors, tokenizer.json)",
+        "init", help="write a small random-weights Llama model (config.json, model.safetensors, tokenizer.json, "
+                     "tokenizer_config.json with a chat template)",
         description="Write a Hugging Face Llama layout model with seeded random weights and a byte-level "
                     "tokenizer (token id = UTF-8 octet), for tests and demos. The same arguments always give the "
                     "same files, hence the same model_digest. Prints a JSON summary.")
@@ -48,6 +53,9 @@ def add_commands(sub: Any) -> None:
     init.add_argument("--tied", action="store_true", help="tie the output layer to the embeddings")
     init.add_argument("--name", metavar="NAME", help="_name_or_path in config.json (the descriptor's model)")
     init.add_argument("--force", action="store_true", help="overwrite an existing model in DIR")
+    init.add_argument("--no-chat-template", dest="chat_template", action="store_false",
+                      help="write no tokenizer_config.json (by default it holds a simple chat template: "
+                           "<|role|>content lines, then <|assistant|>)")
     init.set_defaults(handler=cmd_model_init)
 
     desc = msub.add_parser(
@@ -106,6 +114,9 @@ def cmd_model_init(args: argparse.Namespace) -> int:
                          max_position_embeddings=args.max_positions, tie_word_embeddings=args.tied,
                          dtype=KV_TO_DTYPE[args.dtype], name=args.name)
     write_random_model(directory, config, seed=args.seed)
+    if args.chat_template:  # not part of the tokenizer digest (tokenizer.json): the Compatibility ID is unchanged
+        (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2) + "\n",
+                                                         encoding="utf-8")
     h, q = config.hidden_size, config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
     per_layer = 2 * h + h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size

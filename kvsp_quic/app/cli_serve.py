@@ -59,7 +59,9 @@ def add_commands(sub: Any) -> None:
                                         "replicas to the Index Service. Needs --config FILE with [tls] and a policy, "
                                         "or --dev DIR.")
     _common(holder)
-    holder.add_argument("--index", metavar="URI", help="the Index Service's base URI, to publish replicas to")
+    holder.add_argument("--index", action="append", metavar="URI",
+                        help="the Index Service's base URI, to publish replicas to (repeatable: replicas of the "
+                             "service, tried in turn)")
     holder.add_argument("--descriptor", action="append", metavar="FILE",
                         help="a Compatibility Descriptor of the caches it serves (repeatable; --dev defaults to the "
                              "spec's example)")
@@ -69,7 +71,9 @@ def add_commands(sub: Any) -> None:
     holder.add_argument("--encryption-key-file", type=Path, metavar="FILE",
                         help="AES-256-GCM at rest for local storage: 32 raw octets or 64 hex characters")
     holder.add_argument("--replica-ttl-ms", type=int, metavar="MS", help="TTL of published replicas (default 300000)")
-    holder.add_argument("--eviction", metavar="NAME", help="eviction policy: lru (default), fifo, lfu")
+    holder.add_argument("--eviction", metavar="NAME",
+                        help="eviction policy: prefix (default: the deepest blocks of the coldest chains first), lru, "
+                             "fifo, lfu")
     holder.add_argument("--workers", type=int, metavar="N",
                         help="processes serving the port and the one block store (default: one per core)")
     holder.set_defaults(handler=cmd_holder)
@@ -80,9 +84,9 @@ def add_commands(sub: Any) -> None:
                                        "PUBLISH_NAMESPACE their tracks to it; subscribers FETCH and SUBSCRIBE. "
                                        "Needs --config FILE with [tls] and a policy, or --dev DIR.")
     _common(relay)
-    relay.add_argument("--index", metavar="URI",
+    relay.add_argument("--index", action="append", metavar="URI",
                        help="the Index Service: upstreams for KVSP tracks nobody published here, and Replica "
-                            "Records for the blocks the relay caches")
+                            "Records for the blocks the relay caches (repeatable: replicas of the service)")
     relay.add_argument("--cache-size", type=size, metavar="SIZE", dest="cache_bytes",
                        help="memory for cached objects (default 1GiB; 0: no cache)")
     relay.add_argument("--open-prefix", action="append", metavar="A/B", dest="open_prefixes",
@@ -112,8 +116,10 @@ def add_commands(sub: Any) -> None:
     inst.add_argument("--block-tokens", type=int, metavar="B", help="tokens per block (default 16)")
     inst.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="compute dtype (default: the model's)")
     inst.add_argument("--kv-dtype", metavar="TYPE", help="KV element type, e.g. fp8-e4m3 (default: the compute dtype)")
-    inst.add_argument("--index", metavar="URI", help="the Index Service: lookups, and where replicas are published")
-    inst.add_argument("--controller", metavar="URI", help="the Placement Controller: status reports, checkpoints")
+    inst.add_argument("--index", action="append", metavar="URI",
+                      help="the Index Service: lookups, and where replicas are published (repeatable: replicas)")
+    inst.add_argument("--controller", action="append", metavar="URI",
+                      help="the Placement Controller: status reports, checkpoints (repeatable: replicas)")
     inst.add_argument("--scope-key", action="append", type=Path, metavar="FILE", dest="scope_keys",
                       help="a scope key this instance serves (hex or raw octets; repeatable; --dev: DIR/scope.key)")
     inst.add_argument("--device-pages", type=int, metavar="N", help="blocks in the device tier (default 1024)")
@@ -157,7 +163,8 @@ def add_frontend(sub: Any) -> None:
                                     "instance failures (docs/inference.md). Users authenticate with a client "
                                     "certificate or 'Authorization: Bearer KEY' (--dev: DIR/api.key; README).")
     _common(fe)
-    fe.add_argument("--controller", metavar="URI", help="the Placement Controller's base URI (kvsp-quic index)")
+    fe.add_argument("--controller", action="append", metavar="URI",
+                    help="the Placement Controller's base URI (kvsp-quic index; repeatable: replicas)")
     fe.add_argument("--model", type=Path, metavar="DIR", help="the model directory (tokenizer, descriptor)")
     fe.add_argument("--model-name", metavar="NAME", help="the model's name (default: from the model directory)")
     fe.add_argument("--block-tokens", type=int, metavar="B", help="block size, as the instances use (default 16)")

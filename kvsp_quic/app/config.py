@@ -39,9 +39,9 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from kvsp_quic.fields import RecordError, base_uri
+from kvsp_quic.fields import BASE_URIS, RecordError, base_uri, base_uris
 from kvsp_quic.frontend import FrontendOptions
 from kvsp_quic.records import Link
 from kvsp_quic.roles.controller import ControllerConfig
@@ -145,7 +145,8 @@ class LocalStorageSection(LocalStorageOptions):
 class HolderSection(HolderOptions):
     """``[holder]``: the holder's options, and what the composition root resolves into its settings."""
 
-    index: str | None = None  # the Index Service's base URI; without one, replicas are not published
+    # The Index Service's base URIs (replicas, failing over between them); none: replicas are not published
+    index: Annotated[list[str], BASE_URIS] = field(default_factory=list)
     descriptors: list[Path] = field(default_factory=list)  # the caches it serves (at least one)
     local_storage: LocalStorageSection | None = None
     workers: int | None = None  # processes serving the one port and store (None: one per core)
@@ -153,8 +154,7 @@ class HolderSection(HolderOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.index is not None:
-            base_uri(self.index, "index")
+        object.__setattr__(self, "index", base_uris(self.index, "index"))
         if self.workers is not None and not 1 <= self.workers <= 256:
             raise ValueError("workers: 1 to 256 processes")
         _check_alpns(self.moqt_alpns)
@@ -177,7 +177,8 @@ class RelaySection(RelayOptions):
     """``[relay]``: the relay's options (:class:`moqt.relay.RelayOptions`), and what the composition root wires
     around it: the Index Service link, the access rules' open prefixes, the sessions' data streams."""
 
-    index: str | None = None  # the Index Service: upstreams for unpublished KVSP tracks, records of cached blocks
+    # The Index Service (its base URIs): upstreams for unpublished KVSP tracks, records of cached blocks
+    index: Annotated[list[str], BASE_URIS] = field(default_factory=list)
     open_prefixes: list[str] = field(default_factory=list)  # non-KVSP namespaces relayed ("a/b"); none by default
     publish_records: bool = True  # with an index: advertise complete cached blocks with the relay's moqt:// URI
     record_ttl_ms: int = 60_000
@@ -187,8 +188,7 @@ class RelaySection(RelayOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.index is not None:
-            base_uri(self.index, "index")
+        object.__setattr__(self, "index", base_uris(self.index, "index"))
         if self.workers is not None and not 1 <= self.workers <= 256:
             raise ValueError("workers: 1 to 256 processes")
         _check_alpns(self.moqt_alpns)
@@ -230,7 +230,8 @@ class InstanceSection(InstanceOptions, ServiceOptions):
     kv_dtype: str | None = None  # KV element type (default: the compute dtype)
     block_tokens: int = 16
     model_name: str | None = None  # the descriptor's "model" (default: config.json's name, or the directory's)
-    index: str | None = None  # the Index Service: lookups, and where the instance publishes its replicas
+    # The Index Service's base URIs: lookups, and where the instance publishes its replicas
+    index: Annotated[list[str], BASE_URIS] = field(default_factory=list)
     scope_keys: list[Path] = field(default_factory=list)  # files of the scopes it serves (hex or raw octets)
     device_pages: int = 1024  # pages (blocks) of the device tier
     host_pages: int = 0  # pages of the host tier (pinned memory under CUDA)
@@ -243,8 +244,7 @@ class InstanceSection(InstanceOptions, ServiceOptions):
     def __post_init__(self) -> None:
         InstanceOptions.__post_init__(self)
         ServiceOptions.__post_init__(self)
-        if self.index is not None:
-            base_uri(self.index, "index")
+        object.__setattr__(self, "index", base_uris(self.index, "index"))
         for name in ("block_tokens", "device_pages", "replica_ttl_ms"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be positive")
@@ -262,7 +262,7 @@ class InstanceFile(ServerFile):
 class FrontendSection(FrontendOptions):
     """``[frontend]``: the front end's options, and what the composition root resolves (docs/inference.md)."""
 
-    controller: str | None = None  # the Placement Controller's base URI (required)
+    controller: Annotated[list[str], BASE_URIS] = field(default_factory=list)  # the PC's base URIs (required)
     model: Path | None = None  # the model directory: its tokenizer and descriptor (required)
     model_name: str | None = None  # the "model" of the OpenAI API and of the descriptor
     block_tokens: int = 16  # must match the instances' --block-tokens
@@ -272,8 +272,7 @@ class FrontendSection(FrontendOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.controller is not None:
-            base_uri(self.controller, "controller")
+        object.__setattr__(self, "controller", base_uris(self.controller, "controller"))
         for name in ("block_tokens", "placement_timeout_ms", "max_choices"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be positive")
@@ -318,7 +317,7 @@ def build(cls: type[T], obj: Mapping[str, Any], *, source: str = "config", root:
 def _build(cls: type[T], obj: Any, path: str, root: Path) -> T:
     if not isinstance(obj, Mapping):
         raise ConfigError(f"{path or 'the file'}: must be a table")
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     known = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(obj) - set(known))
     if unknown:
@@ -368,6 +367,11 @@ def _located(message: str, path: str, known: Mapping[str, Any]) -> str:
 
 def _value(hint: Any, value: Any, where: str, root: Path) -> Any:
     origin = typing.get_origin(hint)
+    if origin is typing.Annotated:
+        base, *marks = typing.get_args(hint)
+        if BASE_URIS in marks and isinstance(value, str):
+            return value  # one URI, as earlier releases wrote it: the section makes it a list of one
+        return _value(base, value, where, root)
     if origin in (typing.Union, types.UnionType):
         options = [a for a in typing.get_args(hint) if a is not type(None)]
         if len(options) == 1:

@@ -37,7 +37,7 @@ from kvsp_quic.auth import Policy
 from kvsp_quic.problems import Forbidden, Problem, Unavailable, problem_from_json
 from kvsp_quic.records import LeaseRenewal, LeaseRequest, LeaseResponse, ReplicaRecord
 from kvsp_quic.roles.holder import Holder, HolderSettings
-from kvsp_quic.storage.tiers import BlockId
+from kvsp_quic.storage.tiers import BlockId, ChainPosition
 
 log = logging.getLogger("kvsp.workers")
 
@@ -113,9 +113,11 @@ class ControlServer:
         holder = self.holder
         if op == "commit":
             holder.note_reads([_block(b) for b in msg.get("reads", ())])
-            owner = msg.get("owner")
+            owner, position = msg.get("owner"), msg.get("position")
             return holder.commit_staged(_block(msg["block"]), str(msg["staged"]),
-                                        owner=str(owner) if owner is not None else None).to_json()
+                                        owner=str(owner) if owner is not None else None,
+                                        position=ChainPosition.from_text(str(position)) if position else None,
+                                        ).to_json()
         if op == "lease":
             return holder.create_lease(self._principal(msg), LeaseRequest.from_json(msg["request"])).to_json()
         if op == "renew":
@@ -174,9 +176,11 @@ class ControlLink:
             got += len(chunk)
         return b"".join(chunks)
 
-    def commit(self, block: BlockId, staged: str, reads: list[BlockId], owner: str | None) -> ReplicaRecord:
+    def commit(self, block: BlockId, staged: str, reads: list[BlockId], owner: str | None,
+               position: ChainPosition | None = None) -> ReplicaRecord:
         return ReplicaRecord.from_json(self.call({"op": "commit", "block": _hexes(block), "staged": staged,
-                                                  "reads": [_hexes(b) for b in reads], "owner": owner}))
+                                                  "reads": [_hexes(b) for b in reads], "owner": owner,
+                                                  "position": position.to_text() if position else None}))
 
     def create_lease(self, identity: str, request: LeaseRequest) -> LeaseResponse:
         return LeaseResponse.from_json(self.call({"op": "lease", "identity": identity, "request": request.to_json()}))

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from gpu.engine import CacheHolder, Engine
 from gpu.kvcache import Page
+from http3.api import ServiceEndpoints
 from http3.asgi_types import ASGIApp
 from http3.client import KvspClient
 from http3.instance_app import instance_app
@@ -92,7 +93,7 @@ class InstanceNode:
 
 
 def build_instance(engine: Engine, *, base_uri: str, files: TlsFiles, policy: Policy,
-                   scope_keys: Iterable[bytes] = (), index: str | None = None, epoch: int | None = None,
+                   scope_keys: Iterable[bytes] = (), index: str | Sequence[str] | None = None, epoch: int | None = None,
                    clock: Callable[[], float] = time.monotonic, options: InstanceOptions | None = None,
                    service: ServiceOptions | None = None, links: Iterable[Link] = (),
                    replica_ttl_ms: int = 60_000, lease_limits: LeaseLimits | None = None, moqt: bool = True,
@@ -110,7 +111,7 @@ def build_instance(engine: Engine, *, base_uri: str, files: TlsFiles, policy: Po
     service = service if service is not None else ServiceOptions()
     d = engine.descriptor
     role_settings = InstanceSettings(base_uri=base_uri, compat_id=bytes(d.compat_id), block_tokens=d.block_tokens,
-                                     vocab_size=engine.vocab_size, controller=service.controller is not None,
+                                     vocab_size=engine.vocab_size, controller=bool(service.controller),
                                      **options_of(options, InstanceOptions))
     keyers = [BlockKeyer(key, d.compat_id, d.block_tokens) for key in scope_keys]
     role = InstanceRole(role_settings, epoch=epoch if epoch is not None else int(time.time() * 1000), clock=clock,
@@ -131,9 +132,10 @@ def build_instance(engine: Engine, *, base_uri: str, files: TlsFiles, policy: Po
         pool = MoqtPool(files, settings=transport, connections_per_origin=service.block_connections)
         sources.insert(0, LeasingMoqtSource(pool, [d], http, https_of))
     publisher = finder = None
-    if index is not None:
-        publisher = ReplicaPublisher(holder, client, index, moqt_uri=moqt_uri)
-        finder = BlockFinder(client, index, descriptor=d, own=[base_uri, moqt_uri], sources=sources,
+    if index:  # one URI or several: one view of the Index Service's replicas for the publisher and the lookups
+        endpoints = ServiceEndpoints.of(index, "index")
+        publisher = ReplicaPublisher(holder, client, endpoints, moqt_uri=moqt_uri)
+        finder = BlockFinder(client, endpoints, descriptor=d, own=[base_uri, moqt_uri], sources=sources,
                              https_of=https_of, ranking=PreferMoqt() if moqt else None,
                              timeout=service.request_timeout_s)
     node = InstanceService(role, engine, holder, client, finder=finder, options=service, publisher=publisher)

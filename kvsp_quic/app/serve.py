@@ -192,6 +192,18 @@ async def run_index(cfg: IndexFile, *, dev_dir: Path | None, policy_path: Path |
     if dev_dir is not None and not descriptors:
         descriptors = [example_descriptor()]
     store = _index_store(section)
+    shared = None
+    if section.store == "redis":
+        from kvsp_quic.storage.redis_control import RedisControlStore
+
+        shared = RedisControlStore.from_url(section.redis_url, cluster=section.redis_cluster,
+                                            prefix=section.redis_prefix)
+        try:
+            await _check_redis(section, shared)
+        except BaseException:
+            await shared.aclose()
+            await store.aclose()
+            raise
     prepared = prepare("index", cfg.server, cfg.tls, cfg.transport, dev_dir=dev_dir, policy_path=policy_path)
     client = starter = None
     try:
@@ -203,7 +215,7 @@ async def run_index(cfg: IndexFile, *, dev_dir: Path | None, policy_path: Path |
         client = KvspClient(prepared.files, settings=prepared.settings, timeout=pc.request_timeout_s)
         starter = CommandStarter(pc.start_hook, pc_uri=prepared.base_uri) if pc.start_hook else None
         role = PlacementController(service, clock=clock, metrics=Registry(), identity=prepared.base_uri, config=pc)
-        controller = ControllerService(role, HttpInstanceLink(client), starter=starter)
+        controller = ControllerService(role, HttpInstanceLink(client), starter=starter, shared=shared)
         base_path = _path_of(prepared.base_uri)
         app = controller_app(service, controller, prepared.policy, base_path=base_path, tick_interval=pc.tick_s)
         server = await serve_app(prepared, app)
@@ -211,6 +223,8 @@ async def run_index(cfg: IndexFile, *, dev_dir: Path | None, policy_path: Path |
         if client is not None:
             await client.aclose()
         await store.aclose()
+        if shared is not None:
+            await shared.aclose()
         raise
     log.info("Index Service and Placement Controller at %s (store: %s, start hook: %s)", prepared.base_uri,
              section.store, " ".join(pc.start_hook) or "none")
@@ -223,6 +237,32 @@ async def run_index(cfg: IndexFile, *, dev_dir: Path | None, policy_path: Path |
         if starter is not None:
             await starter.aclose()
         await store.aclose()
+        if shared is not None:
+            await shared.aclose()
+
+
+async def _check_redis(section: Any, shared: Any) -> None:
+    """Before ``ready``: Redis answers, in the mode configured (``--redis-cluster`` or not); else one line
+    (ConfigError) and exit 1, never a ready Index Service that answers 500."""
+    from kvsp_quic.app.config import ConfigError
+
+    url, cluster = section.redis_url, section.redis_cluster
+    try:
+        async with asyncio.timeout(5):
+            await shared.ping()
+            info = await shared.client.info("cluster")
+    except Exception as exc:
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if not cluster and "MOVED" in detail:
+            detail = "it is a Redis Cluster: add --redis-cluster (index.redis_cluster)"
+        elif cluster and "not enabled" in detail:
+            detail = "it is not a Redis Cluster: drop --redis-cluster (index.redis_cluster)"
+        raise ConfigError(f"index.redis_url: Redis at {url} does not answer: {detail}") from None
+    enabled = bool(int(info.get("cluster_enabled", 0))) if isinstance(info, dict) and "cluster_enabled" in info \
+        else cluster
+    if enabled != cluster:
+        raise ConfigError(f"index.redis_url: Redis at {url} is {'a cluster' if enabled else 'not a cluster'}: "
+                          f"{'add' if enabled else 'drop'} --redis-cluster (index.redis_cluster)")
 
 
 def _index_store(section: Any) -> Any:
@@ -290,7 +330,7 @@ async def run_holder(cfg: HolderFile, *, dev_dir: Path | None, policy_path: Path
     if host_directory is not None:
         pool = await start_workers(holder, prepared, host_directory, workers, server, section.moqt_alpns)
     publisher = None
-    if section.index is not None:
+    if section.index:
         client = KvspClient(prepared.files, settings=prepared.settings)
         publisher = ReplicaPublisher(holder, client, section.index, moqt_uri=moqt_uri)
         publisher.start()
@@ -298,7 +338,7 @@ async def run_holder(cfg: HolderFile, *, dev_dir: Path | None, policy_path: Path
         log.warning("no Index Service configured (holder.index / --index): replicas are not published")
     log.info("Holder at %s (%d descriptor(s), host tier %d octets%s, %d worker process(es))", prepared.base_uri,
              len(descriptors), section.host_capacity, f", local-storage {local.path}" if local else "", workers)
-    announce(prepared, index=section.index, moqt=moqt_uri, workers=workers,
+    announce(prepared, **_uris("index", section.index), moqt=moqt_uri, workers=workers,
              worker_pids=pool[0].pids() if pool is not None else [])
     try:
         await _wait(stop)
@@ -362,7 +402,7 @@ async def run_relay(cfg: RelayFile, *, dev_dir: Path | None, policy_path: Path |
     section = cfg.relay
     # Workers are independent relays (each its own cache and sessions): a block FETCH scales over them because each
     # finds its upstream through the Index Service; a namespace published to one process is unknown to the others.
-    if (section.workers or 1) > 1 and (section.open_prefixes or section.index is None):
+    if (section.workers or 1) > 1 and (section.open_prefixes or not section.index):
         why = "open prefixes relay live tracks" if section.open_prefixes else "without --index, upstreams are"
         raise ConfigError(f"relay.workers: {why} published to one process, which the others do not see: use "
                           f"--workers 1 (KVSP block fetches with --index scale over workers)")
@@ -400,7 +440,7 @@ async def serve_relay(cfg: RelayFile, prepared: Prepared, stop: asyncio.Event | 
     try:
         moqt_uri = _relay_moqt_uri(prepared)  # the relay's UDP port serves MOQT (moq-00, moqt-18) and h3
         rules = RelayRules.of(prepared.policy, section.open_prefixes)
-        if section.index is not None:
+        if section.index:
             client = KvspClient(prepared.files, settings=prepared.settings)
             pool = MoqtPool(prepared.files, settings=prepared.settings, alpn=section.moqt_alpns)
             link = IndexLink(client, section.index, pool, moqt_uri=moqt_uri, publish=section.publish_records,
@@ -420,9 +460,10 @@ async def serve_relay(cfg: RelayFile, prepared: Prepared, stop: asyncio.Event | 
         serving()
     if announce_extra is not None:
         log.info("MOQT relay at %s (cache %d octets, open prefixes: %s, index: %s, %d process(es))", moqt_uri,
-                 section.cache_bytes, ", ".join(section.open_prefixes) or "none", section.index or "none",
+                 section.cache_bytes, ", ".join(section.open_prefixes) or "none",
+                 ", ".join(section.index) or "none",
                  announce_extra.get("workers", 1))
-        announce(prepared, **{"moqt": moqt_uri, "index": section.index, "cache_bytes": section.cache_bytes,
+        announce(prepared, **{"moqt": moqt_uri, **_uris("index", section.index), "cache_bytes": section.cache_bytes,
                               "open_prefixes": section.open_prefixes, **announce_extra})
     try:
         await _wait(stop)
@@ -542,13 +583,23 @@ def read_scope_key(path: Path) -> bytes:
 
 
 def dev_scope_key(dev_dir: Path) -> Path:
+    """The dev scope key file, created once: 0600 from its first octet (``os.open`` with the mode and
+    ``O_EXCL``, never written before a chmod), in a directory made 0700; a racing creator's file is kept."""
     path = dev_dir / DEV_SCOPE_KEY
     if not path.exists():
-        dev_dir.mkdir(parents=True, exist_ok=True)
+        dev_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_text(os.urandom(32).hex() + "\n")
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        try:
+            os.write(fd, (os.urandom(32).hex() + "\n").encode("ascii"))
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)  # never replaces a key another process made meanwhile
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
     return path
 
 
@@ -614,9 +665,9 @@ async def run_instance(cfg: InstanceFile, *, dev_dir: Path | None, policy_path: 
     log.info("Inference Instance at %s (model %s on %s, %d device pages of %d tokens, epoch %d)", prepared.base_uri,
              d.model, engine.model.device, section.device_pages, d.block_tokens, node.role.epoch)
     announce(prepared, instance_id=node.service.instance_id, epoch=node.role.epoch, compat_id=d.compat_id.hex(),
-             descriptor=d.to_json(), device=str(engine.model.device), index=section.index,
+             descriptor=d.to_json(), device=str(engine.model.device), **_uris("index", section.index),
              engine=engine.name, engine_build=engine.build, layer_streamed=True,
-             controller=section.controller, moqt=node.moqt_uri,
+             **_uris("controller", section.controller), moqt=node.moqt_uri,
              scope_ids=[k.hex() for k in node.role.keyers],
              scope_key=os.fspath(key_files[0]) if dev_dir is not None and key_files else None)
     try:
@@ -632,6 +683,7 @@ async def run_instance(cfg: InstanceFile, *, dev_dir: Path | None, policy_path: 
 async def run_frontend(cfg: FrontendFile, *, dev_dir: Path | None, policy_path: Path | None = None,
                        stop: asyncio.Event | None = None) -> None:
     from gpu.modelfiles import DESCRIBED_FAMILIES, ModelConfig, derive_descriptor, load_tokenizer
+    from http3.api import ServiceEndpoints
     from http3.client import KvspClient
     from http3.frontend_app import Frontend, frontend_app
     from http3.frontend_auth import dev_api_key, with_dev_key
@@ -639,7 +691,7 @@ async def run_frontend(cfg: FrontendFile, *, dev_dir: Path | None, policy_path: 
     from kvsp_quic.keys import BlockKeyer
 
     section = cfg.frontend
-    if section.controller is None:
+    if not section.controller:
         raise ConfigError("--controller URI (or frontend.controller) is required: the Placement Controller")
     if section.model is None:
         raise ConfigError("--model DIR (or frontend.model) is required: the model's tokenizer and descriptor")
@@ -667,8 +719,8 @@ async def run_frontend(cfg: FrontendFile, *, dev_dir: Path | None, policy_path: 
         api_key = dev_api_key(dev_dir)
         prepared = dataclasses.replace(prepared, policy=with_dev_key(prepared.policy, api_key))
         ready_extra.update(api_key=api_key, api_key_file=os.fspath(dev_dir / "api.key"))
-    frontend = Frontend(client, section.controller, BlockKeyer(scope_key, descriptor.compat_id,
-                                                                descriptor.block_tokens),
+    frontend = Frontend(client, ServiceEndpoints(section.controller, "controller"),
+                        BlockKeyer(scope_key, descriptor.compat_id, descriptor.block_tokens),
                         tokenizer, descriptor.model, options=section,
                         context=model_config.max_position_embeddings, vocab_size=model_config.vocab_size,
                         chat_template=chat_template, placement_timeout_s=section.placement_timeout_ms / 1000,
@@ -679,14 +731,21 @@ async def run_frontend(cfg: FrontendFile, *, dev_dir: Path | None, policy_path: 
     except BaseException:
         await client.aclose()
         raise
-    log.info("front end at %s (model %s, controller %s)", prepared.base_uri, descriptor.model, section.controller)
-    announce(prepared, controller=section.controller, completions=f"{prepared.base_uri}v1/completions",
+    log.info("front end at %s (model %s, controller %s)", prepared.base_uri, descriptor.model,
+             ", ".join(section.controller))
+    announce(prepared, **_uris("controller", section.controller), completions=f"{prepared.base_uri}v1/completions",
              **ready_extra)
     try:
         await _wait(stop)
     finally:
         await server.close()
         await client.aclose()
+
+
+def _uris(key: str, uris: list[str]) -> dict[str, Any]:
+    """The ready line's members for a service's URIs: *key* the first (or null; as earlier releases announced it)
+    and *key* + ``es``/``s`` all of them (``"indexes"``, ``"controllers"``)."""
+    return {key: uris[0] if uris else None, ("indexes" if key == "index" else key + "s"): list(uris)}
 
 
 def _read_key(path: Path | None) -> bytes | None:

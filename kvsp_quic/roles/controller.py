@@ -114,6 +114,7 @@ class ControllerConfig:
     done_ttl_ms: int = 600_000  # a finished session stays readable for this long
     max_sessions: int = 100_000
     reshard_deadline_ms: int = 5000  # default deadline_ms of reshard plans
+    lease_ms: int = 3000  # with a shared store: a replica placing a session holds it this long, renewed
     placement_policy: str = "cost"  # a name in kvsp_quic.roles.placement.PLACEMENT_POLICIES
     sleep: Literal["load", "always", "never"] = "load"  # the policy for requested_state: sleeping (SleepPolicy)
     sleep_min_active: int = 1  # other active instances that must remain
@@ -123,7 +124,7 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         for name in ("prefetch_deadline_ms", "prefetch_lease_ms", "start_timeout_ms", "start_interval_ms",
                      "request_timeout_ms", "tick_ms", "session_ttl_ms", "done_ttl_ms", "max_sessions",
-                     "reshard_deadline_ms"):
+                     "reshard_deadline_ms", "lease_ms"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be positive")
         if self.max_cost_us is not None and self.max_cost_us <= 0:
@@ -282,6 +283,14 @@ class PlacementController:
                             ttl_ms=max(1, int((entry.expires_at - self.clock()) * 1000)))
             out.append(item)
         return out
+
+    def instance_scopes(self, instance: str) -> Scopes | None:
+        """The scopes of the principal that reported *instance*'s status (None: none reported)."""
+        return self._scopes.get(instance)
+
+    def set_instance_scopes(self, instance: str, scopes: Scopes) -> None:
+        """Hold *scopes* for *instance* (as another replica of the PC took them from its reporter)."""
+        self._scopes[instance] = scopes
 
     def serves_scope(self, instance: str, scope_id: bytes | None) -> bool:
         """Whether *instance* may be given work of *scope_id*: its principal -- the identity that reported its

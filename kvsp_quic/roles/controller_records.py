@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,15 @@ def _keys(value: Any, path: str) -> tuple[BlockKey, ...]:
 
 def _blocks(value: Any, path: str) -> tuple[PrefetchBlock, ...]:
     return f.array(value, path, PrefetchBlock.read)
+
+
+def _alternatives(value: Any, path: str) -> tuple[tuple[int, float], ...]:
+    def pair(item: Any, where: str) -> tuple[int, float]:
+        if not isinstance(item, list) or len(item) != 2:
+            raise f.fail(where, "a [token, logprob] pair")
+        return f.uint32(item[0], f"{where}[0]"), float(f.number(item[1], f"{where}[1]", minimum=-math.inf, maximum=0))
+
+    return f.array(value, path, pair)
 
 
 class SessionState(enum.Enum):
@@ -139,6 +149,10 @@ class TokenLine(Record):
     ``reason`` ("length", "stop", ... or "error", then with a ``detail``). A stream that ends without a final line
     was superseded: the session moved to another instance.
 
+    *(extension)* When the session's sampler asks for ``logprobs``, a token line also has ``logprob`` (the token's
+    log probability) and ``top_logprobs`` (``[[token, logprob], ...]``, the most likely tokens, best first);
+    tokens a resumed run took from its checkpoint have none (docs/wire.md, "Log probabilities").
+
         TokenLine(7, 1, 42).encode()                            # b'{"index":7,"epoch":1,"token":42}\n'
         TokenLine(8, 1, done=True, reason="length").encode()
         TokenLine.decode(line)                                  # RecordError (a 400 Problem) on a bad line
@@ -150,6 +164,8 @@ class TokenLine(Record):
     done: bool = wire(f.boolean, default=False)
     reason: str | None = wire(f.string, default=None)
     detail: str | None = wire(lambda v, p: f.string(v, p, nonempty=False), default=None)
+    logprob: float | None = wire(lambda v, p: float(f.number(v, p, minimum=-math.inf, maximum=0.0)), default=None)
+    top_logprobs: tuple[tuple[int, float], ...] | None = wire(_alternatives, default=None)
 
     def check(self) -> None:
         if self.done:
@@ -162,6 +178,10 @@ class TokenLine(Record):
                 raise RecordError("token: required unless the line is the final one (done)")
             if self.reason is not None or self.detail is not None:
                 raise RecordError("reason: only the final line (done) has a reason or detail")
+        if self.top_logprobs is not None and self.logprob is None:
+            raise RecordError("top_logprobs: only with a logprob")
+        if self.done and self.logprob is not None:
+            raise RecordError("logprob: the final line (done) carries none")
 
     @property
     def failed(self) -> bool:
@@ -170,7 +190,11 @@ class TokenLine(Record):
 
     def to_json(self) -> dict[str, Any]:
         if not self.done:
-            return {"index": self.index, "epoch": self.epoch, "token": self.token}
+            line: dict[str, Any] = {"index": self.index, "epoch": self.epoch, "token": self.token}
+            if self.logprob is not None:
+                line["logprob"] = self.logprob
+                line["top_logprobs"] = [list(pair) for pair in self.top_logprobs or ()]
+            return line
         out: dict[str, Any] = {"index": self.index, "epoch": self.epoch, "done": True, "reason": self.reason}
         if self.detail is not None:
             out["detail"] = self.detail

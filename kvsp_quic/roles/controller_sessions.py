@@ -34,6 +34,7 @@ class PlacedSession:
     checkpoint: SessionCheckpoint | None = None
     failed_at: float | None = None
     migrations: int = 0
+    version: int = 0  # of the stored copy this one was read from (a shared ControlStore's compare-and-set)
 
     @property
     def id(self) -> uuid.UUID:
@@ -42,6 +43,16 @@ class PlacedSession:
     @property
     def output_offset(self) -> int:
         return self.checkpoint.output_offset if self.checkpoint is not None else 0
+
+    def adopt(self, fresh: PlacedSession) -> None:
+        """Take what others may have written since this copy was read -- the checkpoint (the highest wins) and the
+        end of the session -- from *fresh*, the stored copy, and its version. Used by the replica that places the
+        session (it holds the session's lease: the placement fields are its own)."""
+        if fresh.checkpoint is not None and fresh.output_offset >= self.output_offset:
+            self.checkpoint = fresh.checkpoint
+        if fresh.state is SessionState.DONE:
+            self.state = SessionState.DONE
+        self.version = fresh.version
 
     def info(self) -> SessionInfo:
         """What the front end sees: while the session is placed or migrated, the epoch it was last served in and

@@ -9,7 +9,12 @@ Service and drives the holder's timers (:meth:`Holder.tick`). docs/wire.md ("Hol
 * ``PUT`` requires ``If-None-Match: *`` (else 428); an existing replica gives 412 and is kept;
 * ``GET`` with ``codec=n`` other than the stored codec gives 406: this holder does not transcode;
 * every stored block is a replica, published when stored (and when it moves between tiers, since its residency
-  changes), refreshed every third of its TTL, withdrawn right after eviction;
+  changes), refreshed every third of the TTL the Index Service granted, withdrawn right after eviction;
+* eviction is prefix-aware by default: the deepest blocks of the coldest chains go first, a chain being what the
+  producers declared when storing (``PUT ...?chain=&position=``, :class:`~kvsp_quic.storage.tiers.ChainPosition`);
+* with local storage, blocks of faster tiers are written through, and a journal of the records this holder may
+  have left at the Index Service (:class:`~kvsp_quic.storage.journal.ReplicaJournal`) lets a restart withdraw
+  every record it cannot serve any more and publish exactly what it recovered;
 * eviction never touches a leased replica; a store that cannot make room otherwise fails with 507;
 * a replica that fails verification on read (a fault) stops being served at once, its leases are marked
   broken, its record is withdrawn, and only then -- or once its advertised record has expired anyway -- are
@@ -57,11 +62,13 @@ from kvsp_quic.problems import (
 from kvsp_quic.records import LeaseRenewal, LeaseRequest, LeaseResponse, ReplicaRecord, ResidencyEntry
 from kvsp_quic.repr_digest import format_repr_digest
 from kvsp_quic.roles.leases import LeaseLimits, LeaseTable
+from kvsp_quic.storage.journal import ReplicaJournal
 from kvsp_quic.storage.tiers import (
     HOST,
     LOCAL_STORAGE,
     BlockId,
     BlockMeta,
+    ChainPosition,
     HostTier,
     LocalStorageConfig,
     LocalStorageTier,
@@ -81,7 +88,7 @@ class HolderOptions:
 
     host_capacity: int = 1 << 30  # octets of containers kept in memory
     host_read_mbit_per_s: int | None = None  # advertised for the host tier, when set
-    eviction: str = "lru"  # a name in kvsp_quic.storage.tiers.EVICTION_POLICIES, for every tier
+    eviction: str = "prefix"  # a name in kvsp_quic.storage.tiers.EVICTION_POLICIES, for every tier
     replica_ttl_ms: int = 300_000  # ttl_ms of published records; refreshed every third of it
     retention_ms: int | None = None  # drop replicas this long after they were stored (None: no limit)
     max_block_bytes: int = 1 << 30  # the largest container accepted by PUT
@@ -90,6 +97,9 @@ class HolderOptions:
     max_octets_per_principal: int | None = None
     leases: LeaseLimits = field(default_factory=LeaseLimits)
     publish_backoff_ms: tuple[int, int] = (500, 30_000)  # first and longest retry delay of a failed publish
+    # with local storage: write every block a faster tier takes through to it before answering the PUT, so a
+    # restart loses nothing acknowledged (the directory then holds up to host_capacity more octets)
+    write_through: bool = True
 
     def __post_init__(self) -> None:
         for name in ("host_capacity", "replica_ttl_ms", "max_block_bytes"):
@@ -217,6 +227,14 @@ class ReplicaOutbox:
         self._want(block, IntentKind.WITHDRAW, now)
         return True
 
+    def withdraw_stale(self, block: BlockId, now: float) -> None:
+        """Want withdrawn a record this holder may have published before it restarted (it cannot serve it now)."""
+        entry = self._entries.get(block)
+        if entry is None:
+            entry = self._entries[block] = _Entry(IntentKind.WITHDRAW, now)
+        entry.sent = True
+        self._want(block, IntentKind.WITHDRAW, now)
+
     def take_due(self, now: float, limit: int) -> list[tuple[IntentKind, BlockId, int]]:
         out: list[tuple[IntentKind, BlockId, int]] = []
         while self._heap and self._heap[0][0] <= now and len(out) < limit:
@@ -270,10 +288,11 @@ class Replica:
     meta: BlockMeta
     digest: bytes  # replica digest
     stored_at: float
-    advertised_until: float  # when the last record sent to the Index Service expires there
+    advertised_until: float  # when the last record sent to the Index Service expires there, at the latest
     expires_at: float | None  # retention limit
     faulted: str | None = None  # why it is no longer served (awaiting withdrawal before its octets go)
     repr_digest: bytes | None = None  # SHA-256 of the whole container, computed on first need
+    granted_until: float | None = None  # when the record expires at the Index Service, by the TTL it granted
 
     @property
     def codec(self) -> int:
@@ -304,9 +323,10 @@ class BlockUpload:
     once, into the buffer the replica will be served from (the container header is written in front of it)."""
 
     def __init__(self, holder: Holder | Any, block: BlockId, descriptor: CompatDescriptor, *,
-                 owner: str | None = None) -> None:
+                 owner: str | None = None, position: ChainPosition | None = None) -> None:
         self._holder = holder  # a Holder, or a worker's HolderWorker (the same _allocate_upload and _commit)
         self.block = block
+        self.position = position  # where the block sits in its chain, as the client declared it
         self.owner = owner  # the principal whose storage quota the upload counts against (None: none)
         self._release: Callable[[], Any] | None = None  # returns the quota reserved for the upload
         self._descriptor = descriptor
@@ -362,9 +382,11 @@ class BlockUpload:
         try:
             if self._release is not None:
                 self._release()  # the replica itself counts from now on
-            owner = {"owner": self.owner} if self.owner is not None else {}
+            extra: dict[str, Any] = {"owner": self.owner} if self.owner is not None else {}
+            if self.position is not None:
+                extra["position"] = self.position
             return self._holder._commit(self.block, header, tuple(self._decoder.layer_digests), self._buffer,
-                                        self._allocation, **owner)
+                                        self._allocation, **extra)
         finally:
             if self._allocation is not None:
                 self._allocation.discard()
@@ -388,6 +410,10 @@ class Holder:
                                               random=random))
             store = TieredStore(tiers)
         self.storage = store
+        if settings.write_through and settings.local_storage is not None:
+            store.enable_write_through()
+        self.journal = (ReplicaJournal(settings.local_storage.path, fsync=settings.local_storage.fsync)
+                        if settings.local_storage is not None else None)
         self._rates: dict[str, int | None] = {
             HOST: settings.host_read_mbit_per_s,
             LOCAL_STORAGE: settings.local_storage.read_mbit_per_s if settings.local_storage else None,
@@ -456,7 +482,8 @@ class Holder:
     def begin_store(self, principal: Principal, compat_id: bytes, scope_id: bytes, block_key: bytes,
                     if_none_match: str | None) -> BlockUpload:
         """Check a PUT before its body is read: the precondition (428), the scope (403), the Compatibility ID
-        (409) and that no replica exists (412)."""
+        (409) and that no replica exists (412). Set the upload's ``position`` when the client declared where the
+        block sits in its chain (``?chain=&position=``; :func:`parse_position`)."""
         if if_none_match is None or if_none_match.strip() != "*":
             raise PreconditionRequired("storing a block requires If-None-Match: * (blocks are never replaced)")
         require_scope(principal, scope_id)
@@ -466,9 +493,10 @@ class Holder:
         return BlockUpload(self, block, descriptor, owner=principal.identity)
 
     def store(self, principal: Principal, compat_id: bytes, scope_id: bytes, block_key: bytes, body: Any,
-              if_none_match: str | None) -> ReplicaRecord:
+              if_none_match: str | None, *, position: ChainPosition | None = None) -> ReplicaRecord:
         """PUT blocks/{compat}/{scope}/{block_key} with a body held in memory (one copy, into the replica)."""
         upload = self.begin_store(principal, compat_id, scope_id, block_key, if_none_match)
+        upload.position = position
         upload.feed(body)
         return upload.finish()
 
@@ -485,7 +513,8 @@ class Holder:
         allocation = allocate(layers, size)
         return allocation.container, allocation
 
-    def commit_staged(self, block: BlockId, staged: str, *, owner: str | None = None) -> ReplicaRecord:
+    def commit_staged(self, block: BlockId, staged: str, *, owner: str | None = None,
+                      position: ChainPosition | None = None) -> ReplicaRecord:
         """Store the complete, verified block a worker process received into the shared host tier under the
         temporary name *staged* (``kvsp_quic.roles.holder_worker``): the placement, the record, the publishing
         and *owner*'s storage quota are this holder's, as for its own uploads. The staged file is removed whatever
@@ -499,7 +528,7 @@ class Holder:
             data = allocation.container
             header = parse_header(data)
             digests = tuple(allocation.layer_digests)
-            return self._commit(block, header, digests, data, allocation, owner=owner)
+            return self._commit(block, header, digests, data, allocation, owner=owner, position=position)
         finally:
             allocation.discard()
 
@@ -536,24 +565,31 @@ class Holder:
             del self._uploading[owner]
 
     def _make_room_for(self, owner: str, size: int) -> None:
-        """Make *owner*'s stored plus reserved octets leave room for *size* more: evict its own oldest unleased
-        replicas (never another principal's), else 507."""
+        """Make *owner*'s stored plus reserved octets leave room for *size* more: evict its own unleased replicas
+        (never another principal's) in the eviction policy's order (slowest tier first; by default the deepest
+        blocks of its coldest chains), else 507."""
         quota = self.principal_quota
         stored, uploading = self.stored_by(owner)
         if stored + uploading + size <= quota:
             return
         if size <= quota:
             now = self._clock()
-            for block in list(self._owned.get(owner, {})):
-                if stored + uploading + size <= quota:
-                    break
-                if self.leases.protects(block):
-                    continue
+            owned = self._owned.get(owner, {})
+            victims: list[BlockId] = []
+            freed = 0
+            for tier in reversed(self.storage.tiers):
+                for block in tier.policy.victims():  # (collected first: the tiers do not change while iterating)
+                    if stored - freed + uploading + size <= quota:
+                        break
+                    if block in owned and not self.leases.protects(block):
+                        victims.append(block)
+                        freed += owned[block]
+            for block in victims:
                 stored -= self._owned[owner][block]
                 self.metrics["evicted"] += 1
                 self.metrics["quota_evicted"] += 1
                 self._drop(block)
-                self.outbox.withdraw(block, now)  # right after the eviction
+                self._withdraw(block, now)  # right after the eviction
         if stored + uploading + size > quota:
             self.metrics["quota_rejections"] += 1
             raise InsufficientStorage(f"{owner!r} has {stored} octets stored and {uploading} being uploaded here; "
@@ -572,7 +608,8 @@ class Holder:
                 del self._owned[owner]
 
     def _commit(self, block: BlockId, header: ContainerHeader, layer_digests: tuple[bytes, ...],
-                data: memoryview, allocation: Any = None, *, owner: str | None = None) -> ReplicaRecord:
+                data: memoryview, allocation: Any = None, *, owner: str | None = None,
+                position: ChainPosition | None = None) -> ReplicaRecord:
         self._check_absent(block)  # again: another PUT of the same key may have finished meanwhile
         now = self._clock()
         if block in self._replicas:  # a faulted copy awaiting withdrawal: the new replica replaces it
@@ -581,7 +618,7 @@ class Holder:
             self._make_room_for(owner, len(data))
         meta = BlockMeta(block, header, layer_digests, len(data))
         try:
-            outcome = self.storage.put(meta, data, self.leases.protects)
+            outcome = self.storage.put(meta, data, self.leases.protects, position)
         except NoRoom as exc:
             if exc.outcome is not None:
                 self._apply(exc.outcome, now)
@@ -596,6 +633,8 @@ class Holder:
         if rep.expires_at is not None:
             heapq.heappush(self._expiries, (rep.expires_at, block))
         self.metrics["stored"] += 1
+        if self.journal is not None:
+            self.journal.add(block, position)
         self.outbox.publish(block, now)
         return self._record(block, rep, now)
 
@@ -610,14 +649,14 @@ class Holder:
             self._replicas.pop(meta.id, None)
             self._disown(meta.id)
             self._faulted.discard(meta.id)
-            self.outbox.withdraw(meta.id, now)  # right after the eviction
+            self._withdraw(meta.id, now)  # right after the eviction
         for fault in outcome.faulted:
             self.metrics["faults"] += 1
             self.leases.break_block(fault.block, fault.reason)
             self._replicas.pop(fault.block, None)
             self._disown(fault.block)
             self._faulted.discard(fault.block)
-            self.outbox.withdraw(fault.block, now)
+            self._withdraw(fault.block, now)
 
     # -- fetch ------------------------------------------------------------------------------------------------
 
@@ -669,7 +708,11 @@ class Holder:
         return tier.name, cut(data, first, last, layer_digests=rep.meta.layer_digests)
 
     def _max_age(self, rep: Replica, now: float) -> int:
-        until = rep.advertised_until if rep.expires_at is None else min(rep.advertised_until, rep.expires_at)
+        """Seconds the replica's record has left at the Index Service (by the TTL it granted, once known), capped
+        by the retention limit: ``Cache-Control: max-age`` is never longer than the record lives."""
+        until = rep.advertised_until if rep.granted_until is None else min(rep.advertised_until, rep.granted_until)
+        if rep.expires_at is not None:
+            until = min(until, rep.expires_at)
         return max(0, int(until - now))
 
     # -- faults, eviction by time ---------------------------------------------------------------------------
@@ -683,14 +726,27 @@ class Holder:
         self.metrics["faults"] += 1
         self.leases.break_block(block, reason)
         self._faulted.add(block)
-        if not self.outbox.withdraw(block, self._clock()):
+        if not self._withdraw(block, self._clock()):
             self._drop(block)  # never published: nothing to withdraw first
+
+    def _withdraw(self, block: BlockId, now: float) -> bool:
+        """Want *block*'s record withdrawn; False when none was ever sent (nothing to withdraw)."""
+        if self.outbox.withdraw(block, now):
+            return True
+        self._unjournal(block)
+        return False
+
+    def _unjournal(self, block: BlockId) -> None:
+        """The journal forgets *block* once it is neither held nor possibly advertised."""
+        if self.journal is not None and block not in self._replicas and self.outbox.state(block) is None:
+            self.journal.remove(block)
 
     def _drop(self, block: BlockId) -> None:
         self._replicas.pop(block, None)
         self._disown(block)
         self._faulted.discard(block)
         self.storage.remove(block)
+        self._unjournal(block)
 
     def tick(self) -> None:
         """Timers: forget expired leases, drop faulted replicas whose records expired at the Index Service
@@ -712,7 +768,7 @@ class Holder:
                 continue
             self.metrics["expired"] += 1
             self._drop(block)
-            self.outbox.withdraw(block, now)
+            self._withdraw(block, now)
         for due, block in deferred:
             rep = self._replicas.get(block)
             if rep is not None:
@@ -743,16 +799,29 @@ class Holder:
                 out.append(Intent(kind, block, version, now, record))
             else:
                 out.append(Intent(kind, block, version, now))
+        if self.journal is not None:
+            self.journal.sync()  # every block about to be published is on record before its record can exist
         return out
 
-    def intent_done(self, intent: Intent, ok: bool) -> None:
+    def intent_done(self, intent: Intent, ok: bool, granted_ttl_ms: int | None = None) -> None:
+        """Report an intent taken from :meth:`take_intents`. *granted_ttl_ms* is the ``ttl_ms`` of the record the
+        Index Service answered a publish with (it caps TTLs): the next refresh is due a third of it after the
+        request was sent, and ``Cache-Control: max-age`` never outlives it."""
         now = self._clock()
         refresh_at = None
         if intent.record is not None:
-            refresh_at = intent.taken_at + intent.record.ttl_ms / 3000
+            ttl_ms = intent.record.ttl_ms
+            if ok and granted_ttl_ms is not None and granted_ttl_ms > 0:
+                ttl_ms = min(ttl_ms, granted_ttl_ms)
+                rep = self._replicas.get(intent.block)
+                if rep is not None:
+                    rep.granted_until = intent.taken_at + ttl_ms / 1000
+            refresh_at = intent.taken_at + ttl_ms / 3000
         withdrawn = self.outbox.complete(intent.block, intent.kind, intent.version, ok, now, refresh_at)
         if withdrawn and intent.block in self._faulted:
             self._drop(intent.block)  # withdrawn first, now dropped
+        elif withdrawn:
+            self._unjournal(intent.block)
         self.metrics["published" if intent.kind is IntentKind.PUBLISH else "withdrawn"] += ok
 
     def withdraw_all(self) -> int:
@@ -763,26 +832,35 @@ class Holder:
     # -- restart --------------------------------------------------------------------------------------------------
 
     def recover(self) -> int:
-        """Adopt the verified blocks found on local storage as replicas (to be published). Files of caches this
-        holder does not serve, or that another encryption key wrote, are left alone; corrupt ones are deleted."""
+        """Adopt the verified blocks found on local storage as replicas (to be published), and replace the set of
+        records under this holder's identity at the Index Service with exactly those: every block of the journal
+        (the records this holder may have left there before it stopped) that was not recovered is withdrawn.
+        Files of caches this holder does not serve, or that another encryption key wrote, are left alone;
+        corrupt ones are deleted. Returns how many blocks were recovered."""
         now = self._clock()
-        count = 0
-        for tier in self.storage.tiers:
-            if not isinstance(tier, LocalStorageTier):
-                continue
-            result = tier.scan(accept=self._acceptable)
-            for meta in result.recovered:
-                retention = self.settings.retention_ms
-                rep = Replica(meta, meta.digest, now, now + self.settings.replica_ttl_ms / 1000,
-                              now + retention / 1000 if retention is not None else None)
-                self._replicas[meta.id] = rep
-                if rep.expires_at is not None:
-                    heapq.heappush(self._expiries, (rep.expires_at, meta.id))
-                self.outbox.publish(meta.id, now)
-                count += 1
-            self.metrics["faults"] += len(result.dropped)
-        self.metrics["recovered"] += count
-        return count
+        journal = self.journal.live if self.journal is not None else {}
+        recovered, dropped, evicted = self.storage.recover(self._acceptable, journal.get)
+        retention = self.settings.retention_ms
+        for meta in recovered:
+            rep = Replica(meta, meta.digest, now, now + self.settings.replica_ttl_ms / 1000,
+                          now + retention / 1000 if retention is not None else None)
+            self._replicas[meta.id] = rep
+            if rep.expires_at is not None:
+                heapq.heappush(self._expiries, (rep.expires_at, meta.id))
+            self.outbox.publish(meta.id, now)
+        self.metrics["faults"] += len(dropped)
+        self.metrics["evicted"] += len(evicted)
+        if self.journal is not None:
+            stale = [block for block in journal if block not in self._replicas]
+            for block in stale:
+                self.outbox.withdraw_stale(block, now)
+            for meta in recovered:
+                if meta.id not in journal:
+                    journal[meta.id] = None
+            self.journal.rewrite()
+            self.metrics["stale_withdrawn"] += len(stale)
+        self.metrics["recovered"] += len(recovered)
+        return len(recovered)
 
     def _acceptable(self, meta: BlockMeta) -> str | None:
         descriptor = self._descriptors.get(meta.id.compat_id)
@@ -854,6 +932,24 @@ def parse_layers(text: str) -> tuple[int, int]:
     return a, b
 
 
+def parse_position(query: dict[str, str], block_key: bytes) -> ChainPosition | None:
+    """``chain=<hex32>&position=<i>`` of a block PUT (both or neither): K[0] of the block's token sequence and its
+    index i; at position 0 the chain is the block's own key. Anything else is 400."""
+    chain, position = query.get("chain"), query.get("position")
+    if chain is None and position is None:
+        return None
+    if chain is None or position is None:
+        raise BadRequest("chain and position go together: the Block Key of block 0 and the block's index")
+    if len(chain) != 64 or any(ch not in "0123456789abcdef" for ch in chain):
+        raise BadRequest(f"chain={chain!r}: expected a Block Key (hex32, lowercase)")
+    if not _is_decimal(position) or int(position) > 0xFFFFFFFF:
+        raise BadRequest(f"position={position!r}: expected a block index 0-4294967295")
+    declared = ChainPosition(bytes.fromhex(chain), int(position))
+    if declared.position == 0 and declared.chain != bytes(block_key):
+        raise BadRequest("position=0: the chain is named by block 0's own key, which this block's is not")
+    return declared
+
+
 def parse_codec(text: str) -> int:
     if not _is_decimal(text) or int(text) > 0xFFFF or int(text) == 0:
         raise BadRequest(f"codec={text!r}: expected a codec number 1-65535")
@@ -866,5 +962,5 @@ def _is_decimal(text: str) -> bool:
 
 __all__ = [
     "BlockUpload", "Fetched", "Holder", "HolderSettings", "Intent", "IntentKind", "Replica", "ReplicaOutbox",
-    "layer_range", "parse_codec", "parse_layers",
+    "layer_range", "parse_codec", "parse_layers", "parse_position",
 ]

@@ -34,16 +34,17 @@ from kvsp_quic.problems import Incompatible, NotFound, PreconditionFailed, Preco
 from kvsp_quic.records import LeaseRenewal, LeaseRequest, LeaseResponse, ReplicaRecord
 from kvsp_quic.roles.holder import BlockUpload, Fetched, HolderSettings, layer_range
 from kvsp_quic.storage.shared_host import Allocation, SharedHostReader
-from kvsp_quic.storage.tiers import HOST, LOCAL_STORAGE, BlockId, BlockMeta, LocalStorageTier, TierFault
+from kvsp_quic.storage.tiers import HOST, LOCAL_STORAGE, BlockId, BlockMeta, ChainPosition, LocalStorageTier, TierFault
 
 
 class PrimaryLink(Protocol):
     """What a worker asks the primary (blocking calls: each is one short exchange on a local socket). Problems
     (:mod:`kvsp_quic.problems`) the primary raises are raised again here."""
 
-    def commit(self, block: BlockId, staged: str, reads: list[BlockId], owner: str | None) -> ReplicaRecord:
-        """Store the staged upload, against *owner*'s storage quota; *reads* (served since the last report) count
-        for eviction first."""
+    def commit(self, block: BlockId, staged: str, reads: list[BlockId], owner: str | None,
+               position: ChainPosition | None = None) -> ReplicaRecord:
+        """Store the staged upload, against *owner*'s storage quota, at its declared chain *position*; *reads*
+        (served since the last report) count for eviction first."""
         ...
 
     def create_lease(self, identity: str, request: LeaseRequest) -> LeaseResponse: ...
@@ -92,7 +93,8 @@ class HolderWorker:
 
     def begin_store(self, principal: Principal, compat_id: bytes, scope_id: bytes, block_key: bytes,
                     if_none_match: str | None) -> BlockUpload:
-        """The checks of :meth:`Holder.begin_store <kvsp_quic.roles.holder.Holder.begin_store>`, here."""
+        """The checks of :meth:`Holder.begin_store <kvsp_quic.roles.holder.Holder.begin_store>`, here. The upload's
+        chain position, when set, goes to the primary with the commit."""
         if if_none_match is None or if_none_match.strip() != "*":
             raise PreconditionRequired("storing a block requires If-None-Match: * (blocks are never replaced)")
         require_scope(principal, scope_id)
@@ -107,11 +109,12 @@ class HolderWorker:
         return allocation.container, allocation
 
     def _commit(self, block: BlockId, header: ContainerHeader, layer_digests: tuple[bytes, ...],
-                data: memoryview, allocation: Any = None, *, owner: str | None = None) -> ReplicaRecord:
+                data: memoryview, allocation: Any = None, *, owner: str | None = None,
+                position: ChainPosition | None = None) -> ReplicaRecord:
         assert isinstance(allocation, Allocation)
         staged = allocation.stage(BlockMeta(block, header, layer_digests, len(data)))
         # the primary removes the staged name, stored or not; the reads before this PUT are ordered before it
-        record = self.primary.commit(block, staged, self.take_reads(), owner)
+        record = self.primary.commit(block, staged, self.take_reads(), owner, position)
         self.metrics["stored"] += 1
         return record
 

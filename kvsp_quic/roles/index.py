@@ -10,7 +10,12 @@ Decisions (docs/wire.md, "Index Service"):
 
 * publish: the path must name the record (``holder_id == holder-id(record.holder)``, ``block_key ==
   record.block_key``), else 400; then the principal must be that holder or publish for it (403), and be
-  authorized for the record's scope (403 ``kvsp-scope-denied``). ``ttl_ms`` is capped at ``max_ttl_ms``; the
+  authorized for the record's scope (403 ``kvsp-scope-denied``). A ``moqt://`` record is authorized by the
+  publisher its ``moqt_namespace`` names (spec, "Records": "The publisher of that namespace is the holder for
+  the purposes of authorization"): the principal must also publish for the namespace's holder-id, or -- a relay
+  advertising its copy -- the Index Service must hold that publisher's own unexpired record of the block with
+  the same scope, compat_id, codec, digest and layer digests (the publisher vouches for the octets; the relay
+  only for its address), else 403 (docs/security.md, "Relay poisoning"). ``ttl_ms`` is capped at ``max_ttl_ms``; the
   stored and returned record carries the capped TTL. A PUT of an unexpired replica refreshes it.
 * withdraw: the principal must be the holder or publish for it, decided from the path's holder-id before the
   store is read (403); an unknown or expired replica is 404 ``kvsp-not-found``; the stored record's scope must
@@ -134,6 +139,13 @@ def may_publish_for_id(principal: Principal, holder_id: str) -> bool:
     return any(_uri_id(uri) == holder_id for uri in principal.publish_for)
 
 
+def same_octets(a: ReplicaRecord, b: ReplicaRecord) -> bool:
+    """Do two records of a block describe the same octets (scope, compat_id, codec, size, digests)?"""
+    return (bytes(a.scope_id), bytes(a.compat_id), a.codec, a.size, a.digest) == \
+        (bytes(b.scope_id), bytes(b.compat_id), b.codec, b.size, b.digest) and \
+        [bytes(x) for x in a.layer_digests or ()] == [bytes(x) for x in b.layer_digests or ()]
+
+
 class IndexService:
     def __init__(self, store: IndexStore, *, clock: Clock, config: IndexConfig | None = None,
                  status: StatusTable | None = None) -> None:
@@ -155,10 +167,25 @@ class IndexService:
             raise BadRequest("the path's block_key differs from the record's block_key")
         require_publish_for(principal, record.holder)
         require_scope(principal, record.scope_id)
+        if record.moqt_namespace is not None:
+            await self._require_namespace_publisher(principal, record)
         if record.ttl_ms > self.config.max_ttl_ms:
             record = with_ttl(record, self.config.max_ttl_ms)
         created = await self.store.put(record, self.clock())
         return PublishResult(created, record)
+
+    async def _require_namespace_publisher(self, principal: Principal, record: ReplicaRecord) -> None:
+        """A ``moqt://`` record: the namespace's publisher (its holder-id field) is the holder for authorization."""
+        publisher = record.publisher_id
+        if publisher is None:  # the record's reader requires the five fields; never here
+            raise BadRequest("moqt_namespace: no publisher's holder-id")
+        if may_publish_for_id(principal, publisher):
+            return
+        vouched = await self.store.get(publisher, record.block_key, self.clock())
+        if vouched is None or not same_octets(vouched, record):
+            raise Forbidden(f"identity {principal.identity!r} may not publish for holder-id {publisher!r} (the "
+                            f"publisher of moqt_namespace), and that holder has no record of block "
+                            f"{bytes(record.block_key).hex()} with these digests")
 
     async def withdraw(self, principal: Principal, holder_id: str, block_key: bytes) -> None:
         """DELETE replicas/{holder-id}/{block_key}."""
@@ -246,4 +273,4 @@ class IndexService:
         return await self.store.expire(self.clock(), limit)
 
 
-__all__ = ["Geometry", "IndexConfig", "IndexService", "PublishResult", "may_publish_for_id"]
+__all__ = ["Geometry", "IndexConfig", "IndexService", "PublishResult", "may_publish_for_id", "same_octets"]

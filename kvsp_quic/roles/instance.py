@@ -27,6 +27,7 @@ import dataclasses
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Annotated
 
 from kvsp_quic import fields as f
 from kvsp_quic.auth import Principal, require_scope
@@ -132,7 +133,8 @@ class ServiceOptions:
     """The settings of the instance's asyncio service (``http3.instance_service``), in ``[instance]`` of
     ``kvsp-quic instance``'s file with :class:`InstanceOptions`. Durations in milliseconds; read in seconds."""
 
-    controller: str | None = None  # the Placement Controller: status reports, checkpoints
+    # The Placement Controller's base URIs (status reports, checkpoints; the client fails over between them)
+    controller: Annotated[list[str], f.BASE_URIS] = field(default_factory=list)
     session_lease_ms: int | None = None  # leases for blocks a session start loads itself (None: none)
     request_timeout_ms: int = 10_000  # of each request to the Index Service, the PC, holders
     checkpoint_retry_ms: int = 500
@@ -148,8 +150,7 @@ class ServiceOptions:
     def __post_init__(self) -> None:
         if self.block_connections < 1:
             raise ValueError("block_connections: must be at least 1")
-        if self.controller is not None:
-            f.base_uri(self.controller, "controller")
+        object.__setattr__(self, "controller", f.base_uris(self.controller, "controller"))
         if self.prefer_transport not in ("h3", "tcp"):
             raise ValueError(f"prefer_transport: 'h3' or 'tcp', not {self.prefer_transport!r}")
         for name in ("session_lease_ms", "request_timeout_ms", "checkpoint_retry_ms", "load_timeout_ms"):
@@ -424,6 +425,15 @@ class EngineFigures:
     decode_tokens_per_s: float | None = None
 
 
+def with_prompt_tokens(sampler: Sampler, prompt: Sequence[int]) -> Sampler:
+    """*sampler* with the prompt's distinct token ids as its ``prompt_tokens`` when it asks for a repetition
+    penalty (which counts the prompt's tokens too): the checkpoint carries them, since a resumed run may not know the
+    prompt's tokens (docs/inference.md, "Samplers")."""
+    if sampler.params.get("repetition_penalty", 1) == 1 or "prompt_tokens" in sampler.params:
+        return sampler
+    return dataclasses.replace(sampler, params={**sampler.params, "prompt_tokens": sorted(set(prompt))})
+
+
 SamplerCheck = Callable[[Sampler], None]  # raises ValueError for a sampler the engine cannot run
 
 
@@ -496,12 +506,13 @@ class InstanceRole:
         keys = keyer.keys(body.prompt)
         if body.block_keys and tuple(bytes(k) for k in body.block_keys) != tuple(keys[:len(body.block_keys)]):
             raise BadRequest("block_keys: they are not the Block Keys of the prompt in this scope")
-        self._sampler_ok(body.sampler)
+        sampler = with_prompt_tokens(body.sampler, body.prompt)
+        self._sampler_ok(sampler)
         b = self.settings.block_tokens
         run, old, new = self.new_session(
             session=session, epoch=body.epoch, compat_id=body.compat_id, scope_id=body.scope_id,
             prompt_len=len(body.prompt), prompt_blocks=keys, prompt_tail=body.prompt[len(keys) * b:],
-            max_tokens=self.max_tokens(body.max_tokens), sampler=body.sampler)
+            max_tokens=self.max_tokens(body.max_tokens), sampler=sampler)
         return Admission(run, old, new, keyer)
 
     def resume_session(self, principal: Principal, session: uuid.UUID, body: SessionResume) -> Admission:
@@ -581,6 +592,8 @@ class InstanceRole:
         if prompt_len > self.settings.max_prompt_tokens:
             raise BadRequest(f"prompt: at most {self.settings.max_prompt_tokens} tokens")
         deterministic = (sampler.method == "greedy" and self.settings.deterministic_greedy and sampler.deterministic)
+        ids = sampler.params.get("stop_token_ids")  # the sampler's stop tokens: the checkpoint carries them
+        stop = {*stop, *(t for t in (ids if isinstance(ids, list) else ()) if isinstance(t, int))}
         s = InstanceSession(
             id=session, epoch=epoch, compat_id=CompatId(bytes(compat_id)), scope_id=ScopeId(bytes(scope_id)),
             prompt_len=prompt_len, prompt_blocks=tuple(BlockKey(bytes(k)) for k in prompt_blocks),

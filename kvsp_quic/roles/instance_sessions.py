@@ -18,6 +18,7 @@ from kvsp_quic.problems import NotFound, StaleEpoch, TooManyRequests
 from kvsp_quic.records import Sampler, SessionCheckpoint
 
 Clock = Callable[[], float]
+Logprobs = tuple[float, tuple[tuple[int, float], ...]]  # kvsp_quic.engine.Logprobs (that module imports this one)
 
 
 class Phase(enum.Enum):
@@ -57,6 +58,7 @@ class InstanceSession:
     gated: bool  # tokens are released only once an acknowledged checkpoint covers them
     stop: frozenset[int] = frozenset()
     output: list[int] = field(default_factory=list)
+    logprobs: dict[int, Logprobs] = field(default_factory=dict)  # by output index, when the sampler asks for them
     phase: Phase = Phase.QUEUED
     reason: str | None = None  # "length" | "stop" | "error" once finished
     detail: str = ""
@@ -93,11 +95,13 @@ class InstanceSession:
         return Sampler(method=self.method, seed=self.seed, step=self.base_step + len(self.output) - self.base_offset,
                        deterministic=self.deterministic, params=dict(self.params))
 
-    def append(self, token: int, now: float) -> bool:
-        """One more output token; True when a checkpoint was made (a generated block completed, or
-        ``checkpoint_tokens`` since the last one)."""
+    def append(self, token: int, now: float, logprobs: Logprobs | None = None) -> bool:
+        """One more output token (and its log probabilities); True when a checkpoint was made (a generated block
+        completed, or ``checkpoint_tokens`` since the last one)."""
         if self.phase.finished:
             raise RuntimeError(f"session {self.id} is {self.phase.value}")
+        if logprobs is not None:
+            self.logprobs[len(self.output)] = logprobs
         self.output.append(token)
         if self.first_token_at is None:
             self.first_token_at = now

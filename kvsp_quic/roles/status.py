@@ -16,8 +16,9 @@
   it set with ``PUT state`` on the instance: :meth:`StatusTable.set_state`) hold until the PC changes them or the
   instance restarts.
 
-The table is in-process: in a deployment with several Index Service processes each holds the statuses reported
-to it (docs/wire.md, "Index Service").
+The table is in-process. With a shared control store (``--store redis``), the Placement Controller's adapter writes
+every accepted report through to the store and refreshes the table from it (:meth:`StatusTable.replace`), so
+every Index Service process sees the statuses reported to any of them.
 """
 
 from __future__ import annotations
@@ -149,6 +150,10 @@ class LifecyclePolicy:
         found = self._decided.get(instance)
         return found[1] if found is not None and found[0] == epoch else None
 
+    def forget(self, instance: str) -> None:
+        """Drop what the PC decided for *instance* (a shared store's snapshot says nothing was)."""
+        self._decided.pop(instance, None)
+
     def hold(self, instance: str, epoch: int, state: InstanceState) -> None:
         """The PC decided *state* for this run of *instance* (``PUT state`` on it was answered so)."""
         self._decided[instance] = (epoch, state)
@@ -222,6 +227,13 @@ class StatusTable:
         entry = dataclasses.replace(entry, state=state)
         self._entries[instance] = entry
         return entry
+
+    def replace(self, entries: Iterable[InstanceStatus], epochs: dict[str, int]) -> None:
+        """Hold exactly *entries* and *epochs* (a shared store's snapshot: every replica of the PC reads the
+        statuses reported to any of them; docs/operations.md, "Replicated Index Service and Placement
+        Controller")."""
+        self._entries = {e.instance: e for e in entries}
+        self._epochs = dict(epochs)
 
     def get(self, instance: str) -> InstanceStatus | None:
         """The unexpired entry of *instance*, or None."""

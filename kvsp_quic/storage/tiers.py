@@ -7,6 +7,13 @@ goes to the fastest tier with room, victims of a full tier are demoted to the ne
 instead of dropped, and only the last tier drops. Protected blocks (leased, see ``roles/leases.py``) are never
 dropped; they may be demoted, since a demoted block is still held.
 
+Eviction is prefix-aware by default (``kvsp_quic.storage.eviction``, :class:`PrefixPolicy`): the deepest blocks of
+the coldest chains go first, so what remains of a chain is always a leading run.
+
+With *write-through* (:meth:`TieredStore.enable_write_through`), every block a faster tier holds also has its file
+in the local-storage directory (a *shadow*, not counted against that tier's capacity), so a restart loses nothing
+that was acknowledged; demoting such a block writes nothing.
+
 Data path: a block is one KV Block Container stored once -- in memory as the buffer it was received into, on
 disk as one file -- and served as views of it (``kvsp_quic.container.cut``). Its layer digests, replica digest
 and header are kept alongside (:class:`BlockMeta`).
@@ -22,40 +29,38 @@ On restart :meth:`LocalStorageTier.scan` verifies every file and returns the blo
 from __future__ import annotations
 
 import abc
-import collections
 import contextlib
 import hashlib
 import logging
 import os
 import re
+import stat
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvsp_quic.container import ContainerError, ContainerHeader, decode, replica_digest
-from kvsp_quic.policy_registry import PolicyRegistry
 from kvsp_quic.problems import DigestMismatch
+from kvsp_quic.storage.eviction import EVICTION_POLICIES as EVICTION_POLICIES
+from kvsp_quic.storage.eviction import BlockId as BlockId
+from kvsp_quic.storage.eviction import ChainPosition as ChainPosition
+from kvsp_quic.storage.eviction import EvictionPolicy as EvictionPolicy
+from kvsp_quic.storage.eviction import FifoPolicy as FifoPolicy
+from kvsp_quic.storage.eviction import LfuPolicy as LfuPolicy
+from kvsp_quic.storage.eviction import LruPolicy as LruPolicy
+from kvsp_quic.storage.eviction import PrefixPolicy as PrefixPolicy
+from kvsp_quic.storage.eviction import eviction_policy as eviction_policy
+from kvsp_quic.storage.eviction import register_eviction_policy as register_eviction_policy
 
 log = logging.getLogger("kvsp.tiers")
 
 HOST = "host"
 LOCAL_STORAGE = "local-storage"
-
-
-class BlockId(NamedTuple):
-    """A stored block's identity: Compatibility ID (32 octets), Scope ID (16), Block Key (32)."""
-
-    compat_id: bytes
-    scope_id: bytes
-    block_key: bytes
-
-    def __str__(self) -> str:
-        return f"{self.compat_id.hex()[:8]}/{self.scope_id.hex()[:8]}/{self.block_key.hex()}"
 
 
 @dataclass(frozen=True)
@@ -91,87 +96,6 @@ class NoRoom(Exception):
     def __init__(self, message: str, outcome: PutOutcome | None = None) -> None:
         super().__init__(message)
         self.outcome = outcome
-
-
-# -- Eviction policies --------------------------------------------------------------------------------------------
-
-
-class EvictionPolicy(Protocol):
-    """Orders one tier's blocks as eviction candidates. Told about every insertion, read and removal."""
-
-    def inserted(self, block: BlockId) -> None: ...
-
-    def accessed(self, block: BlockId) -> None: ...
-
-    def removed(self, block: BlockId) -> None: ...
-
-    def victims(self) -> Iterator[BlockId]:
-        """Every block of the tier, the best victim first. The caller does not change the tier while iterating."""
-        ...
-
-
-class LruPolicy:
-    """Least recently used (inserted or read) first."""
-
-    def __init__(self) -> None:
-        self._order: collections.OrderedDict[BlockId, None] = collections.OrderedDict()
-
-    def inserted(self, block: BlockId) -> None:
-        self._order[block] = None
-        self._order.move_to_end(block)
-
-    def accessed(self, block: BlockId) -> None:
-        if block in self._order:
-            self._order.move_to_end(block)
-
-    def removed(self, block: BlockId) -> None:
-        self._order.pop(block, None)
-
-    def victims(self) -> Iterator[BlockId]:
-        return iter(self._order)
-
-
-class FifoPolicy(LruPolicy):
-    """First in, first out: reads do not change the order."""
-
-    def accessed(self, block: BlockId) -> None:
-        pass
-
-
-class LfuPolicy:
-    """Least frequently read first; ties go to the block inserted first."""
-
-    def __init__(self) -> None:
-        self._counts: dict[BlockId, int] = {}
-
-    def inserted(self, block: BlockId) -> None:
-        self._counts.pop(block, None)
-        self._counts[block] = 0
-
-    def accessed(self, block: BlockId) -> None:
-        if block in self._counts:
-            self._counts[block] += 1
-
-    def removed(self, block: BlockId) -> None:
-        self._counts.pop(block, None)
-
-    def victims(self) -> Iterator[BlockId]:
-        order = {b: i for i, b in enumerate(self._counts)}
-        return iter(sorted(self._counts, key=lambda b: (self._counts[b], order[b])))
-
-
-EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LruPolicy, "fifo": FifoPolicy, "lfu": LfuPolicy}
-_EVICTION = PolicyRegistry("eviction", EVICTION_POLICIES)
-
-
-def register_eviction_policy(name: str, factory: Callable[[], EvictionPolicy]) -> None:
-    """Make a policy available by *name* (lowercase) to configurations."""
-    _EVICTION.register(name, factory)
-
-
-def eviction_policy(name: str) -> EvictionPolicy:
-    """A new instance of the policy registered as *name*; ``ValueError`` naming the known ones otherwise."""
-    return _EVICTION.create(name)
 
 
 # -- Tiers ----------------------------------------------------------------------------------------------------------
@@ -210,18 +134,21 @@ class Tier(abc.ABC):
         """Octets *meta*'s block takes in this tier."""
         return meta.size
 
-    def store(self, meta: BlockMeta, data: memoryview) -> None:
+    def store(self, meta: BlockMeta, data: memoryview, position: ChainPosition | None = None) -> None:
         """Keep the container *data* (the caller made room). May raise OSError (nothing is then kept)."""
         if meta.id in self._metas:
             raise ValueError(f"tier {self.name} already holds {meta.id}")
         self._keep(meta, data)
-        self._account(meta, self.footprint(meta))
+        self._account(meta, self.footprint(meta), position)
 
-    def _account(self, meta: BlockMeta, footprint: int) -> None:
+    def _account(self, meta: BlockMeta, footprint: int, position: ChainPosition | None = None) -> None:
         self._metas[meta.id] = meta
         self._footprints[meta.id] = footprint
         self.used += footprint
-        self.policy.inserted(meta.id)
+        if position is None:
+            self.policy.inserted(meta.id)
+        else:
+            self.policy.inserted(meta.id, position)
 
     def read(self, block: BlockId) -> memoryview:
         """The block's container octets; counts as an access. Raises KeyError or :class:`TierFault`."""
@@ -231,12 +158,17 @@ class Tier(abc.ABC):
         return data
 
     def discard(self, block: BlockId) -> BlockMeta | None:
+        meta = self._unaccount(block)
+        if meta is not None:
+            self._forget(meta)
+        return meta
+
+    def _unaccount(self, block: BlockId) -> BlockMeta | None:
         meta = self._metas.pop(block, None)
         if meta is None:
             return None
         self.used -= self._footprints.pop(block)
         self.policy.removed(block)
-        self._forget(meta)
         return meta
 
     @abc.abstractmethod
@@ -372,8 +304,12 @@ class LocalStorageTier(Tier):
         super().__init__(LOCAL_STORAGE, config.capacity, policy or LruPolicy())
         self.config = config
         self.directory = Path(config.path)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):  # block files are 0600 in a 0700 directory (docs/wire.md, "Holder")
+            if self.directory.stat().st_uid == os.getuid():
+                self.directory.chmod(0o700)
         self._random = random
+        self._shadows: set[BlockId] = set()  # files of blocks a faster tier holds (write-through), not counted
         self._aead = AESGCM(config.encryption_key) if config.encryption_key is not None else None
         self._key_id = key_id(config.encryption_key) if config.encryption_key is not None else bytes(8)
 
@@ -392,6 +328,9 @@ class LocalStorageTier(Tier):
     # -- writing --------------------------------------------------------------------------------------------------
 
     def _keep(self, meta: BlockMeta, data: memoryview) -> None:
+        if meta.id in self._shadows:  # written through when it was stored: the file is already there
+            self._shadows.discard(meta.id)
+            return
         head = self._file_header(meta)
         if self._aead is not None:
             nonce = self._random(NONCE_SIZE)
@@ -403,7 +342,8 @@ class LocalStorageTier(Tier):
     def _write_atomically(self, final: Path, parts: Sequence[bytes | memoryview]) -> None:
         tmp = final.with_name(f".{final.name}{_TMP_MARK}{self._random(4).hex()}")
         try:
-            with open(tmp, "xb") as fh:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)  # 0600, whatever umask
+            with open(fd, "wb") as fh:
                 for part in parts:
                     fh.write(part)
                 fh.flush()
@@ -427,6 +367,33 @@ class LocalStorageTier(Tier):
     def _forget(self, meta: BlockMeta) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.path_of(meta.id).unlink()
+
+    # -- write-through shadows ------------------------------------------------------------------------------------
+
+    def write_shadow(self, meta: BlockMeta, data: memoryview) -> None:
+        """Write the file of a block a faster tier holds (not counted here); a later :meth:`store` of it (its
+        demotion) writes nothing. May raise OSError (no file is then left)."""
+        if meta.id in self._metas or meta.id in self._shadows:
+            return
+        self._keep(meta, data)
+        self._shadows.add(meta.id)
+
+    def drop_shadow(self, block: BlockId) -> None:
+        """The faster tier let *block* go (not to this tier): its file goes too."""
+        if block in self._shadows:
+            self._shadows.discard(block)
+            with contextlib.suppress(FileNotFoundError):
+                self.path_of(block).unlink()
+
+    def shadow(self, block: BlockId) -> BlockMeta | None:
+        """Stop counting *block* here but keep its file, as the shadow of a copy a faster tier now holds."""
+        meta = self._unaccount(block)
+        if meta is not None:
+            self._shadows.add(block)
+        return meta
+
+    def has_shadow(self, block: BlockId) -> bool:
+        return block in self._shadows
 
     # -- reading --------------------------------------------------------------------------------------------------
 
@@ -494,10 +461,16 @@ class LocalStorageTier(Tier):
 
     # -- restart ------------------------------------------------------------------------------------------------
 
-    def scan(self, accept: Callable[[BlockMeta], str | None] = lambda meta: None) -> ScanResult:
+    def scan(self, accept: Callable[[BlockMeta], str | None] = lambda meta: None,
+             positions: Callable[[BlockId], ChainPosition | None] = lambda block: None) -> ScanResult:
         """Verify every block file; register the good ones (oldest first), delete the bad ones and leftovers of
         interrupted writes, leave files this configuration cannot read (another key) alone. *accept* may refuse
-        a verified block by returning a reason: its file is then left alone too (ignored)."""
+        a verified block by returning a reason: its file is then left alone too (ignored). *positions* tells the
+        eviction policy where each recovered block sits in its chain, when known.
+
+        A file is adopted only when it is a regular file owned by this process's user (made 0600 if it was not),
+        its header names the block its file name names, and its container verifies against the layer digests
+        of its header (and, with a key, decrypts: AES-GCM authenticates the header too)."""
         recovered: list[tuple[float, BlockMeta]] = []
         dropped: list[tuple[str, str]] = []
         ignored: list[tuple[str, str]] = []
@@ -508,11 +481,23 @@ class LocalStorageTier(Tier):
                     path.unlink()
                 continue
             match = _NAME_RE.fullmatch(name)
-            if match is None or not path.is_file():
+            if match is None:
                 continue
             block = BlockId(*(bytes.fromhex(g) for g in match.groups()))
-            if block in self._metas:
+            if block in self._metas or block in self._shadows:
                 continue
+            try:
+                st = path.lstat()
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            if st.st_uid != os.getuid():
+                ignored.append((name, "owned by another user"))
+                continue
+            if st.st_mode & 0o077:
+                with contextlib.suppress(OSError):
+                    path.chmod(0o600)
             try:
                 data = self._load(path, block)
                 header, container = self._verify(block, data, None)
@@ -535,7 +520,7 @@ class LocalStorageTier(Tier):
             recovered.append((mtime, meta))
         recovered.sort(key=lambda item: item[0])
         for _mtime, meta in recovered:
-            self._account(meta, self.footprint(meta))
+            self._account(meta, self.footprint(meta), positions(meta.id))
         return ScanResult([m for _t, m in recovered], dropped, ignored)
 
 
@@ -573,6 +558,25 @@ class TieredStore:
         if len(set(names)) != len(names):
             raise ValueError(f"tier names repeat: {names}")
         self.tiers = list(tiers)
+        self._positions: dict[BlockId, ChainPosition] = {}  # declared chain positions of the blocks held
+        self.shadows: LocalStorageTier | None = None  # write-through target (see enable_write_through)
+
+    def enable_write_through(self) -> bool:
+        """Write every block a faster tier takes through to the last tier's directory, when that is local
+        storage (True), so a restart recovers it; a demotion then writes nothing."""
+        last = self.tiers[-1]
+        if len(self.tiers) > 1 and isinstance(last, LocalStorageTier):
+            self.shadows = last
+        return self.shadows is not None
+
+    def position(self, block: BlockId) -> ChainPosition | None:
+        return self._positions.get(block)
+
+    def _gone(self, block: BlockId) -> None:
+        """*block* is no longer held by any tier: forget its position and its write-through file."""
+        self._positions.pop(block, None)
+        if self.shadows is not None:
+            self.shadows.drop_shadow(block)
 
     def tier_of(self, block: BlockId) -> Tier | None:
         return next((t for t in self.tiers if block in t), None)
@@ -594,19 +598,31 @@ class TieredStore:
 
     def remove(self, block: BlockId) -> BlockMeta | None:
         tier = self.tier_of(block)
-        return tier.discard(block) if tier is not None else None
+        meta = tier.discard(block) if tier is not None else None
+        self._gone(block)
+        return meta
 
-    def put(self, meta: BlockMeta, data: memoryview, protected: Callable[[BlockId], bool]) -> PutOutcome:
+    def put(self, meta: BlockMeta, data: memoryview, protected: Callable[[BlockId], bool],
+            position: ChainPosition | None = None) -> PutOutcome:
         """Store a new block in the fastest tier that can make room, demoting or dropping unprotected victims.
+        *position* is where the block sits in its chain (for prefix-aware eviction), when its producer said.
 
         Raises :class:`NoRoom` (nothing changed) when no tier can take it without dropping a protected block.
+        With write-through, a block a faster tier takes is also written to local storage before this returns;
+        when that write fails the block is not kept (:class:`NoRoom`, with what was already moved).
         """
         if meta.id in self:
             raise ValueError(f"block {meta.id} is already stored")
         for i in range(len(self.tiers)):
             plan = self._plan(i, [(meta, None)], protected)
             if plan is not None:
-                return self._execute(plan, meta, data, protected)
+                if position is not None:
+                    self._positions[meta.id] = position
+                try:
+                    return self._execute(plan, meta, data, protected)
+                finally:
+                    if meta.id not in self:
+                        self._positions.pop(meta.id, None)
         if all(t.footprint(meta) > t.capacity for t in self.tiers):
             biggest = max(t.capacity for t in self.tiers)
             raise NoRoom(f"a block of {meta.size} octets is larger than every tier (largest: {biggest})")
@@ -660,35 +676,101 @@ class TieredStore:
                 assert move.target is not None
                 target = self.tiers[move.target]
                 try:
-                    target.store(new, data)
+                    target.store(new, data, self._positions.get(new.id))
                 except OSError as exc:
                     raise NoRoom(f"tier {target.name} could not store the block: {exc.strerror or exc}",
                                  outcome) from None
+                if self.shadows is not None and target is not self.shadows:
+                    try:
+                        self.shadows.write_shadow(new, data)
+                    except OSError as exc:
+                        target.discard(new.id)
+                        raise NoRoom(f"writing the block through to {self.shadows.name} failed: "
+                                     f"{exc.strerror or exc}", outcome) from None
                 outcome.tier = target.name
                 continue
             source = self.tiers[move.source]
-            if move.meta.id not in source:
+            block = move.meta.id
+            if block not in source:
                 continue  # already dropped by an earlier failure
             if move.target is None:
-                source.discard(move.meta.id)
+                source.discard(block)
+                self._gone(block)
                 outcome.evicted.append(move.meta)
                 continue
             target = self.tiers[move.target]
             try:
-                octets = source.read(move.meta.id)
-                target.store(move.meta, octets)
+                octets = source.read(block)
+                target.store(move.meta, octets, self._positions.get(block))
             except TierFault as fault:  # (only a verified tier faults; the caller withdraws the replica)
-                source.discard(move.meta.id)
+                source.discard(block)
+                self._gone(block)
                 outcome.faulted.append(fault)
                 continue
             except OSError as exc:
-                if protected(move.meta.id):
+                if protected(block):
                     raise NoRoom(f"demoting a leased block to {target.name} failed: {exc.strerror or exc}",
                                  outcome) from None
-                log.warning("demoting %s to %s failed (%s): dropping it", move.meta.id, target.name, exc)
-                source.discard(move.meta.id)
+                log.warning("demoting %s to %s failed (%s): dropping it", block, target.name, exc)
+                source.discard(block)
+                self._gone(block)
                 outcome.evicted.append(move.meta)
                 continue
             source.discard(move.meta.id)
             outcome.demoted.append((move.meta.id, target.name))
         return outcome
+
+    # -- restart --------------------------------------------------------------------------------------------------
+
+    def recover(self, accept: Callable[[BlockMeta], str | None] = lambda meta: None,
+                positions: Callable[[BlockId], ChainPosition | None] = lambda block: None,
+                ) -> tuple[list[BlockMeta], list[tuple[str, str]], list[BlockMeta]]:
+        """Scan every local-storage tier (:meth:`LocalStorageTier.scan`) and settle what it found: written-through
+        files of blocks that a faster tier held before the restart may exceed local storage's capacity; the
+        blocks the policy would keep longest then move back up into faster tiers with free room, and only what
+        still does not fit is dropped. Returns (blocks held, files dropped as corrupt, blocks dropped for room)."""
+        recovered: list[BlockMeta] = []
+        dropped: list[tuple[str, str]] = []
+        for tier in self.tiers:
+            if isinstance(tier, LocalStorageTier):
+                result = tier.scan(accept, positions)
+                recovered += result.recovered
+                dropped += result.dropped
+        for meta in recovered:
+            position = positions(meta.id)
+            if position is not None:
+                self._positions[meta.id] = position
+        evicted = self._settle()
+        gone = {m.id for m in evicted}
+        return [m for m in recovered if m.id not in gone], dropped, evicted
+
+    def _settle(self) -> list[BlockMeta]:
+        evicted: list[BlockMeta] = []
+        for i, tier in enumerate(self.tiers):
+            if tier.used <= tier.capacity or not isinstance(tier, LocalStorageTier):
+                continue
+            for block in reversed(list(tier.policy.victims())):  # the blocks it would keep longest first
+                if tier.used <= tier.capacity:
+                    break
+                meta = tier.meta(block)
+                upper = next((t for t in self.tiers[:i] if t.footprint(meta) <= t.free), None)
+                if upper is None:
+                    continue
+                try:
+                    octets = bytearray(tier.read(block))
+                    upper.store(meta, memoryview(octets), self._positions.get(block))
+                except (TierFault, OSError) as exc:
+                    log.warning("restart: %s stays in %s (%s)", block, tier.name, exc)
+                    continue
+                if tier is self.shadows:
+                    tier.shadow(block)  # its file stays, as the write-through copy
+                else:
+                    tier.discard(block)
+            for block in list(tier.policy.victims()):
+                if tier.used <= tier.capacity:
+                    break
+                meta = tier.meta(block)
+                tier.discard(block)
+                self._gone(block)
+                evicted.append(meta)
+        return evicted

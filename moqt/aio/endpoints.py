@@ -28,7 +28,7 @@ from moqt.types import PREFERRED_ALPNS, alpn_order
 from quic.connection import KvspQuicConnection
 from quic.listener import HandlerFactory, QuicConnectionContext
 from quic.protocol import KvspQuicProtocol, connect_quic
-from quic.tls import TLS_1_3, TlsFiles, TransportSettings, tls_extension
+from quic.tls import TLS_1_3, TlsFiles, TransportSettings, serves, tls_extension
 
 CONTROL_RESERVE = 1 << 20  # connection credit kept free of data-stream octets, for control messages
 DEFAULT_DATA_STREAMS = 4  # client: peer data streams open (or unread) at once
@@ -117,11 +117,17 @@ async def connect_moqt(host: str, port: int, files: TlsFiles, *, settings: Trans
                        alpn: str | Sequence[str] = PREFERRED_ALPNS, server_name: str | None = None,
                        timeout: float = 10.0,
                        config: SessionConfig | None = None, app: MoqtApp | None = None,
-                       data_streams: int = DEFAULT_DATA_STREAMS, path: bytes = b"/") -> MoqtConnection:
+                       data_streams: int = DEFAULT_DATA_STREAMS, path: bytes = b"/",
+                       expect_identity: str | None = None) -> MoqtConnection:
     """A client MOQT session to *host*:*port* with mutual TLS, offering *alpn* (both drafts by default; the server
     picks). Returns once HANDSHAKE_DONE has arrived (the server accepted our certificate) and SETUP is complete;
     raises :class:`MoqtConnectError` otherwise (the server offers no MOQT ALPN, refuses the certificate, does not
-    answer within *timeout*). *data_streams*: peer data streams admitted at once (see the module docstring)."""
+    answer within *timeout*). *data_streams*: peer data streams admitted at once (see the module docstring).
+
+    The server is checked as a role (issue 13): its certificate must allow serverAuth (``quic.connection``); a
+    certificate with a SAN URI must name a role's ``https`` base URI on *host* (:func:`quic.tls.serves`; MOQT
+    peers without one, such as interop servers, are checked by host name only); with *expect_identity*, the SAN
+    URI must be exactly that identity. A mismatch closes the session and raises :class:`MoqtConnectError`."""
     alpns = list(alpn_order([alpn] if isinstance(alpn, str) else alpn))
     if data_streams < 1:
         raise ValueError("data_streams must be at least 1")
@@ -152,6 +158,13 @@ async def connect_moqt(host: str, port: int, files: TlsFiles, *, settings: Trans
         _audit_refusal(made[0] if made else None, (host, port), alpns, exc)
         raise
     assert protocol.conn is not None
+    identity = protocol.conn.peer_identity
+    problem = serves(identity, "moqt", host, port, "/") if identity is not None else None
+    if expect_identity is not None and identity != expect_identity:
+        problem = f"the server's identity {identity!r} is not {expect_identity!r}"
+    if problem is not None:
+        await protocol.conn.aclose()
+        raise MoqtConnectError(f"MOQT to {host}:{port}: {problem}")
     return protocol.conn
 
 

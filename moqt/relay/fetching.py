@@ -9,8 +9,9 @@ names. For a track of one immutable group (:class:`~moqt.relay.interfaces.TrackS
 from the first object asked for to the end of the group, so that later requests for the rest join it. Every
 downstream FETCH is written from the shared :class:`~moqt.relay.cache.TrackFetch` as the pieces arrive (the first
 object leaves before the second has arrived), FETCH_OK as soon as the upstream's is known (objects may precede it:
-the drafts allow a relay to send objects before FETCH_OK). Completed upstream fetches enter the LRU cache and the
-directory hears of them (and of their eviction).
+the drafts allow a relay to send objects before FETCH_OK). Completed upstream fetches enter the LRU cache only
+once the directory admits them (:meth:`~moqt.relay.interfaces.UpstreamDirectory.admit`: for KVSP, the layers
+match the publisher's Replica Record), and the directory hears of them (and of their eviction).
 """
 
 from __future__ import annotations
@@ -154,6 +155,7 @@ class Fetches:
 
     async def _run_upstream(self, fetch: TrackFetch) -> None:
         stream = None
+        admitted = False
         try:
             upstream = await self._upstream(fetch)
             conn, fetch.origin = upstream.conn, upstream.origin
@@ -162,6 +164,9 @@ class Fetches:
             stream = fetch.stream = conn.fetch(fetch.namespace, fetch.track_name, Location(*fetch.start),
                                                end_location(fetch.end), sink=fetch)
             await self._watch(fetch)
+            # Verified before it is cached (and so before it is served from the cache or advertised); while
+            # this runs the fetch stays in flight, so requests for the track keep joining it.
+            admitted = fetch.complete and (self.upstreams is None or await self.upstreams.admit(fetch))
         except asyncio.CancelledError:
             fetch.fetch_failed(MoqtSessionClosed(0, "the relay is shutting down"))
             raise
@@ -180,7 +185,9 @@ class Fetches:
                 self.inflight.pop(fetch.key, None)
         if fetch.complete:
             self.metrics["upstream_octets"] += fetch.size
-            if self.cache.put(fetch) and self.upstreams is not None:
+            if not admitted:
+                self.metrics["not_admitted"] += 1
+            elif self.cache.put(fetch) and self.upstreams is not None:
                 self.upstreams.cached(fetch)
 
     async def _upstream(self, fetch: TrackFetch) -> Upstream:

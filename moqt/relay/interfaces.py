@@ -83,6 +83,11 @@ class UpstreamDirectory(Protocol):
         """A session that serves the track, or None (the relay then answers DOES_NOT_EXIST)."""
         ...
 
+    async def admit(self, fetch: TrackFetch) -> bool:
+        """May a complete upstream fetch enter the cache (its objects are what they should be)? Asked before
+        :meth:`cached`; False: the relay forwards what it already forwarded but keeps nothing."""
+        ...
+
     def cached(self, fetch: TrackFetch) -> None:
         """A complete fetch entered the cache."""
 

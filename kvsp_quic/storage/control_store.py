@@ -1,0 +1,191 @@
+"""The Placement Controller's shared state: a :class:`typing.Protocol` and the JSON encoding the backends share.
+
+Single-process deployments keep the PC's state where the role keeps it (its dicts and its
+:class:`~kvsp_quic.roles.status.StatusTable`: the memory store is the role itself). With ``--store redis`` every
+piece of it the PC and the status resource need lives in a :class:`ControlStore` instead
+(:class:`~kvsp_quic.storage.redis_control.RedisControlStore`), so that any number of ``kvsp-quic index``
+processes sharing it are interchangeable (docs/operations.md, "Replicated Index Service and Placement
+Controller"):
+
+* **sessions** (request, owner, epochs, instance, latest checkpoint, state, as the role encodes them:
+  ``kvsp_quic.roles.controller_store``) -- each with a *version*; :meth:`ControlStore.save` is a compare-and-set
+  on it, so an epoch increment and "the highest checkpoint wins" are atomic: of two replicas that both read
+  version v and both decide to migrate, one writes v+1 and the other stands down;
+* **a lease per session** being placed or migrated (:meth:`ControlStore.lease`): one replica at a time places it;
+  a replica that does not get the lease stands down; a dead holder's lease lapses after ``ttl_ms``;
+* **the index of running sessions per instance run** (``instance``, ``instance_epoch``) and of sessions waiting
+  for a migration, kept by :meth:`ControlStore.save`, so that a replica's tick finds the sessions of a failed
+  instance without reading every session (:meth:`ControlStore.candidates`);
+* **instance statuses** (:class:`StoredStatus`: the record, the state held, the state the PC decided for the run,
+  the reporter's scopes, expiry on the store's clock) and the highest epoch of every instance;
+* **shard maps** and the one-reshard-per-map lock.
+
+What stays per process: the sessions assigned since an instance's last report (a placement hint), the start hook's
+timing and the metrics.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import orjson
+
+from kvsp_quic.auth import ALL, Scopes
+from kvsp_quic.compat import InstanceState
+from kvsp_quic.fields import ScopeId
+from kvsp_quic.records import InstanceStatusRecord, ShardMap
+
+
+@dataclass(frozen=True)
+class StoredStatus:
+    """One instance's status as the store keeps it. ``remaining_ms``: until the record expires (<= 0: expired)."""
+
+    record: InstanceStatusRecord
+    state: InstanceState
+    remaining_ms: int
+    decided: InstanceState | None = None  # what the PC decided for this run (record.epoch) of the instance
+    scopes: Scopes | None = None  # of the principal that reported it
+
+    def to_bytes(self) -> bytes:
+        scopes: Any = None
+        if self.scopes is ALL:
+            scopes = "*"
+        elif self.scopes is not None:
+            scopes = sorted(bytes(s).hex() for s in self.scopes)
+        return orjson.dumps({"record": self.record.to_json(), "state": self.state.value,
+                             "decided": self.decided.value if self.decided is not None else None,
+                             "scopes": scopes})
+
+    @classmethod
+    def from_bytes(cls, data: bytes, remaining_ms: int) -> StoredStatus:
+        obj = orjson.loads(data)
+        raw = obj.get("scopes")
+        scopes: Scopes | None = None
+        if raw == "*":
+            scopes = ALL
+        elif raw is not None:
+            scopes = frozenset(ScopeId(bytes.fromhex(s)) for s in raw)
+        decided = obj.get("decided")
+        return cls(InstanceStatusRecord.from_json(obj["record"]), InstanceState(obj["state"]), remaining_ms,
+                   InstanceState(decided) if decided is not None else None, scopes)
+
+
+@dataclass(frozen=True)
+class StatusSnapshot:
+    """Every instance status the store holds (expired ones left out) and the highest epoch of every instance."""
+
+    entries: tuple[StoredStatus, ...]
+    epochs: dict[str, int]
+
+
+# -- sessions -----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoredSession:
+    """A session as stored: its encoding (``kvsp_quic.roles.controller_store``), its version, and the two index
+    facts the store keeps for it: the instance run serving it (:func:`run_key`, '' for none) and whether it waits
+    for a migration."""
+
+    data: bytes
+    version: int = 0
+    run: str = ""
+    migrating: bool = False
+
+
+def run_key(instance: str, instance_epoch: int) -> str:
+    """The index entry of an instance run (what :meth:`ControlStore.candidates` hands back to be judged)."""
+    return f"{instance_epoch}|{instance}"
+
+
+def parse_run_key(key: str) -> tuple[str, int]:
+    epoch, _, instance = key.partition("|")
+    return instance, int(epoch)
+
+
+@runtime_checkable
+class ControlStore(Protocol):
+    """Where the Placement Controller's state lives when several PC replicas share it (module docstring)."""
+
+    # sessions
+    async def load(self, session_id: uuid.UUID) -> StoredSession | None:
+        """The stored session, or None."""
+        ...
+
+    async def save(self, session_id: uuid.UUID, session: StoredSession, ttl_ms: int) -> int | None:
+        """Write *session* if the stored version is still ``session.version`` (0: only if there is none: a new
+        session); the new version, or None when another replica wrote it since (or it is gone, or exists). Keeps
+        the run and migration indexes; the session expires *ttl_ms* after its last write."""
+        ...
+
+    async def delete(self, session_id: uuid.UUID) -> None: ...
+
+    async def candidates(self, failed: Callable[[str, int], bool]) -> list[uuid.UUID]:
+        """The sessions of the instance runs for which *failed(instance, instance_epoch)* is true, and those waiting
+        for a migration."""
+        ...
+
+    async def forget(self, session_id: uuid.UUID) -> None:
+        """Drop a session id the indexes still name but that is gone."""
+        ...
+
+    async def lease(self, session_id: uuid.UUID, owner: str, ttl_ms: int) -> bool:
+        """Take (or renew, for its owner) the placement lease of a session; False when another owner holds it."""
+        ...
+
+    async def release(self, session_id: uuid.UUID, owner: str) -> None: ...
+
+    # instance statuses
+    async def put_status(self, status: StoredStatus) -> int | None:
+        """Store *status* (for ``remaining_ms``) unless the store knows a higher epoch of the instance: then that
+        epoch is returned (a stale report), else None."""
+        ...
+
+    async def statuses(self) -> StatusSnapshot: ...
+
+    # shard maps
+    async def get_map(self, map_id: str) -> ShardMap | None: ...
+
+    async def add_map(self, shard_map: ShardMap) -> ShardMap | None:
+        """Register a new map; the stored map instead when one exists (nothing is written)."""
+        ...
+
+    async def commit_map(self, old_version: int, new: ShardMap) -> bool:
+        """Make *new* authoritative if the stored version is still *old_version*."""
+        ...
+
+    async def lock_map(self, map_id: str, owner: str, ttl_ms: int) -> bool: ...
+
+    async def unlock_map(self, map_id: str, owner: str) -> None: ...
+
+    async def ping(self) -> None:
+        """Raise unless the store answers."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+def encode_map(shard_map: ShardMap) -> bytes:
+    return orjson.dumps(shard_map.to_json())
+
+
+def decode_map(data: bytes) -> ShardMap:
+    return ShardMap.from_json(orjson.loads(data))
+
+
+def ids_of(raw: Sequence[bytes | str]) -> list[uuid.UUID]:
+    out = []
+    for item in raw:
+        text = item.decode("ascii") if isinstance(item, bytes) else item
+        try:
+            out.append(uuid.UUID(text))
+        except ValueError:
+            continue
+    return out
+
+
+__all__ = ["ControlStore", "StatusSnapshot", "StoredSession", "StoredStatus", "decode_map", "encode_map", "ids_of",
+           "parse_run_key", "run_key"]

@@ -1,0 +1,258 @@
+"""Replicated Index Service + Placement Controller on one real redis-server (issue 12, points 1 and 3).
+
+Two controller apps (two replicas, each its own RoleServer, certificate and role) share a
+:class:`~kvsp_quic.storage.redis_control.RedisControlStore`; the instances are the real HTTP/3 servers of
+tests/test_controller_app.py's :class:`FakeInstance`. Also: the atomic epoch increment against real Redis, and
+``kvsp-quic index`` refusing a wrong Redis URL or mode with one line and exit 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from http3.app_kit import JSON_MEDIA_TYPE
+from http3.client import KvspClient
+from http3.client import Response as ClientResponse
+from http3.controller_app import controller_app
+from http3.controller_link import HttpInstanceLink
+from http3.controller_service import ControllerService, Superseded
+from http3.server import RoleServer, bind_pair
+from kvsp_quic import keys as k
+from kvsp_quic.auth import ALL, Policy, Principal, Role
+from kvsp_quic.compat import InstanceState
+from kvsp_quic.metrics import Registry
+from kvsp_quic.records import InstanceStatusRecord, Link
+from kvsp_quic.roles.controller import ControllerConfig, PlacementController
+from kvsp_quic.roles.controller_records import SessionRequest, SessionState
+from kvsp_quic.roles.controller_sessions import Admitted
+from kvsp_quic.roles.index import Geometry, IndexConfig, IndexService
+from kvsp_quic.roles.status import LifecyclePolicy, SleepPolicy, StatusTable
+from kvsp_quic.storage.memory_index import MemoryIndexStore
+from kvsp_quic.storage.redis_control import RedisControlStore
+from kvsp_quic.storage.redis_index import RedisIndexStore
+from tests.pki import make_pki
+from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
+from tests.test_controller_app import BLOCK, FakeInstance, checkpoint, session_body
+from tests.test_index import C1, S1
+
+pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason=SKIP_REASON)
+
+NAMES = ("pc1", "pc2", "ia", "ic", "h1")
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    with RedisServer.start(tmp_path / "redis") as server:
+        yield server.url
+
+
+@dataclass
+class Replicas:
+    uris: dict[str, str]
+    controllers: dict[str, ControllerService]
+    servers: dict[str, RoleServer]
+    instances: dict[str, FakeInstance]
+    clients: dict[str, KvspClient]
+
+    async def call(self, pc: str, who: str, method: str, path: str, body: Any = None) -> ClientResponse:
+        content = None if body is None else json.dumps(body).encode()
+        headers = {"content-type": JSON_MEDIA_TYPE} if content is not None else {}
+        return await self.clients[who].request(method, self.uris[pc] + path, headers=headers, content=content)
+
+    async def report(self, pc: str, name: str, *, ttl_ms: int = 60_000, epoch: int = 1) -> ClientResponse:
+        uri = self.uris[name]
+        record = InstanceStatusRecord(uri, epoch, InstanceState.ACTIVE, ttl_ms, running=0, queued=0, batch_size=8,
+                                      prefill_tokens_per_s=1000.0, decode_tokens_per_s=100.0,
+                                      links=(Link(self.uris["h1"], 1000.0, 50.0),))
+        return await self.call(pc, name, "PUT", f"instances/{k.uri_id(uri)}/status", record.to_json())
+
+
+def _policy(uris: dict[str, str]) -> Policy:
+    return Policy.from_dict({"principal": [
+        *({"identity": uris[n], "roles": ["controller"], "scopes": "*"} for n in ("pc1", "pc2")),
+        {"identity": uris["h1"], "roles": ["holder"], "scopes": [S1.hex()]},
+        *({"identity": uris[n], "roles": ["instance", "holder"], "scopes": [S1.hex()]} for n in ("ia", "ic")),
+        {"identity": "urn:kvsp:client:alice", "roles": ["client"], "scopes": [S1.hex()]},
+    ]})
+
+
+def _controller(uri: str, redis_url: str, client: KvspClient) -> tuple[IndexService, ControllerService]:
+    status = StatusTable(time.monotonic, policy=LifecyclePolicy(SleepPolicy()), max_ttl_ms=60_000)
+    service = IndexService(RedisIndexStore.from_url(redis_url), clock=time.monotonic,
+                           config=IndexConfig(geometry={C1: Geometry(BLOCK, 4)}), status=status)
+    role = PlacementController(service, clock=time.monotonic, metrics=Registry(), identity=uri,
+                               config=ControllerConfig(prefetch_deadline_ms=200, lease_ms=600))
+    return service, ControllerService(role, HttpInstanceLink(client), shared=RedisControlStore.from_url(redis_url))
+
+
+@contextlib.asynccontextmanager
+async def replicas(root: Path, redis_url: str) -> AsyncIterator[Replicas]:
+    sockets: dict[str, tuple[socket.socket, socket.socket | None]] = {n: bind_pair("127.0.0.1", 0, 1 << 20)
+                                                                      for n in NAMES}
+    uris = {n: f"https://127.0.0.1:{s[0].getsockname()[1]}/kvsp/" for n, s in sockets.items()}
+    pki = make_pki(root, roles=uris)
+    policy = _policy(uris)
+    pc_clients = {n: KvspClient(pki.files(n), timeout=5.0) for n in ("pc1", "pc2")}
+    controllers, services, servers = {}, [], {}
+    for n in ("pc1", "pc2"):
+        service, controllers[n] = _controller(uris[n], redis_url, pc_clients[n])
+        services.append(service)
+        servers[n] = RoleServer(controller_app(service, controllers[n], policy, base_path="/kvsp/",
+                                               tick_interval=0.05), pki.files(n))
+    instances = {n: FakeInstance(n, uris[n]) for n in ("ia", "ic")}
+    servers.update({n: RoleServer(inst.app(policy), pki.files(n)) for n, inst in instances.items()})
+    clients = {n: KvspClient(pki.files(n), timeout=5.0) for n in ("ia", "ic", "alice")}
+    try:
+        for name, server in servers.items():
+            await server.start(sockets=sockets[name])
+        for s in sockets["h1"]:
+            if s is not None:
+                s.close()
+        yield Replicas(uris, controllers, servers, instances, clients)
+    finally:
+        for client in [*clients.values(), *pc_clients.values()]:
+            await client.aclose()
+        for server in servers.values():
+            with contextlib.suppress(Exception):
+                await server.close()
+        for service in services:
+            await service.store.aclose()
+        for pc in controllers.values():
+            assert pc.shared is not None
+            await pc.shared.aclose()
+
+
+async def test_two_replicas_share_statuses_sessions_and_failover(tmp_path: Path, redis_url: str) -> None:
+    async with replicas(tmp_path, redis_url) as r:
+        # the instances report to replica 1 only; replica 2 sees them
+        assert (await r.report("pc1", "ia", ttl_ms=800)).json() == {"state": "active"}
+        assert (await r.report("pc1", "ic")).status == 200
+        listed = await r.call("pc2", "alice", "GET", "instances")
+        assert {i["instance"] for i in listed.json()["instances"]} == {r.uris["ia"], r.uris["ic"]}
+        stale = await r.report("pc2", "ic", epoch=0)  # the epoch check spans replicas
+        assert stale.status == 409 and stale.json()["type"].endswith("#kvsp-stale-epoch")
+
+        # a session requested at replica 2 is placed on an instance that reported to replica 1
+        body = session_body()
+        created = await r.call("pc2", "alice", "POST", "sessions", body)
+        assert created.status == 201, created.content
+        first = created.json()["instance"]
+        assert first in (r.uris["ia"], r.uris["ic"]) and created.json()["epoch"] == 1
+        again = await r.call("pc1", "alice", "POST", "sessions", body)  # a retry at the other replica
+        assert again.status == 200 and again.json()["instance"] == first
+        serving = "ia" if first == r.uris["ia"] else "ic"
+        other = "ic" if serving == "ia" else "ia"
+
+        # checkpoints through replica 1, the highest wins; the session is readable at both
+        path = f"sessions/{body['session']}/checkpoint"
+        ack = await r.call("pc1", serving, "PUT", path, checkpoint(body, 1, [1, 2, 3]))
+        assert ack.json()["output_offset"] == 3, ack.content
+        older = await r.call("pc2", serving, "PUT", path, checkpoint(body, 1, [1, 2]))
+        assert older.json()["output_offset"] == 3
+        for pc in ("pc1", "pc2"):
+            got = await r.call(pc, "alice", "GET", f"sessions/{body['session']}")
+            assert got.json()["output_offset"] == 3 and got.json()["instance"] == first
+
+        # the replica that created the session goes away; the serving instance falls silent: replica 1 migrates
+        await r.servers["pc2"].close()
+        if serving == "ic":  # keep the one that is not serving alive, let the serving one expire
+            await r.report("pc1", "ic", ttl_ms=800)
+        deadline = time.monotonic() + 20
+        while True:
+            await r.report("pc1", other)
+            got = (await r.call("pc1", "alice", "GET", f"sessions/{body['session']}")).json()
+            if got["epoch"] == 2 and got.get("instance") == r.uris[other]:
+                break
+            assert time.monotonic() < deadline, got
+            await asyncio.sleep(0.2)
+        resume, = r.instances[other].of("resume")
+        assert resume.epoch == 2 and resume.checkpoint.generated == (1, 2, 3)
+        assert len(r.instances[other].of("resume")) == 1 and r.instances[serving].of("resume") == []
+        late = await r.call("pc1", serving, "PUT", path, checkpoint(body, 1, [1, 2, 3, 4]))
+        assert late.status == 409 and late.json()["type"].endswith("#kvsp-stale-epoch")
+        ok = await r.call("pc1", other, "PUT", path, checkpoint(body, 2, [1, 2, 3, 4]))
+        assert ok.json()["output_offset"] == 4
+
+
+async def test_two_replicas_migrating_at_once_make_one_epoch(redis_url: str) -> None:
+    """The epoch increment is a compare-and-set on the stored session: of two replicas that read the same
+    version and both decide to migrate, one writes epoch 2 and the other stands down."""
+    stores = [RedisControlStore.from_url(redis_url) for _ in range(2)]
+    pcs = []
+    try:
+        for i, store in enumerate(stores):
+            service = IndexService(MemoryIndexStore(), clock=time.monotonic)
+            role = PlacementController(service, clock=time.monotonic, metrics=Registry(),
+                                       identity=f"https://pc{i}.example/")
+            # nothing is sent to an instance here: the link is never used
+            pcs.append(ControllerService(role, HttpInstanceLink(None), shared=store))  # type: ignore[arg-type]
+        request = SessionRequest.from_json(session_body(7))
+        alice = Principal("urn:kvsp:client:alice", frozenset({Role.CLIENT}), ALL)
+        admitted = await pcs[0]._admit(alice, request)
+        assert isinstance(admitted, Admitted)
+        session = admitted.session
+        session.instance, session.instance_epoch, session.state = "https://ia.example/", 1, SessionState.RUNNING
+        pcs[0]._based[session.id] = 1
+        await pcs[0]._persist(session)
+
+        copies = [await pc._fetch(session.id) for pc in pcs]  # both read the same version
+        assert copies[0] is not None and copies[1] is not None and copies[0].version == copies[1].version
+
+        async def migrate(pc: ControllerService, copy: Any) -> str:
+            pc._based[copy.id] = copy.epoch
+            pc.role.begin_migration(copy)
+            try:
+                await pc._persist(copy, strict=True)
+            except Superseded:
+                return "stood down"
+            return "migrated"
+
+        results = await asyncio.gather(*(migrate(pc, copy) for pc, copy in zip(pcs, copies, strict=True)))
+        assert sorted(results) == ["migrated", "stood down"]
+        stored = await pcs[1]._fetch(session.id)
+        assert stored is not None and stored.epoch == 2 and stored.state is SessionState.MIGRATING
+        # the session waits for a migration: every replica's tick finds it
+        assert await stores[0].candidates(lambda i, e: False) == [session.id]
+    finally:
+        for store in stores:
+            await store.aclose()
+
+
+def test_a_wrong_redis_url_or_mode_is_one_line_and_exit_1(tmp_path: Path, redis_url: str) -> None:
+    dev = str(tmp_path / "dev")
+    for extra, expected in ((["--redis", "redis://127.0.0.1:1/0"], "does not answer"),
+                            (["--redis", redis_url, "--redis-cluster"], "drop --redis-cluster")):
+        done = subprocess.run([sys.executable, "-m", "kvsp_quic", "index", "--dev", dev, *extra,
+                               "--log-level", "WARNING"], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1 and done.stdout == ""
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and expected in lines[0], done.stderr
+
+
+def test_stored_sessions_round_trip() -> None:
+    from kvsp_quic.roles.controller_sessions import PlacedSession
+    from kvsp_quic.roles.controller_store import placed_session, stored_session
+
+    request = SessionRequest.from_json(session_body(3))
+    session = PlacedSession(request, "urn:kvsp:client:alice", 1.0, 1.0, epoch=3, served=2,
+                            state=SessionState.RUNNING, instance="https://ia.example/", instance_epoch=9,
+                            migrations=2, version=5)
+    stored = stored_session(session)
+    assert stored.run == "9|https://ia.example/" and not stored.migrating and stored.version == 5
+    back = placed_session(stored, 7.0)
+    assert (back.request, back.epoch, back.served, back.state, back.instance, back.instance_epoch,
+            back.migrations, back.version) == (request, 3, 2, SessionState.RUNNING, "https://ia.example/", 9, 2, 5)
+    assert uuid.UUID(int=3) == back.id
