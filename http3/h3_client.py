@@ -24,6 +24,7 @@ from cryptography.hazmat.primitives.serialization import Encoding
 
 from http3.h3_frames import send_data
 from quic.connection import KvspQuicConnection
+from quic.pool import SpreadPool
 from quic.protocol import KvspQuicProtocol, QuicConnectError, connect_quic
 from quic.tls import TlsFiles, TransportSettings, identity_of_der, serves
 
@@ -375,18 +376,7 @@ async def connect_h3(host: str, port: int, files: TlsFiles, *, settings: Transpo
                               error=lambda reason: H3ConnectError(f"HTTP/3 to {host}:{port} failed: {reason}"))
 
 
-class _Connecting:
-    """A connection being opened to one origin; the requests waiting for it are its load meanwhile (and stay
-    counted on the connection until each has resumed and opened its stream)."""
-
-    __slots__ = ("task", "waiters")
-
-    def __init__(self) -> None:
-        self.task: asyncio.Task[H3ClientConnection] | None = None
-        self.waiters = 0
-
-
-class H3Pool:
+class H3Pool(SpreadPool[H3ClientConnection]):
     """HTTP/3 connections per origin, shared by concurrent requests.
 
     *connections_per_origin* (K, default 1): concurrent requests to one origin are spread over up to K
@@ -402,60 +392,42 @@ class H3Pool:
     is open already, a request that gives up waiting (its timeout) does not abort the connect for the others, and
     a failed connect fails every request waiting for it at once."""
 
+    kind = "h3"
+
     def __init__(self, files: TlsFiles, settings: TransportSettings, connect_timeout: float, *,
                  connections_per_origin: int = 1, keepalive: KeepAlive | None = None) -> None:
-        if isinstance(connections_per_origin, bool) or connections_per_origin < 1:
-            raise ValueError(f"connections_per_origin must be at least 1, not {connections_per_origin!r}")
+        super().__init__(connections_per_origin)
         self.files = files
         self.settings = settings
         self.connect_timeout = connect_timeout
-        self.connections_per_origin = connections_per_origin
-        self.connects = 0  # connections opened (tests, metrics)
+        self.opening_cap = settings.max_streams
         self.keepalive = keepalive  # for every origin (None: none) ...
         self._keepalive: dict[tuple[str, int], KeepAlive | None] = {}  # ... unless set for the origin
-        self._conns: dict[tuple[str, int], list[H3ClientConnection]] = {}
-        self._connecting: dict[tuple[str, int], list[_Connecting]] = {}
-        self._joining: dict[H3ClientConnection, _Connecting] = {}  # requests that waited for its connect
         self._retired: set[H3ClientConnection] = set()  # dropped, closing after their last stream
-        self._closed = False
 
     async def get(self, host: str, port: int) -> H3ClientConnection:
         """A connection to (*host*, *port*) for one more request. The caller opens its stream on it before it
         awaits anything else (that is what makes the stream count the connection's load)."""
-        key = (host, port)
-        while True:
-            if self._closed:
-                raise H3ConnectError(f"HTTP/3 to {host}:{port}: the client is closed")
-            choice = self._choose(key)
-            if isinstance(choice, H3ClientConnection):
-                return choice
-            choice.waiters += 1
-            try:
-                assert choice.task is not None
-                conn = await asyncio.shield(choice.task)
-            finally:
-                choice.waiters -= 1
-            if self._has_room(conn):
-                return conn
-            # closed, discarded or filled up while this request waited: choose again
+        return await self.get_for((host, port))
 
-    def _load(self, conn: H3ClientConnection) -> int:
-        joining = self._joining.get(conn)
-        if joining is not None and joining.waiters == 0:
-            del self._joining[conn]
-            joining = None
-        return conn.active + (joining.waiters if joining is not None else 0)
+    # -- SpreadPool's hooks
 
-    def _has_room(self, conn: H3ClientConnection) -> bool:
+    async def dial(self, key: tuple[str, int]) -> H3ClientConnection:
+        return await connect_h3(key[0], key[1], self.files, settings=self.settings, timeout=self.connect_timeout)
+
+    def load_of(self, conn: H3ClientConnection) -> int:
+        return conn.active
+
+    def takes_more(self, conn: H3ClientConnection) -> bool:
         return (not conn.closed and not conn.retired and conn.opened < _STREAM_ID_BUDGET
-                and self._load(conn) < self.settings.max_streams)
+                and self.load(conn) < self.settings.max_streams)
 
-    def _live(self, key: tuple[str, int]) -> list[H3ClientConnection]:
+    def live(self, key: tuple[str, int]) -> list[H3ClientConnection]:
         """The connections to *key* that may take new requests; one past its stream-id budget is retired."""
         conns = []
         for conn in self._conns.get(key, []):
             if conn.closed or conn.retired:
-                self._joining.pop(conn, None)
+                self.forget_joining(conn)
                 continue
             if conn.opened >= _STREAM_ID_BUDGET:
                 self._retire(conn)
@@ -464,58 +436,22 @@ class H3Pool:
         self._conns[key] = conns
         return conns
 
-    def _choose(self, key: tuple[str, int]) -> H3ClientConnection | _Connecting:
-        """The connection (or connect in progress) the next request to *key* goes to: synchronous, so no other
-        request chooses in between."""
-        open_ = [(self._load(c), i, c) for i, c in enumerate(self._live(key)) if self._has_room(c)]
-        opening = [(p.waiters, i, p) for i, p in enumerate(self._connecting.get(key, []))
-                   if p.waiters < self.settings.max_streams]
-        best_open = min(open_, key=lambda x: x[:2], default=None)
-        best_opening = min(opening, key=lambda x: x[:2], default=None)
-        if best_open is not None and best_open[0] == 0:
-            return best_open[2]
-        if best_opening is not None and best_opening[0] == 0:
-            return best_opening[2]
-        if len(open_) + len(opening) < self.connections_per_origin:
-            return self._open(key)
-        if best_open is not None and (best_opening is None or best_open[0] <= best_opening[0]):
-            return best_open[2]
-        if best_opening is not None:
-            return best_opening[2]
-        return self._open(key)  # every connection is at max_streams: one more, beyond K
+    def closed_error(self, key: tuple[str, int]) -> Exception:
+        return H3ConnectError(f"HTTP/3 to {key[0]}:{key[1]}: the client is closed")
 
-    def _open(self, key: tuple[str, int]) -> _Connecting:
-        pending = _Connecting()
-        self._connecting.setdefault(key, []).append(pending)
-        pending.task = asyncio.get_running_loop().create_task(self._connect(key, pending),
-                                                              name=f"h3-connect-{key[0]}:{key[1]}")
-        pending.task.add_done_callback(_consume)
-        return pending
-
-    async def _connect(self, key: tuple[str, int], pending: _Connecting) -> H3ClientConnection:
-        try:
-            conn = await connect_h3(key[0], key[1], self.files, settings=self.settings, timeout=self.connect_timeout)
-        except asyncio.CancelledError:  # only aclose cancels a connect
-            raise H3ConnectError(f"HTTP/3 to {key[0]}:{key[1]}: the client is closed") from None
-        finally:
-            group = self._connecting.get(key)
-            if group is not None and pending in group:
-                group.remove(pending)
-        if self._closed:
-            await conn.aclose()
-            raise H3ConnectError(f"HTTP/3 to {key[0]}:{key[1]}: the client is closed")
-        self.connects += 1
+    def adopted(self, key: tuple[str, int], conn: H3ClientConnection) -> None:
         conn.origin = key
         keepalive = self._keepalive.get(key, self.keepalive)
         if keepalive is not None:
             conn.keep_alive(keepalive)
-        self._conns.setdefault(key, []).append(conn)
-        if pending.waiters:
-            self._joining[conn] = pending
-        return conn
+
+    async def close_connection(self, conn: H3ClientConnection) -> None:
+        await conn.aclose()
+
+    # --
 
     def _retire(self, conn: H3ClientConnection) -> None:
-        self._joining.pop(conn, None)
+        self.forget_joining(conn)
         if not conn.retired:
             conn.retire()
         self._retired = {c for c in self._retired if not c.closed}
@@ -550,22 +486,9 @@ class H3Pool:
         return [c for c in self._conns.get((host, port), []) if not c.closed and not c.retired]
 
     async def aclose(self) -> None:
-        self._closed = True
-        connecting = [p.task for group in self._connecting.values() for p in group if p.task is not None]
-        for task in connecting:
-            task.cancel()
-        conns = [c for group in self._conns.values() for c in group] + list(self._retired)
-        self._conns.clear()
+        conns = await self.cancel_connects() + list(self._retired)
         self._retired.clear()
-        self._joining.clear()
-        await asyncio.gather(*connecting, return_exceptions=True)
         await asyncio.gather(*(c.aclose() for c in conns), return_exceptions=True)
-
-
-def _consume(task: asyncio.Task[H3ClientConnection]) -> None:
-    """A connect nobody waits for any more still has its outcome retrieved (no 'never retrieved' warning)."""
-    if not task.cancelled():
-        task.exception()
 
 
 _STREAM_ID_BUDGET = 1 << 20  # requests per connection before a fresh one is opened (stream ids are finite)

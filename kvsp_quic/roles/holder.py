@@ -484,11 +484,7 @@ class Holder:
         """Check a PUT before its body is read: the precondition (428), the scope (403), the Compatibility ID
         (409) and that no replica exists (412). Set the upload's ``position`` when the client declared where the
         block sits in its chain (``?chain=&position=``; :func:`parse_position`)."""
-        if if_none_match is None or if_none_match.strip() != "*":
-            raise PreconditionRequired("storing a block requires If-None-Match: * (blocks are never replaced)")
-        require_scope(principal, scope_id)
-        descriptor = self.descriptor(compat_id)
-        block = BlockId(bytes(compat_id), bytes(scope_id), bytes(block_key))
+        block, descriptor = check_put(principal, self.descriptor, compat_id, scope_id, block_key, if_none_match)
         self._check_absent(block)
         return BlockUpload(self, block, descriptor, owner=principal.identity)
 
@@ -907,6 +903,17 @@ class Holder:
         self.leases.release(principal.identity, lease_id)
 
 
+def check_put(principal: Principal, descriptor_of: Callable[[bytes], CompatDescriptor], compat_id: bytes,
+              scope_id: bytes, block_key: bytes, if_none_match: str | None) -> tuple[BlockId, CompatDescriptor]:
+    """The checks of a PUT before its body is read, in the order that leaks nothing: the precondition (428), the
+    scope (403), the Compatibility ID (409). The holder and its worker processes check existence (412) after."""
+    if if_none_match is None or if_none_match.strip() != "*":
+        raise PreconditionRequired("storing a block requires If-None-Match: * (blocks are never replaced)")
+    require_scope(principal, scope_id)
+    descriptor = descriptor_of(compat_id)
+    return BlockId(bytes(compat_id), bytes(scope_id), bytes(block_key)), descriptor
+
+
 def layer_range(meta: BlockMeta, layers: tuple[int, int] | None, codec: int | None) -> tuple[int, int]:
     """The inclusive layer range a read of the block *meta* serves: the codec must be the stored one (406: no
         transcoding), the range inside the replica's layers (416)."""
@@ -962,5 +969,5 @@ def _is_decimal(text: str) -> bool:
 
 __all__ = [
     "BlockUpload", "Fetched", "Holder", "HolderSettings", "Intent", "IntentKind", "Replica", "ReplicaOutbox",
-    "layer_range", "parse_codec", "parse_layers", "parse_position",
+    "check_put", "layer_range", "parse_codec", "parse_layers", "parse_position",
 ]

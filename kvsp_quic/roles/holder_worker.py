@@ -30,9 +30,9 @@ from typing import Any, Protocol
 from kvsp_quic.auth import Principal, require_scope
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.container import ContainerHeader, EncodedContainer, cut
-from kvsp_quic.problems import Incompatible, NotFound, PreconditionFailed, PreconditionRequired
+from kvsp_quic.problems import Incompatible, NotFound, PreconditionFailed
 from kvsp_quic.records import LeaseRenewal, LeaseRequest, LeaseResponse, ReplicaRecord
-from kvsp_quic.roles.holder import BlockUpload, Fetched, HolderSettings, layer_range
+from kvsp_quic.roles.holder import BlockUpload, Fetched, HolderSettings, check_put, layer_range
 from kvsp_quic.storage.shared_host import Allocation, SharedHostReader
 from kvsp_quic.storage.tiers import HOST, LOCAL_STORAGE, BlockId, BlockMeta, ChainPosition, LocalStorageTier, TierFault
 
@@ -95,11 +95,7 @@ class HolderWorker:
                     if_none_match: str | None) -> BlockUpload:
         """The checks of :meth:`Holder.begin_store <kvsp_quic.roles.holder.Holder.begin_store>`, here. The upload's
         chain position, when set, goes to the primary with the commit."""
-        if if_none_match is None or if_none_match.strip() != "*":
-            raise PreconditionRequired("storing a block requires If-None-Match: * (blocks are never replaced)")
-        require_scope(principal, scope_id)
-        descriptor = self.descriptor(compat_id)
-        block = BlockId(bytes(compat_id), bytes(scope_id), bytes(block_key))
+        block, descriptor = check_put(principal, self.descriptor, compat_id, scope_id, block_key, if_none_match)
         if self.host.exists(block) or (self.local is not None and self.local.path_of(block).exists()):
             raise PreconditionFailed(f"a replica of {block.block_key.hex()} exists; it is kept")
         return BlockUpload(self, block, descriptor, owner=principal.identity)

@@ -27,6 +27,7 @@ from moqt.requests import Role, SessionConfig
 from moqt.types import PREFERRED_ALPNS, alpn_order
 from quic.connection import KvspQuicConnection
 from quic.listener import HandlerFactory, QuicConnectionContext
+from quic.pool import SpreadPool
 from quic.protocol import KvspQuicProtocol, connect_quic
 from quic.tls import TLS_1_3, TlsFiles, TransportSettings, serves, tls_extension
 
@@ -182,18 +183,7 @@ def _audit_refusal(protocol: _ClientProtocol | None, peer: tuple[str, int], alpn
                             identity=conn.peer_identity if conn is not None else None, detail=str(exc))
 
 
-class _Connecting:
-    """A connection being opened to one origin; the fetches waiting for it are its load meanwhile (and stay counted
-    on the connection until each has resumed and sent its FETCH)."""
-
-    __slots__ = ("task", "waiters")
-
-    def __init__(self) -> None:
-        self.task: asyncio.Task[MoqtConnection] | None = None
-        self.waiters = 0
-
-
-class MoqtPool:
+class MoqtPool(SpreadPool[MoqtConnection]):
     """Client MOQT connections by ``moqt://host:port/``, shared by concurrent fetches.
 
     *connections_per_origin* (K, default 1): concurrent fetches to one origin are spread over up to K connections,
@@ -210,24 +200,19 @@ class MoqtPool:
     the others, and a failed connect fails every fetch waiting for it at once. A closed connection is dropped; one
     whose peer sent GOAWAY takes no new fetches and is closed once its own are over."""
 
+    kind = "moqt"
+
     def __init__(self, files: TlsFiles, *, settings: TransportSettings = TransportSettings(),
                  alpn: str | Sequence[str] = PREFERRED_ALPNS, connect_timeout: float = 10.0,
                  data_streams: int = DEFAULT_DATA_STREAMS, connections_per_origin: int = 1) -> None:
-        if isinstance(connections_per_origin, bool) or connections_per_origin < 1:
-            raise ValueError(f"connections_per_origin must be at least 1, not {connections_per_origin!r}")
+        super().__init__(connections_per_origin)
         self.files = files
         self.settings = settings
         self.alpn = alpn
         self.connect_timeout = connect_timeout
         self.data_streams = data_streams
-        self.connections_per_origin = connections_per_origin
-        self.connects = 0  # connections opened (tests, metrics)
-        self._conns: dict[tuple[str, int], list[MoqtConnection]] = {}
-        self._connecting: dict[tuple[str, int], list[_Connecting]] = {}
-        self._joining: dict[MoqtConnection, _Connecting] = {}  # fetches that waited for its connect
         self._retired: set[MoqtConnection] = set()  # GOAWAY received: closed once their fetches are over
         self._closing: set[asyncio.Task[None]] = set()
-        self._closed = False
 
     @staticmethod
     def origin(uri: str) -> tuple[str, int]:
@@ -240,31 +225,21 @@ class MoqtPool:
         """A connection to *uri*'s origin for one more fetch (connecting if needed: :class:`MoqtConnectError` when
         that fails). The caller sends its FETCH on it before it awaits anything else (that is what makes the fetch
         count as the connection's load)."""
-        key = self.origin(uri)
-        while True:
-            if self._closed:
-                raise MoqtConnectError(f"MOQT to {key[0]}:{key[1]}: the pool is closed")
-            choice = self._choose(key)
-            if isinstance(choice, MoqtConnection):
-                return choice
-            choice.waiters += 1
-            try:
-                assert choice.task is not None
-                conn = await asyncio.shield(choice.task)
-            finally:
-                choice.waiters -= 1
-            if conn.usable:
-                return conn
-            # closed or sent GOAWAY while this fetch waited: choose again
+        return await self.get_for(self.origin(uri))
 
-    def _load(self, conn: MoqtConnection) -> int:
-        joining = self._joining.get(conn)
-        if joining is not None and joining.waiters == 0:
-            del self._joining[conn]
-            joining = None
-        return conn.open_fetches + (joining.waiters if joining is not None else 0)
+    # -- SpreadPool's hooks
 
-    def _live(self, key: tuple[str, int]) -> list[MoqtConnection]:
+    async def dial(self, key: tuple[str, int]) -> MoqtConnection:
+        return await connect_moqt(key[0], key[1], self.files, settings=self.settings, alpn=self.alpn,
+                                  timeout=self.connect_timeout, data_streams=self.data_streams)
+
+    def load_of(self, conn: MoqtConnection) -> int:
+        return conn.open_fetches
+
+    def takes_more(self, conn: MoqtConnection) -> bool:
+        return conn.usable
+
+    def live(self, key: tuple[str, int]) -> list[MoqtConnection]:
         """The connections to *key* that take new fetches; a closed one is dropped, one after GOAWAY retired."""
         self._sweep()
         conns = []
@@ -272,12 +247,20 @@ class MoqtPool:
             if conn.usable:
                 conns.append(conn)
                 continue
-            self._joining.pop(conn, None)
+            self.forget_joining(conn)
             if conn.closed is None:
                 self._retired.add(conn)
         self._conns[key] = conns
         self._sweep()
         return conns
+
+    def closed_error(self, key: tuple[str, int]) -> Exception:
+        return MoqtConnectError(f"MOQT to {key[0]}:{key[1]}: the pool is closed")
+
+    async def close_connection(self, conn: MoqtConnection) -> None:
+        await conn.aclose()
+
+    # --
 
     def _sweep(self) -> None:
         """Close the retired connections whose fetches are over."""
@@ -290,66 +273,14 @@ class MoqtPool:
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
 
-    def _choose(self, key: tuple[str, int]) -> MoqtConnection | _Connecting:
-        """The connection (or connect in progress) the next fetch to *key* goes to: synchronous, so no other fetch
-        chooses in between."""
-        open_ = [(self._load(c), i, c) for i, c in enumerate(self._live(key))]
-        opening = [(p.waiters, i, p) for i, p in enumerate(self._connecting.get(key, []))]
-        best_open = min(open_, key=lambda x: x[:2], default=None)
-        best_opening = min(opening, key=lambda x: x[:2], default=None)
-        if best_open is not None and best_open[0] == 0:
-            return best_open[2]
-        if best_opening is not None and best_opening[0] == 0:
-            return best_opening[2]
-        if len(open_) + len(opening) < self.connections_per_origin:
-            return self._open(key)
-        if best_open is not None and (best_opening is None or best_open[0] <= best_opening[0]):
-            return best_open[2]
-        assert best_opening is not None  # K >= 1 are open or opening
-        return best_opening[2]
-
-    def _open(self, key: tuple[str, int]) -> _Connecting:
-        pending = _Connecting()
-        self._connecting.setdefault(key, []).append(pending)
-        pending.task = asyncio.get_running_loop().create_task(self._connect(key, pending),
-                                                              name=f"moqt-connect-{key[0]}:{key[1]}")
-        pending.task.add_done_callback(_consume)
-        return pending
-
-    async def _connect(self, key: tuple[str, int], pending: _Connecting) -> MoqtConnection:
-        try:
-            conn = await connect_moqt(key[0], key[1], self.files, settings=self.settings, alpn=self.alpn,
-                                      timeout=self.connect_timeout, data_streams=self.data_streams)
-        except asyncio.CancelledError:  # only aclose cancels a connect
-            raise MoqtConnectError(f"MOQT to {key[0]}:{key[1]}: the pool is closed") from None
-        finally:
-            group = self._connecting.get(key)
-            if group is not None and pending in group:
-                group.remove(pending)
-        if self._closed:
-            await conn.aclose()
-            raise MoqtConnectError(f"MOQT to {key[0]}:{key[1]}: the pool is closed")
-        self.connects += 1
-        self._conns.setdefault(key, []).append(conn)
-        if pending.waiters:
-            self._joining[conn] = pending
-        return conn
-
     def connections(self, uri: str) -> list[MoqtConnection]:
         """The pooled connections to *uri*'s origin that take new fetches (tests, metrics)."""
         return [c for c in self._conns.get(self.origin(uri), []) if c.usable]
 
     async def aclose(self) -> None:
         """Close every connection, and cancel the connects in progress (their waiters get MoqtConnectError)."""
-        self._closed = True
-        connecting = [p.task for group in self._connecting.values() for p in group if p.task is not None]
-        for task in connecting:
-            task.cancel()
-        conns = [c for group in self._conns.values() for c in group] + list(self._retired)
-        self._conns.clear()
+        conns = await self.cancel_connects() + list(self._retired)
         self._retired.clear()
-        self._joining.clear()
-        await asyncio.gather(*connecting, return_exceptions=True)
         await asyncio.gather(*(c.aclose() for c in conns), *self._closing, return_exceptions=True)
 
     async def __aenter__(self) -> MoqtPool:
@@ -357,12 +288,6 @@ class MoqtPool:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-
-def _consume(task: asyncio.Task[MoqtConnection]) -> None:
-    """A connect nobody waits for any more still has its outcome retrieved (no 'never retrieved' warning)."""
-    if not task.cancelled():
-        task.exception()
 
 
 __all__ = ["CONTROL_RESERVE", "DEFAULT_DATA_STREAMS", "MoqtPool", "MoqtServerHandler", "connect_moqt",
