@@ -290,7 +290,8 @@ async def main_async(args: argparse.Namespace) -> None:
             paths.append(p)
         cmd = [sys.executable, "-c", "import sys; from kvsp_quic.app.cli import main; sys.exit(main())",
                "holder", "--dev", str(work / "dev"),
-               "--host-capacity", "2GiB", "--workers", "1"]  # one process: pinned, its CPU read (bench_workers scales)
+               "--host-capacity", args.host_capacity,
+               "--workers", "1"]  # one process: pinned, its CPU read (bench_workers scales)
         for p in paths:
             cmd += ["--descriptor", str(p)]
         holder = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, stderr=subprocess.DEVNULL)
@@ -349,6 +350,8 @@ def main() -> None:
     p.add_argument("--conc", default="1,8")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-h3", action="store_true", help="only the TCP path and the ceiling")
+    p.add_argument("--host-capacity", default="2GiB",
+                   help="the holder's host tier; a small one (e.g. 64MiB) makes PUTs evict, as a full holder does")
     p.add_argument("--before", action="store_true", help="also httpx over HTTP/1.1, the TCP path before")
     p.add_argument("--no-pin", action="store_true", help="do not pin the processes to CPUs 0 and 1")
     p.add_argument("--client-cpus", default="1", help="the CPUs of this (the client) process; 0,1 lets the client's "

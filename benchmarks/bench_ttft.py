@@ -1,7 +1,8 @@
 """Time to first token through the inference instance: an 8192-token prompt whose prefix is loaded over MOQT and
 over HTTP/3, vs recomputed -- every server a ``kvsp-quic`` process of its own.
 
-    python -m benchmarks.bench_ttft [--reps 3] [--tokens 8192] [--block-tokens 256] [--json]
+    python -m benchmarks.bench_ttft [--reps 3] [--tokens 8192] [--block-tokens 256] [--engine transformers]
+                                    [--no-prefetch] [--json]
 
 Processes (all ``--dev`` with one directory: mutual TLS with the dev CA, 127.0.0.1): ``kvsp-quic index``, and five
 ``kvsp-quic instance --device cpu`` of the reference model of benchmarks/bench_prefill.py (8 layers, hidden 512,
@@ -14,8 +15,12 @@ Processes (all ``--dev`` with one directory: mutual TLS with the dev CA, 127.0.0
   (``POST sessions/{id}/start`` with ``"blocks"``, as the Placement Controller sends it): 31 blocks stream from
   ``A`` into the prefill (layer l computed once layer l of every block is in) and the last 256 tokens are computed;
 * ``PRE`` gets a prefetch directive for the 31 blocks first (``POST prefetch``, leases at ``A``, polled until
-  ``complete``), then the session, whose prefix is then resident;
-* a second session of the same prompt at ``HTTP`` finds the prefix resident.
+  ``complete``), then the session, whose prefix is then resident (``--no-prefetch``: no ``PRE``, no such rows);
+* a second session of the same prompt at ``HTTP`` finds the prefix resident;
+* with ``--engine transformers`` (docs/inference.md, "Engines"), in the same run: ``transformers-A``
+  (``--engine transformers``) computes the prompt from scratch, and ``transformers-HTTP`` (``--engine transformers
+  --no-moqt``) starts it with the 31 blocks listed at ``A`` -- the blocks the reference engine computed, loaded
+  over HTTP/3 into the transformers engine's prefill. Its first token is checked against ``transformers-A``'s.
 
 TTFT is measured by this client from sending ``POST sessions/{id}/start`` to reading the first token line of
 ``GET sessions/{id}/tokens`` (the instance's own figure, from admission to the first sampled token, is in
@@ -148,8 +153,13 @@ async def bench(args: argparse.Namespace, tmp: Path) -> list[tuple[str, float | 
               "--index", index.base, "--device-pages", str(pages), "--warmup-tokens", str(2 * b), "--config",
               str(config), "--max-tokens", "16"]
     procs = {"A": Proc("A", *common), "HTTP": Proc("HTTP", *common, "--no-moqt"),
-             "TCP": Proc("TCP", *common, "--no-moqt", "--prefer-transport", "tcp"), "MOQT": Proc("MOQT", *common),
-             "PRE": Proc("PRE", *common)}
+             "TCP": Proc("TCP", *common, "--no-moqt", "--prefer-transport", "tcp"), "MOQT": Proc("MOQT", *common)}
+    if args.prefetch:
+        procs["PRE"] = Proc("PRE", *common)
+    others = [e for e in dict.fromkeys(args.engine or ()) if e != "reference"]
+    for e in others:
+        procs[f"{e}-A"] = Proc(f"{e}-A", *common, "--engine", e)
+        procs[f"{e}-HTTP"] = Proc(f"{e}-HTTP", *common, "--engine", e, "--no-moqt")
     rows: list[tuple[str, float | None, float | None, str]] = []
     try:
         for p in procs.values():
@@ -181,28 +191,38 @@ async def bench(args: argparse.Namespace, tmp: Path) -> list[tuple[str, float | 
                 runs["http"] = await first_token(api, procs["HTTP"], prompt, d, scope, listed)
                 runs["tcp"] = await first_token(api, procs["TCP"], prompt, d, scope, listed)
                 runs["moqt"] = await first_token(api, procs["MOQT"], prompt, d, scope, listed)
-                load = await prefetch(api, procs["PRE"], d, scope, usable, a.base)
-                runs["prefetched"] = await first_token(api, procs["PRE"], prompt, d, scope, listed)
+                load = None
+                if args.prefetch:
+                    load = await prefetch(api, procs["PRE"], d, scope, usable, a.base)
+                    runs["prefetched"] = await first_token(api, procs["PRE"], prompt, d, scope, listed)
                 runs["resident"] = await first_token(api, procs["HTTP"], prompt, d, scope, listed)
+                for e in others:  # the other engine: its own recompute, then the reference engine's blocks loaded
+                    assert procs[f"{e}-A"].ready["engine"] == e and procs[f"{e}-A"].ready["compat_id"] == d["compat_id"]
+                    runs[f"{e}-recompute"] = await first_token(api, procs[f"{e}-A"], prompt, d, scope, [])
+                    runs[f"{e}-http"] = await first_token(api, procs[f"{e}-HTTP"], prompt, d, scope, listed)
                 reference = runs["recompute"][1]
                 for label, (_t, token, info) in runs.items():
-                    assert token == reference, (label, token, reference)
-                    if label != "recompute":
+                    engine = next((e for e in others if label.startswith(f"{e}-")), None)
+                    # bf16: each engine's greedy token, loaded or computed, is its own recompute's
+                    assert token == (runs[f"{engine}-recompute"][1] if engine else reference), (label, token)
+                    if not label.endswith("recompute"):
                         assert info["loaded_blocks"] == len(usable) and info["computed_tokens"] == n - len(usable) * b
                 sources = {label: info["block_sources"] for label, (_t, _tok, info) in runs.items()}
                 assert set(sources["http"]) == {"HTTP/3"}, sources
                 assert set(sources["tcp"]) == {"HTTP/1.1"}, sources
                 assert all(s.startswith("MOQT") for s in sources["moqt"]), sources
-                assert set(sources["prefetched"]) == set(sources["resident"]) == {"resident"}, sources
+                assert {*sources.get("prefetched", {"resident": 1}), *sources["resident"]} == {"resident"}, sources
+                assert all(set(sources[f"{e}-http"]) == {"HTTP/3"} for e in others), sources
                 if warm:
                     continue
                 for label, (t, _tok, info) in runs.items():
                     results.setdefault(label, []).append(t)
                     inner.setdefault(label, []).append(info["ttft_ms"] / 1000)
                     notes[label] = ", ".join(f"{v} {k}" for k, v in sorted(info["block_sources"].items()))
-                results.setdefault("load", []).append(load)
+                if load is not None:
+                    results.setdefault("load", []).append(load)
                 print(f"rep {rep}: " + ", ".join(f"{k} {v[0]:.3f} s" for k, v in runs.items()) +
-                      f", directive {load:.3f} s", file=sys.stderr)
+                      ("" if load is None else f", directive {load:.3f} s"), file=sys.stderr)
         med = {k: statistics.median(v) for k, v in results.items()}
         imed = {k: statistics.median(v) for k, v in inner.items()}
         base_t = med["recompute"]
@@ -216,12 +236,22 @@ async def bench(args: argparse.Namespace, tmp: Path) -> list[tuple[str, float | 
                              ("moqt", "prefix loaded over MOQT from instance A, the rest computed")):
             rows.append((title, med[label], imed[label], f"**{base_t / med[label]:.1f}x faster**; "
                                                           f"blocks: {notes[label]}"))
-        rows.append((f"prefetch directive first ({loaded // b} blocks, MOQT first, leased at A): complete after",
-                     med["load"], None, "polled GET prefetch/{id}"))
-        rows.append(("  then the session (prefix resident)", med["prefetched"], imed["prefetched"],
-                     f"{base_t / med['prefetched']:.1f}x faster"))
+        if args.prefetch:
+            rows.append((f"prefetch directive first ({loaded // b} blocks, MOQT first, leased at A): complete after",
+                         med["load"], None, "polled GET prefetch/{id}"))
+            rows.append(("  then the session (prefix resident)", med["prefetched"], imed["prefetched"],
+                         f"{base_t / med['prefetched']:.1f}x faster"))
         rows.append(("prefix resident (a second session of the prompt)", med["resident"], imed["resident"],
                      f"{base_t / med['resident']:.1f}x faster"))
+        for e in others:
+            own = med[f"{e}-recompute"]
+            rows.append((f"{e} engine: recompute all {args.tokens} tokens ({e}-A)", own, imed[f"{e}-recompute"],
+                         f"1.0x ({e} baseline; {own / base_t:.2f}x the reference engine's time)"))
+            ratio = own / med[f"{e}-http"]
+            versus = f"**{ratio:.1f}x faster**" if ratio >= 1 else f"{1 / ratio:.1f}x slower"
+            rows.append((f"{e} engine: prefix loaded over HTTP/3 from instance A (the reference engine's blocks), "
+                         f"the rest computed", med[f"{e}-http"], imed[f"{e}-http"],
+                         f"{versus} than its recompute; blocks: {notes[f'{e}-http']}"))
     finally:
         for p in procs.values():
             p.stop()
@@ -236,6 +266,10 @@ def main() -> None:
     parser.add_argument("--block-tokens", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--engine", action="append", choices=("reference", "transformers"),
+                        help="also measure this engine's instances (repeatable; the reference engine always runs)")
+    parser.add_argument("--no-prefetch", dest="prefetch", action="store_false",
+                        help="leave out the prefetch-directive instance (PRE) and its rows")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of Markdown")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-ttft-") as tmp:

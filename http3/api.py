@@ -8,7 +8,7 @@ so that both sides of every exchange read and write the same dataclasses::
     found = await api.lookup(index, LookupRequest(scope_id, compat_id, keys))       # LookupResponse
     lease = await api.create_lease(holder, LeaseRequest(compat_id, scope_id, [key], 2000))   # Lease | Miss
     block = await api.get_block(record.holder, record.compat_id, record.scope_id, key)      # BlockBody | Miss
-    outcome = await api.checkpoint(controller, checkpoint)                            # Acknowledged | Stale
+    outcome = await api.checkpoint(controller, checkpoint)                # Acknowledged | Stale | Unknown
 
 Operations, by service (each takes the service's base URI first: an ``https://.../`` ending with "/"; for the
 Index Service and the Placement Controller also a :class:`ServiceEndpoints`, several URIs of one service):
@@ -38,8 +38,10 @@ Failure semantics -- written here once, for every caller:
   answers ``matched = 0``; a withdrawal of a record that is already gone answers ``False``.
 * **Refused** -- any other 4xx raises its :class:`~kvsp_quic.problems.Problem` (``except ScopeDenied``,
   ``except StaleEpoch``...): the request was wrong or not allowed, and asking elsewhere would not change that.
-  :meth:`~KvspApi.checkpoint` turns ``kvsp-stale-epoch`` (and 403/404: the PC no longer takes this instance's
-  checkpoints) into :class:`Stale`; :meth:`~KvspApi.tokens` reports every non-200 as :class:`RetryElsewhere`
+  :meth:`~KvspApi.checkpoint` turns ``kvsp-stale-epoch`` and 403 (the PC fenced this run: it no longer takes
+  this instance's checkpoints) into :class:`Stale`, and a 404 into :class:`Unknown` -- after asking every URI of
+  the PC: one replica's 404 (say, one restarted with an empty memory store) is not a fence, the run goes on and
+  the checkpoint is sent again; :meth:`~KvspApi.tokens` reports every non-200 as :class:`RetryElsewhere`
   (its reader asks the PC where the session went).
 * **Retries.** Only idempotent requests are retried, only after a transport failure, never after an answer, and
   only with a replayable body: GET, PUT, DELETE, plus two POSTs that are idempotent by construction -- a lookup
@@ -239,6 +241,19 @@ class Stale:
     """The PC holds a newer epoch of the session (or no longer takes this instance's checkpoints): stop."""
 
     detail: str
+
+
+@dataclass(frozen=True)
+class Unknown:
+    """No URI of the PC knows the session (404 everywhere asked): not a fence -- a replica that lost its memory,
+    or the session's record not yet visible -- so the instance keeps its run and sends the checkpoint again."""
+
+    detail: str
+
+
+class _NotHere(RetryElsewhere):
+    """A 404 to a checkpoint at one URI of the PC: the next URI may know the session (internal to
+    :meth:`KvspApi.checkpoint`)."""
 
 
 @dataclass(frozen=True)
@@ -584,20 +599,33 @@ class KvspApi:
         return await self._at(controller, at, safe=True)
 
     async def checkpoint(self, controller: str | ServiceEndpoints, checkpoint: SessionCheckpoint, *,
-                         done: bool = False, timeout: float | None = None) -> Acknowledged | Stale:
+                         done: bool = False, timeout: float | None = None) -> Acknowledged | Stale | Unknown:
         """``PUT {controller}sessions/{id}/checkpoint`` (*done*: the extension member saying the session ended).
 
-        :class:`Stale` when the PC answers ``kvsp-stale-epoch``, 403 or 404, or acknowledges a newer epoch;
-        raises :class:`RetryElsewhere` (try again later) and, for another 4xx, its Problem."""
+        :class:`Stale` -- stop the run -- when the PC answers ``kvsp-stale-epoch`` or 403 (an explicit fence: this
+        instance does not serve the session's epoch), or acknowledges a newer epoch; :class:`Unknown` -- keep
+        the run, send again -- when every URI of the PC asked answers 404; raises :class:`RetryElsewhere` (try
+        again later) and, for another 4xx, its Problem."""
         path = f"sessions/{checkpoint.session}/checkpoint"
         body = checkpoint.to_json()
         if done:
             body["done"] = True
+
+        async def at(base: str) -> CheckpointAck:
+            url = self.url(base, path)
+            try:
+                return await self._json("PUT", url, CheckpointAck, body=body, timeout=timeout)
+            except Problem as exc:
+                if exc.status == 404 and not isinstance(exc, StaleEpoch):  # this replica lacks it: ask the next
+                    raise _NotHere(f"PUT {url}: {exc}", status=404, problem=exc) from None
+                raise
+
         try:
-            ack = await self._at(controller, lambda base: self._json(
-                "PUT", self.url(base, path), CheckpointAck, body=body, timeout=timeout), safe=True)
+            ack = await self._at(controller, at, safe=True)
+        except _NotHere as exc:
+            return Unknown(str(exc))
         except Problem as exc:
-            if isinstance(exc, StaleEpoch) or exc.status in (403, 404):
+            if isinstance(exc, StaleEpoch) or exc.status == 403:
                 return Stale(str(exc))
             raise
         if ack.epoch > checkpoint.epoch:

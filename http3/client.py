@@ -44,7 +44,7 @@ from http3.h3_client import (
     KeepAlive,
 )
 from kvsp_quic.problems import Problem, problem_from_json
-from quic.tls import TlsFiles, TransportSettings, ssl_client_context
+from quic.tls import TlsFiles, TransportSettings, identity_of_der, serves, ssl_client_context
 
 log = logging.getLogger("kvsp.client")
 
@@ -376,7 +376,8 @@ class KvspClient:
                           timeout: float) -> Response:
         assert self._tcp is not None
         body: Any = bytes(content) if isinstance(content, bytearray | memoryview) else content
-        request = self._tcp.build_request(method, url, headers=dict(headers), content=body)
+        request = self._tcp.build_request(method, url, headers=dict(headers), content=body,
+                                          extensions={"trace": _identity_check(url)})
         try:
             response = await self._tcp.send(request, stream=True)
         except httpx.TimeoutException:
@@ -385,6 +386,29 @@ class KvspClient:
             raise TransportError(f"{method} {url}: {exc or type(exc).__name__}") from None
         return Response(response.status_code, Headers(response.headers.raw), response.http_version,
                         response.aiter_raw(), response.aclose, timeout)
+
+
+def _identity_check(url: str) -> Callable[[str, dict[str, Any]], Awaitable[None]]:
+    """The httpx (httpcore) ``trace`` hook of a request to *url* on the HTTP/2 path: when it opens a connection,
+    the server certificate's SAN URI must cover the URL (:func:`quic.tls.serves`, as on the HTTP/1.1 and HTTP/3
+    paths) before any request octet is sent; else the connection is closed and the request fails with a transport
+    error. A pooled connection serves one origin (scheme, host, port), and ``serves`` compares the host and port,
+    so the check made when it was opened holds for every later request on it."""
+    parts = urlsplit(url)
+    host, port, path = parts.hostname or "", parts.port or 443, parts.path or "/"
+
+    async def trace(event: str, info: dict[str, Any]) -> None:
+        if event != "connection.start_tls.complete":
+            return
+        stream = info["return_value"]
+        ssl_object = stream.get_extra_info("ssl_object")
+        der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+        problem = serves(identity_of_der(der) if der else None, "https", host, port, path)
+        if problem is not None:
+            await stream.aclose()
+            raise httpx.ConnectError(problem)
+
+    return trace
 
 
 def _check_transport(transport: str) -> str:

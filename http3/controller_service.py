@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -360,10 +361,12 @@ class ControllerService:
             return False
         return True
 
-    async def _send(self, assignment: Assignment, session: uuid.UUID) -> None:
-        message = assignment.message
+    async def _send(self, assignment: Assignment, session: PlacedSession) -> None:
+        # The session's owner goes with every start and resume, so the instance serves the session's token stream
+        # and state only to it (and the PC): docs/wire.md, "Session owner" (extension).
+        message = dataclasses.replace(assignment.message, owner=session.owner)
         if isinstance(message, SessionResume):
-            await self.link.resume(assignment.instance, session, message)
+            await self.link.resume(assignment.instance, session.id, message)
         else:
             await self.link.start(assignment.instance, message)
 
@@ -388,7 +391,7 @@ class ControllerService:
             await self._persist(session)  # the instance may checkpoint (at any replica) before it answers
             error = None
             try:
-                await self._send(assignment, session.id)
+                await self._send(assignment, session)
             except (Problem, OSError) as exc:
                 error = exc
             if isinstance(error, BadRequest) and isinstance(assignment.message, SessionStart):

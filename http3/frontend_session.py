@@ -77,16 +77,25 @@ class Completion:
         except RetryElsewhere as exc:  # the PC is unreachable, busy or failed: the client may try again
             problem = exc.problem
             if problem is not None and problem.status == 429:
-                raise RateLimited(problem.detail or "the Placement Controller is busy", 1) from None
-            raise Overloaded(f"the Placement Controller: {problem.detail if problem else exc}") from None
+                raise RateLimited("the Placement Controller is busy; try again later", 1) from None
+            what = "has no capacity for the request now" if problem is not None else "is unavailable"
+            raise self._unavailable(what, problem.detail if problem is not None and problem.detail else exc) \
+                from None
         except (TransportError, OSError, TimeoutError) as exc:
-            raise Overloaded(f"the Placement Controller did not answer: {exc}") from None
+            raise self._unavailable("is unavailable", exc or type(exc).__name__) from None
         if assigned.instance is None:
             raise Overloaded(f"the Placement Controller placed session {self.session} nowhere")
         self.instance, epoch = assigned.instance, assigned.epoch
         self.relay.new_epoch(epoch)
         self.placed = True
         fe.stats.sessions += 1
+
+    def _unavailable(self, what: str, cause: object) -> Overloaded:
+        """The 503 of a PC that cannot place the session: its transport error or answer (internal URIs, peer
+        errors) goes to the log under a reference id; the client gets a generic message with that id (issue 13)."""
+        ref = uuid.uuid4().hex[:12]
+        log.warning("session %s: the Placement Controller %s (ref %s): %s", self.session, what, ref, cause)
+        return Overloaded(f"the Placement Controller {what}; try again later (ref {ref})")
 
     async def tokens(self) -> AsyncIterator[tuple[int, int, Logprobs | None]]:
         """(index, token, logprobs) as they are released, exactly once each, across instance failures."""

@@ -10,6 +10,10 @@ routes that translate requests to the asyncio service (:mod:`http3.instance_serv
     GET  sessions/{id}/tokens?from=N    client       application/x-ndjson                 (extension)
     GET  status                         controller, client   the Instance Status Record  (extension)
     GET  sessions/{id}                  controller, client   the run: state, loaded blocks, TTFT (extension)
+    DELETE sessions/{id}                controller   cancel the run                       (extension)
+
+A session's token stream and ``GET sessions/{id}`` answer only the PC and the session's owner (the identity the
+PC names in the start or resume; docs/wire.md, "Session owner"): another client of the same scope gets 404.
     GET  blocks/{compat}/{scope}/{key}  client, instance, holder   its own replicas (holder resources)
     POST leases, PUT/DELETE leases/{id} client, instance, holder
 
@@ -37,7 +41,7 @@ from http3.instance_service import InstanceService
 from http3.metrics_app import TransferMetrics, mount_metrics
 from http3.problem_response import install
 from kvsp_quic import fields as f
-from kvsp_quic.auth import Policy, Role, require_scope
+from kvsp_quic.auth import Policy, Role
 from kvsp_quic.metrics import holder_collectors, retrieval_collectors
 from kvsp_quic.problems import BadRequest, NotFound
 from kvsp_quic.records import CheckpointAck, PrefetchDirective, ReshardPlan, StateMessage, parse_reshard
@@ -112,16 +116,14 @@ def instance_routes(service: InstanceService[Any], *, max_json_bytes: int = MAX_
 
     async def get_tokens(request: Request) -> Response:
         sid = _session_id(request)
-        session = service.role.sessions.get(sid)
-        require_scope(principal_of(request), session.scope_id)
+        session = service.readable_session(principal_of(request), sid)  # the session's owner or the PC
         text = request.query_params.get("from", "0")
         if not text.isascii() or not text.isdigit() or len(text) > 10:
             raise BadRequest(f"from={text!r}: expected a token index")
         return StreamingResponse(service.tokens(session, int(text)), media_type=NDJSON, headers=NO_STORE)
 
     async def get_session(request: Request) -> Response:
-        session = service.role.sessions.get(_session_id(request))
-        require_scope(principal_of(request), session.scope_id)
+        session = service.readable_session(principal_of(request), _session_id(request))
         return kvsp_json(session.info())
 
     async def delete_session(request: Request) -> Response:

@@ -26,19 +26,19 @@ from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic
 
-from http3.api import Acknowledged, KvspApi, ServiceEndpoints, Stale
+from http3.api import Acknowledged, KvspApi, ServiceEndpoints, Stale, Unknown
 from http3.client import KvspClient, TransportError
 from http3.instance_blocks import BlockFinder, BlockLoad, BlockLoads, restrict
 from http3.instance_reshard import Resharding
 from http3.instance_runs import PlanMaker, RunHooks, RunPlanner
 from http3.publisher import ReplicaPublisher
 from http3.retrieval import BlockFetcher
-from kvsp_quic.auth import Principal, require_scope
+from kvsp_quic.auth import Principal, Role, require_scope
 from kvsp_quic.compat import InstanceState
 from kvsp_quic.engine import InstanceEngine, P, PageHolder, PrefixUnavailable, RunEnd
 from kvsp_quic.keys import uri_id
 from kvsp_quic.metrics import KvspMetrics, Registry
-from kvsp_quic.problems import Problem, Unavailable
+from kvsp_quic.problems import NotFound, Problem, Unavailable
 from kvsp_quic.records import (
     LookupMatch,
     PrefetchDirective,
@@ -80,7 +80,9 @@ class Signal:
 
 @dataclass(frozen=True)
 class RetryLater:
-    """A checkpoint the PC did not answer usefully (a transport failure, a 5xx, another refusal): sent again."""
+    """A checkpoint the PC did not answer usefully (a transport failure, a 5xx, another refusal, or a 404 from
+    every URI of the PC asked: :class:`~http3.api.Unknown`): sent again, at the next URI that answers; the run goes
+    on. Only ``kvsp-stale-epoch`` or an explicit fence (403) -- :class:`~http3.api.Stale` -- stops it."""
 
     detail: str
 
@@ -118,6 +120,7 @@ class InstanceService(Generic[P]):
         options = options if options is not None else ServiceOptions()
         self.role = role
         self.engine = engine
+        role.engine_identity = (engine.name, engine.build)  # the "engine" status extension (docs/wire.md)
         self.holder = holder
         self.client = client
         self.api = KvspApi(client, timeout=options.request_timeout_s)
@@ -302,6 +305,7 @@ class InstanceService(Generic[P]):
     def start_session(self, principal: Principal, sid: uuid.UUID, body: SessionStart) -> InstanceSession:
         admitted = self.role.start_session(principal, sid, body)
         if admitted.new:
+            admitted.session.owner = body.owner
             self._supersede(admitted.superseded)
             listed = {bytes(x.block_key): x.sources for x in body.blocks} if body.blocks else None
             self._begin(admitted.session, self.planner.start(admitted.session, body.prompt, admitted.keyer, listed))
@@ -310,10 +314,21 @@ class InstanceService(Generic[P]):
     def resume_session(self, principal: Principal, sid: uuid.UUID, body: SessionResume) -> InstanceSession:
         admitted = self.role.resume_session(principal, sid, body)
         if admitted.new:
+            admitted.session.owner = body.owner
             self._supersede(admitted.superseded)
             self.kvsp.migrations.labels(component="instance").inc()
             self._begin(admitted.session, self.planner.resume(admitted.session, body.prompt, admitted.keyer))
         return admitted.session
+
+    def readable_session(self, principal: Principal, sid: uuid.UUID) -> InstanceSession:
+        """The run of *sid* for ``GET sessions/{id}`` and its token stream: a principal of its scope (403
+        kvsp-scope-denied otherwise) that is the PC or the session's owner named by the PC's start or resume
+        (docs/wire.md, "Session owner"); anyone else gets the 404 of an unknown session, as at the PC."""
+        session = self.role.sessions.get(sid)
+        require_scope(principal, session.scope_id)
+        if not session.readable_by(principal.identity, controller=principal.has_role(Role.CONTROLLER)):
+            raise NotFound(f"no session {sid} at this instance")
+        return session
 
     def cancel_session(self, sid: uuid.UUID) -> None:
         """``DELETE sessions/{id}`` from the PC (extension, docs/wire.md "Cancelling a session"): the run stops (its
@@ -405,6 +420,10 @@ class InstanceService(Generic[P]):
                 return
             session.checkpoint_done(cp.output_offset, isinstance(outcome, Acknowledged))
             if isinstance(outcome, RetryLater):
+                if session.phase.finished and self.role.sessions.sessions.get(session.id) is not session:
+                    log.warning("checkpoint %s at %d: never taken; the finished run was retired", cp.session,
+                                cp.output_offset)
+                    return  # retired after session_retention_ms: nobody reads it any more
                 await asyncio.sleep(self.options.checkpoint_retry_s)
 
     async def _put_checkpoint(self, controller: str | ServiceEndpoints, cp: SessionCheckpoint,
@@ -417,6 +436,11 @@ class InstanceService(Generic[P]):
             log.info("checkpoint %s at %d: %s", cp.session, cp.output_offset, exc)
             return RetryLater(str(exc))
         self.checkpoints_sent += 1
+        if isinstance(outcome, Unknown):
+            # not a fence: a PC replica that lost its memory (a restart on an empty memory store), or the session's
+            # record not yet visible there; the next attempt asks the PC's URIs again (http3.api.ServiceEndpoints)
+            log.warning("checkpoint %s at %d: %s; sent again", cp.session, cp.output_offset, outcome.detail)
+            return RetryLater(outcome.detail)
         if isinstance(outcome, Stale):
             # a newer epoch, or the PC does not (or no longer) take this instance's checkpoints for the session
             log.warning("checkpoint %s at %d: %s; this run stops", cp.session, cp.output_offset, outcome.detail)

@@ -3,14 +3,16 @@
 * :func:`send_problem` answers a raw ASGI request with a :class:`~kvsp_quic.problems.Problem` (used by
   middleware such as :mod:`http3.authz`, which runs before any framework);
 * :func:`install` registers handlers on a starlette application so that a ``Problem`` raised by a handler,
-  starlette's own ``HTTPException`` (404 from the router, 405 with ``Allow``) and any unexpected exception
-  (500, without internals) are rendered the same way.
+  starlette's own ``HTTPException`` (404 from the router, 405 with ``Allow``), a store that cannot be reached
+  (Redis down: 503 with ``Retry-After``, one warning line, no traceback) and any unexpected exception (500,
+  without internals) are rendered the same way.
 
 Every problem response carries ``Content-Type: application/problem+json`` and ``Cache-Control: no-store``.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from http import HTTPStatus
 
@@ -24,7 +26,10 @@ from kvsp_quic.problems import PROBLEM_MEDIA_TYPE, Problem, to_problem_json
 
 HeaderItems = Iterable[tuple[str | bytes, str | bytes]]
 
+log = logging.getLogger("kvsp.http")
+
 INTERNAL_ERROR_DETAIL = "the server failed to complete the request"
+STORE_RETRY_AFTER_S = 1
 _BASE_HEADERS = ((b"content-type", PROBLEM_MEDIA_TYPE.encode("ascii")), (b"cache-control", b"no-store"))
 
 
@@ -78,8 +83,26 @@ async def internal_error_handler(request: Request, exc: Exception) -> Response:
     return problem_response(Problem(INTERNAL_ERROR_DETAIL, status=500))
 
 
+async def store_unavailable_handler(request: Request, exc: Exception) -> Response:
+    """The shared store (Redis) did not answer: the request may succeed later, here or at another replica."""
+    log.warning("%s %s: the store is unreachable: %s", request.method, request.url.path, exc)
+    return problem_response(Problem("the service's store is unreachable; try again", status=503),
+                            [("retry-after", str(STORE_RETRY_AFTER_S))])
+
+
+def _store_errors() -> tuple[type[Exception], ...]:
+    try:  # redis is an optional dependency (the [redis] extra)
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import TimeoutError as RedisTimeoutError
+    except ImportError:
+        return ()
+    return (RedisConnectionError, RedisTimeoutError)
+
+
 def install(app: Starlette) -> None:
     """Render every error of *app* as problem+json (call once, when the app is built)."""
     app.add_exception_handler(Problem, problem_handler)
     app.add_exception_handler(HTTPException, http_exception_handler)
+    for error in _store_errors():
+        app.add_exception_handler(error, store_unavailable_handler)
     app.add_exception_handler(Exception, internal_error_handler)

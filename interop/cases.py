@@ -8,21 +8,27 @@ GET case reads) go through ``env.setup``, our own client, so a peer is judged on
 
 The inference cases (prefetch, instance-state, checkpoint-resume, reshard-commit-abort) run against a real
 ``kvsp-quic instance --device cpu`` (a tiny random model, blocks of 4 tokens; interop/servers.py), which reports to
-the index process's Placement Controller. Its resources need the controller role: the driver sends them with the
-PC's own certificate (principal ``controller``, the identity the PC itself uses towards instances); checkpoints go
-to the PC with the instance's own certificate (principal ``ii``), since the PC takes them only from the instance
-serving the session.
+the index process's Placement Controller, once per engine: the plain names against ``--engine reference``, the
+names ending in ``@transformers`` against ``--engine transformers`` (the instance is the implementation parameter
+of those rows). Their resources need the controller role: the driver sends them with the PC's own certificate
+(principal ``controller``, the identity the PC itself uses towards instances); checkpoints go to the PC with the
+instance's own certificate (principal ``ii``, ``ii-transformers``), since the PC takes them only from the instance
+serving the session. The cross-engine cases compute a prompt on one engine's instance and load its blocks on the
+other engine's, both ways, over HTTP/3 (instances started with ``--no-moqt``) or over MOQT, and check that the
+loading instance's greedy tokens are the computing one's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import hashlib
 import json
+import random
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +37,7 @@ from http3.client import KvspClient
 from http3.retrieval import BlockFetcher, HttpSource
 from interop.drivers import NO_HEADERS, Driver, Refused, Reply, Request, Unsupported
 from interop.moqt_drivers import ALPN, MoqtDriver, OursMoqt
-from interop.servers import DEV_IDENTITY
+from interop.servers import DEV_IDENTITY, INSTANCES
 from kvsp_moqt.source import MoqtSource, PreferMoqt
 from kvsp_moqt.tracks import moqt_record, track_name, track_namespace
 from kvsp_quic import container
@@ -77,12 +83,15 @@ KVSP = "https://iana.org/assignments/kvsp#"
 
 @dataclass(frozen=True)
 class Inference:
-    """The run's inference instance (``kvsp-quic instance --device cpu``), as the cases see it."""
+    """An inference instance of the run (``kvsp-quic instance --device cpu``), as the cases see it."""
 
-    uri: str  # its base URI, which is also its identity (principal "ii")
+    uri: str  # its base URI, which is also its identity (principal "ii" for the reference instance)
     instance_id: str
     descriptor: CompatDescriptor  # its cache (the holder serves it too)
     keyer: BlockKeyer  # the cases' scope (the instance holds its key), the instance's compat_id and block size
+    name: str = "reference"  # in interop.servers.INSTANCES
+    principal: str = "ii"  # the name of its own certificate (Env.tls)
+    moqt: str = ""  # moqt://host:port/ of its replicas' twins
 
 
 @dataclass
@@ -101,9 +110,10 @@ class Env:
     holder_moqt: str = ""  # moqt://host:port/ of the holder (same UDP port as its HTTP/3)
     relay: str = ""  # base URI of the relay (GET status)
     relay_moqt: str = ""  # moqt://host:port/ of the relay
-    ii: Inference | None = None  # the inference instance, when the run started one
-    ii_missing: str = "the inference instance was not started for this run"  # why not (its cases: unsupported)
-    ii_error: str = ""  # it was to start and did not (its cases fail)
+    instances: dict[str, Inference] = dataclasses.field(default_factory=dict)  # the ones the run started, by name
+    instance_missing: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> why not (unsupported)
+    instance_error: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> why it did not start (fail)
+    current: str = "reference"  # the instance of the case being run (set by the case's wrapper: on_instance)
 
     @property
     def api(self) -> KvspApi:
@@ -129,7 +139,11 @@ class CaseInfo:
     resource: str  # the spec resource (or MOQT feature) it covers
     run: Case | None  # None: no server of ours implements it yet
     why_not: str = ""
-    needs_instance: bool = False  # the runner starts the inference instance only for such cases
+    instances: tuple[str, ...] = ()  # the inference instances it needs: the runner starts only those
+
+    @property
+    def needs_instance(self) -> bool:
+        return bool(self.instances)
 
 
 def expect(reply: Reply | Refused, status: int, what: str) -> Reply:
@@ -400,17 +414,47 @@ GREEDY = Sampler("greedy", 0, 0, True)
 WAIT_S = 10.0  # how long a case waits for something asynchronous (a load, a session's end) before failing
 
 
-def inference(env: Env, driver: Driver) -> Inference:
-    """The instance, for a driver that can play an inference case; checked before any setup is spent on the cell."""
+def inference(env: Env, driver: Driver, name: str | None = None) -> Inference:
+    """Instance *name* (default: the case's), for a driver that can play an inference case; checked before any setup
+    is spent on the cell."""
     if isinstance(driver, MoqtDriver):
         raise Unsupported("a MOQT client: the case is an HTTP exchange")
     if not driver.sets_headers:
         raise Unsupported(NO_HEADERS)  # every request of these cases carries Content-Type: application/kvsp+json
-    if env.ii is None:
-        if env.ii_error:
-            raise AssertionError(env.ii_error)
-        raise Unsupported(env.ii_missing)
-    return env.ii
+    name = name or env.current
+    ii = env.instances.get(name)
+    if ii is None:
+        if name in env.instance_error:
+            raise AssertionError(env.instance_error[name])
+        raise Unsupported(env.instance_missing.get(name, f"the {name} instance was not started for this run"))
+    return ii
+
+
+def on_instance(name: str, case: Case) -> Case:
+    """*case* against instance *name*: the matrix's rows per engine."""
+    async def run(env: Env, driver: Driver) -> None:
+        env.current = name
+        try:
+            await case(env, driver)
+        finally:
+            env.current = "reference"
+
+    return run
+
+
+@contextlib.asynccontextmanager
+async def alone_at_pc(env: Env, ii: Inference) -> AsyncIterator[None]:
+    """The other inference instances sleep (through the PC) while the block runs, so that the PC places sessions on
+    *ii*; they are active again at the PC afterwards."""
+    others = [x for x in env.instances.values() if x.uri != ii.uri]
+    try:
+        for other in others:
+            await setup_call(env, "PUT", f"{env.index}instances/{other.instance_id}/state",
+                             StateMessage(InstanceState.SLEEPING).to_json())
+        yield
+    finally:
+        for other in others:
+            await until_active_at_pc(env, other)
 
 
 def dumps(obj: Any) -> bytes:
@@ -560,10 +604,11 @@ async def checkpoint_resume(env: Env, driver: Driver) -> None:
     # setup: a session through the PC (as the front end would), run to its end by the instance
     sid, prompt, max_tokens = uuid.uuid4(), prompt_of(n, 6), 8
     request = SessionRequest(sid, ii.keyer.scope_id, ii.descriptor.compat_id, tuple(prompt), max_tokens, GREEDY)
-    info = await env.api.create_session(env.index, request)
-    assert info.instance == ii.uri, f"setup: the PC placed the session on {info.instance}"
-    epoch = info.epoch
-    lines = await token_lines(env, ii, sid)
+    async with alone_at_pc(env, ii):
+        info = await env.api.create_session(env.index, request)
+        assert info.instance == ii.uri, f"setup: the PC placed the session on {info.instance}"
+        epoch = info.epoch
+        lines = await token_lines(env, ii, sid)
     tokens = [x.token for x in lines if x.token is not None]
     assert len(tokens) == max_tokens and lines[-1].done, f"setup: the session's stream: {lines}"
     session_url = f"{env.index}sessions/{sid}"
@@ -572,7 +617,7 @@ async def checkpoint_resume(env: Env, driver: Driver) -> None:
         assert asyncio.get_running_loop().time() < deadline, "setup: the PC never saw the session's last checkpoint"
         await asyncio.sleep(0.05)
     # PUT sessions/{id}/checkpoint, as the instance serving the session
-    as_ii = send(driver, env, "ii")
+    as_ii = send(driver, env, ii.principal)
     url = f"{session_url}/checkpoint"
     cp = checkpoint_of(ii, sid, epoch, prompt, tokens, 4)
     older = dataclasses.replace(cp, epoch=epoch - 1)
@@ -635,6 +680,71 @@ async def reshard_commit_abort(env: Env, driver: Driver) -> None:
                    "a plan from a version the instance does not hold")
 
 
+CROSS_PROMPT_BLOCKS = 6  # the computing instance publishes these; one more token is the prompt's tail
+
+
+async def run_direct(env: Env, call: Callable[..., Awaitable[Reply | Refused]], ii: Inference, prompt: list[int],
+                     max_tokens: int) -> tuple[list[int], dict[str, Any]]:
+    """A greedy session started on *ii* directly (``POST sessions/{id}/start`` as the PC, no blocks named: the
+    instance looks the prompt's blocks up itself), its tokens, and its ``GET sessions/{id}`` once done. The PC does
+    not know the session and takes none of its checkpoints: *max_tokens* tokens must not complete a block, so that
+    the run's only checkpoint is the final one, after its last token."""
+    sid = uuid.uuid4()
+    start = SessionStart(sid, 1, ii.keyer.scope_id, ii.descriptor.compat_id, tuple(prompt), max_tokens, GREEDY)
+    expect(await call("POST", f"{ii.uri}sessions/{sid}/start", dumps(start.to_json()), JSON), 201,
+           f"start on the {ii.name} instance")
+    lines = await token_lines(env, ii, sid)
+    tokens = [x.token for x in lines if x.token is not None]
+    assert not any(x.failed for x in lines), f"the {ii.name} instance's run failed: {lines[-1]}"
+    assert len(tokens) == max_tokens, f"the {ii.name} instance gave {len(tokens)} tokens: {lines}"
+    info = body_of(expect(await call("GET", f"{ii.uri}sessions/{sid}"), 200, "GET sessions/{id}"))
+    return tokens, info
+
+
+def cross_engine(pairs: tuple[tuple[str, str], ...], transport: str) -> Case:
+    """For each (A, B) of *pairs*: a prompt computed and published by instance A is loaded by instance B (of the
+    other engine) over *transport* ("HTTP/3" or "MOQT"); B's greedy tokens are A's (fp32: the engines agree within
+    float rounding, docs/inference.md "Exact across engines")."""
+    async def run(env: Env, driver: Driver) -> None:
+        for a_name, b_name in pairs:
+            for name in (a_name, b_name):
+                inference(env, driver, name)  # unsupported, or failed, before any setup
+        call = send(driver, env, "controller")
+        for a_name, b_name in pairs:
+            a, b = env.instances[a_name], env.instances[b_name]
+            assert INSTANCES[a_name].engine != INSTANCES[b_name].engine
+            assert a.descriptor == b.descriptor, "setup: the engines derived different descriptors"
+            d = a.descriptor
+            rng = random.Random(f"cross-engine-{env.fresh()}")  # prompt_of's prompts share blocks 12 numbers apart
+            prompt = [rng.randrange(256) for _ in range(CROSS_PROMPT_BLOCKS * d.block_tokens + 1)]
+            keys = [bytes(k) for k in a.keyer.keys(prompt)]
+            assert len(keys) == CROSS_PROMPT_BLOCKS
+            a_tokens, a_info = await run_direct(env, call, a, prompt, 2)
+            assert a_info["loaded_blocks"] == 0, f"setup: {a_name} loaded blocks of a fresh prompt: {a_info}"
+            for key in keys:  # B must see A's records (the MOQT twin too: B prefers it) before it looks them up
+                await until_published(env, key, a.uri, d.compat_id)
+                if transport == "MOQT":
+                    await until_published(env, key, a.moqt, d.compat_id)
+            b_tokens, b_info = await run_direct(env, call, b, prompt, 2)
+            sources = b_info["block_sources"]
+            assert b_info["loaded_blocks"] == CROSS_PROMPT_BLOCKS, f"{b_name} did not load {a_name}'s blocks: {b_info}"
+            assert set(sources) and all(where.startswith(transport) for where in sources), \
+                f"{b_name} loaded {a_name}'s blocks over {sources}, not {transport}"
+            assert b_tokens == a_tokens, f"{b_name} (loaded) gave {b_tokens}, {a_name} (computed) {a_tokens}"
+
+    return run
+
+
+# the inference cases: each runs once per engine (the instance is the implementation parameter of its rows)
+INFERENCE_CASES: list[tuple[str, str, Case]] = [
+    ("prefetch", "II POST prefetch; GET prefetch/{id} (blocks loaded from the holder)", prefetch),
+    ("instance-state", "II PUT state (draining: starts refused; active), GET status", instance_state),
+    ("checkpoint-resume", "PC PUT sessions/{id}/checkpoint (stale epoch, highest offset); II POST "
+     "sessions/{id}/resume", checkpoint_resume),
+    ("reshard-commit-abort", "II POST reshard (plan with fetch, commit; plan with retain, abort; conflicts)",
+     reshard_commit_abort),
+]
+
 CASES: list[CaseInfo] = [
     CaseInfo("mtls-refused", "mutual TLS (every resource)", mtls_refused),
     CaseInfo("replica-publish-refresh-withdraw", "IS PUT, DELETE replicas/{holder-id}/{block_key}",
@@ -648,14 +758,18 @@ CASES: list[CaseInfo] = [
     CaseInfo("block-not-found", "Holder GET blocks/... unknown (problem+json)", block_not_found),
     CaseInfo("lease-lifecycle", "Holder POST leases; PUT, DELETE leases/{id}", lease_lifecycle),
     CaseInfo("lease-quota", "Holder POST leases over quota (kvsp-lease-quota)", lease_quota),
-    CaseInfo("prefetch", "II POST prefetch; GET prefetch/{id} (blocks loaded from the holder)", prefetch,
-             needs_instance=True),
-    CaseInfo("instance-state", "II PUT state (draining: starts refused; active), GET status", instance_state,
-             needs_instance=True),
-    CaseInfo("checkpoint-resume", "PC PUT sessions/{id}/checkpoint (stale epoch, highest offset); II POST "
-             "sessions/{id}/resume", checkpoint_resume, needs_instance=True),
-    CaseInfo("reshard-commit-abort", "II POST reshard (plan with fetch, commit; plan with retain, abort; conflicts)",
-             reshard_commit_abort, needs_instance=True),
+    *(CaseInfo(name + suffix, resource + note, on_instance(instance, run), instances=(instance,))
+      for instance, suffix, note in (("reference", "", ""),
+                                     ("transformers", "@transformers", " -- kvsp-quic instance --engine transformers"))
+      for name, resource, run in INFERENCE_CASES),
+    CaseInfo("cross-engine-http3", "II POST sessions/{id}/start: a prompt computed by one engine's instance, its "
+             "blocks loaded by the other's over HTTP/3, both ways; the same greedy tokens",
+             cross_engine((("reference-h3", "transformers-h3"), ("transformers-h3", "reference-h3")), "HTTP/3"),
+             instances=("reference-h3", "transformers-h3")),
+    CaseInfo("cross-engine-moqt", "II POST sessions/{id}/start: a prompt computed by one engine's instance, its "
+             "blocks loaded by the other's over MOQT, both ways; the same greedy tokens",
+             cross_engine((("reference", "transformers"), ("transformers", "reference")), "MOQT"),
+             instances=("reference", "transformers")),
     CaseInfo("moqt-setup", "MOQT SETUP with the holder and the relay (mutual TLS; the driver's draft)", moqt_setup),
     CaseInfo("moqt-publish-namespace", "MOQT PUBLISH_NAMESPACE to the relay (own holder-id; another's refused)",
              moqt_publish_namespace),

@@ -19,8 +19,8 @@ def _grid(cells: list[dict[str, Any]]) -> tuple[list[str], list[str], dict[tuple
 
 def markdown(cells: list[dict[str, Any]], bad_keys: set[str] = frozenset()) -> str:  # type: ignore[assignment]
     cases, clients, by = _grid(cells)
-    lines = ["server: kvsp-quic (index + Placement Controller, holder, relay, inference instance); rows: test cases; "
-             "columns: client implementation-transport", "",
+    lines = ["server: kvsp-quic (index + Placement Controller, holder, relay, inference instances: rows ending in "
+             "@transformers run --engine transformers); rows: test cases; columns: client implementation-transport", "",
              "| case | " + " | ".join(clients) + " |", "|---|" + "---|" * len(clients)]
     for case in cases:
         row = []

@@ -19,13 +19,14 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from http3.client import KvspClient
 from interop import report
 from interop.cases import CASES, CaseInfo, Env, Inference
 from interop.drivers import Driver, Unsupported, all_drivers
 from interop.moqt_drivers import MoqtDriver, moqt_drivers
-from interop.servers import INSTANCE_URI, SCOPE_KEY, Servers, start
+from interop.servers import INSTANCE_URI, INSTANCES, SCOPE_KEY, principal_of, start
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.keys import BlockKeyer, scope_id
 from kvsp_quic.samples import example_descriptor
@@ -95,28 +96,29 @@ class _Logged(Driver):
         return reply
 
 
-def _inference(servers: Servers) -> Inference | None:
-    ready = servers.instance
-    if not ready:
-        return None
+def _inference(name: str, ready: dict[str, Any]) -> Inference:
     descriptor = CompatDescriptor.from_json(ready["descriptor"])
-    assert ready["scope_ids"] == [scope_id(SCOPE_KEY).hex()], f"the instance serves {ready['scope_ids']}"
+    assert ready["scope_ids"] == [scope_id(SCOPE_KEY).hex()], f"the {name} instance serves {ready['scope_ids']}"
     return Inference(ready["base_uri"], ready["instance_id"], descriptor,
-                     BlockKeyer(SCOPE_KEY, descriptor.compat_id, descriptor.block_tokens))
+                     BlockKeyer(SCOPE_KEY, descriptor.compat_id, descriptor.block_tokens), name=name,
+                     principal=principal_of(name), moqt=ready.get("moqt") or "")
 
 
 async def run(cases: list[CaseInfo], drivers: list[Driver], out: Path) -> list[Cell]:
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     cells: list[Cell] = []
-    # the instance only when a selected HTTP driver plays a case that needs it (it adds ~1.5 s to the start)
-    instance = any(c.needs_instance and c.run is not None for c in cases) and \
-        any(not isinstance(d, MoqtDriver) for d in drivers)
+    # the instances only when a selected HTTP driver plays a case that needs them (each adds ~1.5 s to the start;
+    # a transformers one, its import too)
+    instances: list[str] = []
+    if any(not isinstance(d, MoqtDriver) for d in drivers):
+        instances = [n for n in INSTANCES if any(n in c.instances and c.run is not None for c in cases)]
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()
-        servers = start(Path(tmp), logs, instance=instance)
+        servers = start(Path(tmp), logs, instances=instances)
         print(f"interop: servers up in {time.perf_counter() - started:.1f}s"
-              + (" (with the inference instance)" if servers.instance else ""), file=sys.stderr, flush=True)
+              + (f" (with the inference instances {', '.join(servers.instances)})" if servers.instances else ""),
+              file=sys.stderr, flush=True)
         try:
             dev = servers.dev
 
@@ -129,8 +131,9 @@ async def run(cases: list[CaseInfo], drivers: list[Driver], out: Path) -> list[C
                 env = Env(servers.index["base_uri"], servers.holder["base_uri"], tls, INSTANCE_URI, setup, inst,
                           descriptor, BlockKeyer(SCOPE_KEY, descriptor.compat_id, descriptor.block_tokens),
                           holder_moqt=servers.holder["moqt"], relay=servers.relay["base_uri"],
-                          relay_moqt=servers.relay["moqt"], ii=_inference(servers),
-                          ii_missing=servers.instance_missing, ii_error=servers.instance_error)
+                          relay_moqt=servers.relay["moqt"],
+                          instances={n: _inference(n, r) for n, r in servers.instances.items()},
+                          instance_missing=servers.instance_missing, instance_error=servers.instance_error)
                 for case in cases:
                     for driver in drivers:
                         cell = await run_cell(case, driver, env, logs)

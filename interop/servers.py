@@ -3,11 +3,15 @@
 --device cpu`` with a tiny random model made by ``kvsp-quic model init``) with a dev PKI that also holds the
 principals the cases need.
 
-The instance reports to the index process (Index Service + Placement Controller) and publishes its replicas there;
-it serves the scope of :data:`SCOPE_KEY` (written as the dev directory's ``scope.key`` before it starts). The holder
-serves both the spec's example descriptor and the instance's, so blocks of the instance's cache can be stored
-there and prefetched or resharded from there. The instance starts while the holder and the relay start (its
-descriptor is derived beforehand with ``kvsp-quic model descriptor``, and checked against its ready line)."""
+The inference instances are an implementation parameter of the matrix (:data:`INSTANCES`): ``reference`` and
+``transformers`` (``kvsp-quic instance --engine reference|transformers`` on the same model directory: one
+descriptor, one cache), and two more that load blocks over HTTP/3 only (``--no-moqt``) for the cross-engine case
+over HTTP/3. Only the instances the selected cases name are started. Each reports to the index process (Index
+Service + Placement Controller) and publishes its replicas there; each serves the scope of :data:`SCOPE_KEY`
+(written as the dev directory's ``scope.key`` before they start). The holder serves both the spec's example
+descriptor and the instances', so blocks of their cache can be stored there and prefetched or resharded from there.
+The instances start while the holder and the relay start (the descriptor is derived beforehand with ``kvsp-quic
+model descriptor``, and checked against every instance's ready line)."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import json
 import signal
 import subprocess
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,11 +52,35 @@ scopes = "*"
 """
 
 
-def instance_unavailable() -> str | None:
-    """None when ``kvsp-quic instance`` can run here, else why not."""
+@dataclass(frozen=True)
+class InstanceKind:
+    """One inference instance of the matrix: its engine (``--engine``) and whether it loads blocks over MOQT."""
+
+    engine: str
+    moqt: bool = True
+
+
+# name -> kind; "reference" is the instance of the inference cases since the matrix began (principal "ii")
+INSTANCES = {
+    "reference": InstanceKind("reference"),
+    "transformers": InstanceKind("transformers"),
+    "reference-h3": InstanceKind("reference", moqt=False),  # --no-moqt: loads over HTTP/3 (publishes as usual)
+    "transformers-h3": InstanceKind("transformers", moqt=False),
+}
+
+
+def instance_unavailable(name: str = "reference") -> str | None:
+    """None when instance *name* (:data:`INSTANCES`) can run here, else why not."""
     if importlib.util.find_spec("torch") is None:
         return "the inference instance needs torch (pip install 'kvsp-quic[gpu]'), which is not installed here"
+    if INSTANCES[name].engine == "transformers" and importlib.util.find_spec("transformers") is None:
+        return "the transformers engine needs transformers (pip install 'kvsp-quic[test]'), which is not installed"
     return None
+
+
+def principal_of(name: str) -> str:
+    """The principal name of instance *name*'s own certificate in :attr:`Servers.principals`."""
+    return "ii" if name == "reference" else f"ii-{name}"
 
 
 @dataclass
@@ -60,9 +89,9 @@ class Servers:
     index: dict[str, Any] = field(default_factory=dict)
     holder: dict[str, Any] = field(default_factory=dict)
     relay: dict[str, Any] = field(default_factory=dict)
-    instance: dict[str, Any] = field(default_factory=dict)  # its ready line; empty when not started
-    instance_missing: str = "the inference instance was not started for this run"  # its cases: unsupported
-    instance_error: str = ""  # it was to start and did not: its cases fail with this
+    instances: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> its ready line (started ones)
+    instance_missing: dict[str, str] = field(default_factory=dict)  # name -> why not here (its cases: unsupported)
+    instance_error: dict[str, str] = field(default_factory=dict)  # name -> why it did not start (its cases fail)
     # principal name -> certificate file stem in dev: the roles' own certificates under the names the cases use
     principals: dict[str, str] = field(default_factory=dict)
     procs: list[subprocess.Popen[str]] = field(default_factory=list)
@@ -116,9 +145,9 @@ def _stem(role: str, base_uri: str) -> str:
     return f"{role}-{urlsplit(base_uri).port}"
 
 
-def start(work: Path, logs: Path, *, instance: bool = False) -> Servers:
-    """Start the servers in *work* (logs in *logs*); with *instance*, an inference instance too (when torch is
-    installed; otherwise ``Servers.instance_missing`` says why not)."""
+def start(work: Path, logs: Path, *, instances: Iterable[str] = ()) -> Servers:
+    """Start the servers in *work* (logs in *logs*) and the inference instances named in *instances*
+    (:data:`INSTANCES`; one whose engine cannot run here is left out, ``Servers.instance_missing`` says why)."""
     dev = work / "dev"
     servers = Servers(dev)
     try:
@@ -127,19 +156,28 @@ def start(work: Path, logs: Path, *, instance: bool = False) -> Servers:
         servers.principals["controller"] = _stem("index", index)  # the PC's own identity, as instances see it
         descriptors = [work / "example-descriptor.json"]
         descriptors[0].write_text(json.dumps(example_descriptor().to_json()))
-        proc = None
-        missing = instance_unavailable() if instance else servers.instance_missing
-        if missing is None:
+        procs: dict[str, subprocess.Popen[str]] = {}
+        wanted = list(dict.fromkeys(instances))
+        for name in wanted:
+            missing = instance_unavailable(name)
+            if missing is not None:
+                servers.instance_missing[name] = missing
+        if any(name not in servers.instance_missing for name in wanted):
             model = work / "model"
             _tool(["model", "init", str(model), *MODEL_ARGS], logs, "model-init")
             descriptors.append(work / "instance-descriptor.json")
             _tool(["model", "descriptor", str(model), "--block-tokens", str(BLOCK_TOKENS), "-o",
                    str(descriptors[1])], logs, "model-descriptor")
             (dev / "scope.key").write_text(SCOPE_KEY.hex() + "\n")
-            proc = _spawn(["instance", "--dev", str(dev), "--device", "cpu", "--model", str(model), "--block-tokens",
-                           str(BLOCK_TOKENS), "--warmup-tokens", "8", "--device-pages", "256", "--index", index,
-                           "--controller", index], logs, "server-instance")
-            servers.procs.append(proc)
+            for name in wanted:
+                if name in servers.instance_missing:
+                    continue
+                kind = INSTANCES[name]
+                args = ["instance", "--dev", str(dev), "--device", "cpu", "--model", str(model), "--engine",
+                        kind.engine, "--block-tokens", str(BLOCK_TOKENS), "--warmup-tokens", "8", "--device-pages",
+                        "256", "--index", index, "--controller", index]
+                procs[name] = _spawn(args + ([] if kind.moqt else ["--no-moqt"]), logs, f"server-instance-{name}")
+                servers.procs.append(procs[name])
         holder_args = ["holder", "--dev", str(dev), "--index", index]
         for path in descriptors:
             holder_args += ["--descriptor", str(path)]
@@ -148,18 +186,19 @@ def start(work: Path, logs: Path, *, instance: bool = False) -> Servers:
         policy.write_text(RELAY_POLICY)
         servers.relay = _start(servers, ["relay", "--dev", str(dev), "--index", index, "--policy", str(policy),
                                          "--open-prefix", "moq-test"], logs, "server-relay")
-        if proc is None:
-            servers.instance_missing = missing or servers.instance_missing
-        else:
+        for name, proc in procs.items():
             try:
-                ready = _ready(proc, logs, "server-instance")
+                ready = _ready(proc, logs, f"server-instance-{name}")
             except RuntimeError as exc:
-                servers.instance_error = str(exc)
-            else:
-                if ready["descriptor"] != json.loads(descriptors[1].read_text()):
-                    raise RuntimeError("the instance's descriptor is not the one kvsp-quic model descriptor derived")
-                servers.instance = ready
-                servers.principals["ii"] = _stem("instance", ready["base_uri"])  # the instance's own identity
+                servers.instance_error[name] = str(exc)
+                continue
+            if ready["descriptor"] != json.loads(descriptors[1].read_text()):
+                raise RuntimeError(f"the {name} instance's descriptor is not the one kvsp-quic model descriptor "
+                                   f"derived")
+            if ready.get("engine") != INSTANCES[name].engine:
+                raise RuntimeError(f"the {name} instance runs engine {ready.get('engine')!r}")
+            servers.instances[name] = ready
+            servers.principals[principal_of(name)] = _stem("instance", ready["base_uri"])  # its own identity
     except BaseException:
         servers.stop()
         raise

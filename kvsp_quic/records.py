@@ -410,6 +410,20 @@ class Link(Record):
 
 
 @dataclass(frozen=True)
+class EngineStatus(Record):
+    """*(extension)* The ``"engine"`` member of an Instance Status Record: what computes the instance's cache
+    (``name``: ``reference`` or ``transformers``), its build fingerprint (libraries, versions, device type, KV
+    dtype) and the Compatibility ID it serves. The PC marks a session's sampler deterministic only when every
+    eligible instance of the session's ``compat_id`` reports the same ``(name, build)`` (spec, "Records":
+    "sampler.deterministic" is true only if every instance eligible to resume the session produces bit-identical
+    output tokens; docs/wire.md, "Placement Controller")."""
+
+    name: str = wire(f.string)
+    build: str = wire(f.string)
+    compat_id: CompatId = wire(f.compat_id)
+
+
+@dataclass(frozen=True)
 class InstanceStatusRecord(Record):
     instance: str = wire(f.https_uri)
     epoch: int = wire(f.uint)
@@ -423,6 +437,7 @@ class InstanceStatusRecord(Record):
     decode_tokens_per_s: float | None = wire(f.number, default=None)
     links: tuple[Link, ...] = wire(_list(Link.read), default=())
     requested_state: InstanceState | None = wire(_enum(InstanceState), default=None)
+    engine: EngineStatus | None = wire(EngineStatus.read, default=None)  # extension (EngineStatus)
 
     def to_json(self) -> dict[str, Any]:
         out = super().to_json()
@@ -693,7 +708,8 @@ class LeaseResponse(Record):
 
 
 __all__ = [
-    "CheckpointAck", "InstanceStatusRecord", "KvspNamespace", "LeaseRenewal", "LeaseRequest", "LeaseResponse", "Link",
+    "CheckpointAck", "EngineStatus", "InstanceStatusRecord", "KvspNamespace", "LeaseRenewal", "LeaseRequest",
+    "LeaseResponse", "Link",
     "LookupMatch", "LookupRequest", "LookupResponse", "PrefetchBlock", "PrefetchDirective", "PrefetchState",
     "PrefetchStatus", "Record", "ReplicaRecord", "ReshardAbort", "ReshardCommit", "ReshardFetch", "ReshardPlan",
     "ResidencyEntry", "ResumeRequest", "Sampler", "SessionCheckpoint", "Shard", "ShardMap", "StateMessage",

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -17,12 +18,56 @@ ROOT = Path(__file__).resolve().parent.parent
 SPEC_DESCRIPTOR = ROOT / "examples" / "descriptor.json"
 
 
-def test_keys_prints_the_spec_vectors(capsys) -> None:
-    code, out, err = run_cli(capsys, "keys", "--descriptor", str(SPEC_DESCRIPTOR), "--scope-key",
-                         vectors.SCOPE_KEY.hex(), "--tokens", ",".join(map(str, vectors.TOKENS)))
+SPEC_ANSWER = {"compat_id": vectors.COMPAT_ID, "scope_id": vectors.SCOPE_ID, "block_keys": [vectors.K0, vectors.K1]}
+SPEC_TOKENS = ",".join(map(str, vectors.TOKENS))
+
+
+@pytest.mark.parametrize("content", [vectors.SCOPE_KEY.hex() + "\n", vectors.SCOPE_KEY.hex()[:32] + "\n  " +
+                                     vectors.SCOPE_KEY.hex()[32:], vectors.SCOPE_KEY])
+def test_keys_prints_the_spec_vectors_with_the_key_from_a_file(capsys, tmp_path: Path,
+                                                                 content: str | bytes) -> None:
+    key = tmp_path / "scope.key"
+    key.write_bytes(content if isinstance(content, bytes) else content.encode())
+    code, out, err = run_cli(capsys, "keys", "--descriptor", str(SPEC_DESCRIPTOR), "--scope-key-file", str(key),
+                             "--tokens", SPEC_TOKENS)
     assert code == 0, err
-    assert json.loads(out) == {"compat_id": vectors.COMPAT_ID, "scope_id": vectors.SCOPE_ID,
-                               "block_keys": [vectors.K0, vectors.K1]}
+    assert json.loads(out) == SPEC_ANSWER and err == ""
+
+
+def test_keys_reads_the_scope_key_from_stdin(capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(vectors.SCOPE_KEY.hex().encode() + b"\n")))
+    code, out, err = run_cli(capsys, "keys", "--descriptor", str(SPEC_DESCRIPTOR), "--scope-key-file", "-",
+                             "--tokens", SPEC_TOKENS)
+    assert code == 0 and json.loads(out) == SPEC_ANSWER and err == ""
+
+
+def test_a_scope_key_on_the_command_line_works_with_a_warning(capsys) -> None:
+    code, out, err = run_cli(capsys, "keys", "--descriptor", str(SPEC_DESCRIPTOR), "--scope-key",
+                             vectors.SCOPE_KEY.hex(), "--tokens", SPEC_TOKENS)
+    assert code == 0
+    assert json.loads(out) == SPEC_ANSWER
+    assert "warning" in err and "--scope-key-file" in err and err.count("\n") == 1
+    assert vectors.SCOPE_KEY.hex() not in err  # the warning does not repeat the secret
+
+
+@pytest.mark.parametrize(("args", "code", "message"), [
+    (["--scope-key-file", "-", "--tokens-file", "-"], 1, "only one of them can read stdin"),
+    (["--scope-key-file", "/nonexistent/k", "--tokens", "1"], 1, "No such file"),
+    (["--scope-key", "00" * 32, "--scope-key-file", "k", "--tokens", "1"], 2, "not allowed with"),
+    (["--tokens", "1"], 2, "one of the arguments --scope-key-file --scope-key is required"),
+])
+def test_scope_key_file_errors(capsys, args: list[str], code: int, message: str) -> None:
+    answer, out, err = run_cli(capsys, "keys", "--descriptor", str(SPEC_DESCRIPTOR), *args)
+    assert (answer, out) == (code, "") and message in err
+
+
+def test_a_short_scope_key_file_is_one_line(capsys, tmp_path: Path) -> None:
+    key = tmp_path / "scope.key"
+    key.write_text("00" * 8)
+    code, out, err = run_cli(capsys, "keys", "--descriptor", str(SPEC_DESCRIPTOR), "--scope-key-file", str(key),
+                             "--tokens", "1")
+    assert code == 1 and out == "" and "at least 32 octets" in err and str(key) in err
+    assert err.count("\n") == 1 and "Traceback" not in err
 
 
 @pytest.mark.parametrize("text", ["[128000, 791, 6460, 374, 264, 1296, 315, 279, 9]",
@@ -30,8 +75,10 @@ def test_keys_prints_the_spec_vectors(capsys) -> None:
 def test_keys_from_a_tokens_file(capsys, tmp_path: Path, text: str) -> None:
     tokens = tmp_path / "tokens.txt"
     tokens.write_text(text)
-    code, out, _ = run_cli(capsys, "keys", "--descriptor", str(SPEC_DESCRIPTOR), "--scope-key",
-                       vectors.SCOPE_KEY.hex(), "--tokens-file", str(tokens))
+    key = tmp_path / "scope.key"
+    key.write_text(vectors.SCOPE_KEY.hex())
+    code, out, _ = run_cli(capsys, "keys", "--descriptor", str(SPEC_DESCRIPTOR), "--scope-key-file", str(key),
+                           "--tokens-file", str(tokens))
     assert code == 0 and json.loads(out)["block_keys"] == [vectors.K0, vectors.K1]
 
 
@@ -45,7 +92,8 @@ def test_keys_from_a_tokens_file(capsys, tmp_path: Path, text: str) -> None:
 def test_keys_errors_are_one_line(capsys, args: list[str], message: str) -> None:
     code, out, err = run_cli(capsys, "keys", "--descriptor", str(SPEC_DESCRIPTOR), *args)
     assert code == 1 and out == ""
-    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    error = [line for line in err.splitlines() if "warning: --scope-key" not in line]  # one line besides it
+    assert len(error) == 1 and message in error[0] and "Traceback" not in err
 
 
 def test_keys_with_a_bad_descriptor(capsys, tmp_path: Path) -> None:

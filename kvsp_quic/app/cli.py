@@ -27,7 +27,7 @@ from kvsp_quic.container import (
     replica_digest,
 )
 from kvsp_quic.fields import format_digest
-from kvsp_quic.keys import BlockKeyer, parse_scope_key, scope_id
+from kvsp_quic.keys import BlockKeyer, check_scope_key, parse_scope_key, scope_id
 from kvsp_quic.problems import Problem
 
 PROG = "kvsp-quic"
@@ -88,7 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Print {compat_id, scope_id, block_keys} as JSON. Only complete blocks "
                                       "have keys.")
     keys.add_argument("--descriptor", required=True, metavar="FILE", help="Compatibility Descriptor (JSON)")
-    keys.add_argument("--scope-key", required=True, metavar="HEX", help="the scope key, >= 32 octets, in hex")
+    secret = keys.add_mutually_exclusive_group(required=True)
+    secret.add_argument("--scope-key-file", metavar="FILE",
+                        help="the scope key: a file of hex text (whitespace ignored) or of >= 32 raw octets "
+                             "('-' for stdin)")
+    secret.add_argument("--scope-key", metavar="HEX",
+                        help="the scope key in hex (discouraged: visible to other users in ps and in shell "
+                             "history; use --scope-key-file)")
     src = keys.add_mutually_exclusive_group(required=True)
     src.add_argument("--tokens", metavar="T1,T2,...", help="comma-separated token ids")
     src.add_argument("--tokens-file", metavar="FILE",
@@ -184,9 +190,38 @@ def parse_token_text(text: str, source: str) -> list[int]:
     return tokens
 
 
+def read_key_file(raw: bytes, source: str) -> bytes:
+    """A scope key file's content: hex text (64 or more hex digits, whitespace ignored), or >= 32 raw octets
+    (the format of the instance's ``--scope-key FILE``)."""
+    text = b"".join(raw.split())
+    if len(text) >= 64 and len(text) % 2 == 0:
+        try:
+            return check_scope_key(bytes.fromhex(text.decode("ascii")))
+        except (UnicodeDecodeError, ValueError):
+            pass
+    if len(raw) >= 32:
+        return check_scope_key(raw)
+    raise CliError(f"{source}: expected a scope key of at least 32 octets (raw) or 64 hex characters")
+
+
+def scope_key_of(args: argparse.Namespace) -> bytes:
+    """``--scope-key-file FILE`` (``-``: stdin), or ``--scope-key HEX`` with a warning: a secret in argv is
+    visible to every local user (``ps``, ``/proc/PID/cmdline``) and lands in shell history (issue 13)."""
+    if args.scope_key is not None:
+        print(f"{PROG} keys: warning: --scope-key puts the secret scope key on the command line, where other "
+              f"users can read it (ps) and shell history keeps it; use --scope-key-file FILE or - (stdin)",
+              file=sys.stderr)
+        return parse_scope_key(args.scope_key)
+    if args.scope_key_file == "-":
+        if args.tokens_file == "-":
+            raise CliError("--scope-key-file - and --tokens-file -: only one of them can read stdin")
+        return read_key_file(sys.stdin.buffer.read(), "--scope-key-file -")
+    return read_key_file(Path(args.scope_key_file).read_bytes(), args.scope_key_file)
+
+
 def cmd_keys(args: argparse.Namespace) -> int:
     descriptor = CompatDescriptor.load(args.descriptor)
-    scope_key = parse_scope_key(args.scope_key)
+    scope_key = scope_key_of(args)
     if args.tokens is not None:
         tokens = parse_token_text(args.tokens, "--tokens")
     else:

@@ -14,10 +14,13 @@ This is the one place where the instance's layers meet: ``gpu`` (the engine and 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from gpu.engine import CacheHolder, Engine
@@ -33,16 +36,63 @@ from http3.retrieval import BlockSource, HttpSource, Lease
 from kvsp_moqt.holder_tracks import holder_moqt_handlers
 from kvsp_moqt.source import MoqtSource, PreferMoqt
 from kvsp_moqt.tracks import moqt_uri_for
-from kvsp_quic.app.config import options_of
+from kvsp_quic.app.config import ConfigError, options_of
 from kvsp_quic.auth import Policy
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.keys import BlockKeyer
 from kvsp_quic.records import Link, ReplicaRecord
 from kvsp_quic.roles.holder import HolderSettings
-from kvsp_quic.roles.instance import InstanceOptions, InstanceRole, InstanceSettings
+from kvsp_quic.roles.instance import InstanceOptions, InstanceRole, InstanceSettings, next_instance_epoch
 from kvsp_quic.roles.leases import LeaseLimits
 from moqt.aio import MoqtPool
 from quic.tls import TlsFiles, TransportSettings
+
+DEV_EPOCH_FILE = "instance.epoch"  # in the --dev directory: the epochs of the instances started there
+
+
+def persisted_epoch(path: Path, now: Callable[[], float] = time.time) -> int:
+    """The epoch of an instance starting now, persisted in *path* (:func:`~kvsp_quic.roles.instance.
+    next_instance_epoch`: one more than the last one there, and never below the start time in ms; *now*: the
+    wall clock, in seconds since the Unix epoch). The file is created 0600 (in a directory made 0700 if missing)
+    and replaced atomically -- written to a temporary file of its own, fsync'd, renamed over it, the directory
+    fsync'd -- so a crash leaves the old epoch or the new one, never neither. A file that is not one decimal
+    number is refused (ConfigError, one line): guessing could hand out an epoch already used."""
+    previous: int | None = None
+    try:
+        text = path.read_text(encoding="ascii")
+    except FileNotFoundError:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"epoch file {os.fspath(path)!r}: cannot read it: {exc}") from None
+    else:
+        try:
+            previous = int(text.strip())
+            if previous < 0:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"epoch file {os.fspath(path)!r}: not a decimal number; remove it only if this "
+                              f"instance's clock never moved backward") from None
+    epoch = next_instance_epoch(previous, int(now() * 1000))
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # a leftover of a crashed start may have had another mode
+            os.write(fd, f"{epoch}\n".encode("ascii"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise ConfigError(f"epoch file {os.fspath(path)!r}: cannot write it: {exc.strerror or exc}") from None
+    return epoch
 
 
 class LeasingMoqtSource(MoqtSource):

@@ -621,7 +621,7 @@ async def run_instance(cfg: InstanceFile, *, dev_dir: Path | None, policy_path: 
                        stop: asyncio.Event | None = None, clock: Callable[[], float] = time.monotonic) -> None:
     from gpu.engine import Engine
     from gpu.modelfiles import ModelError
-    from kvsp_quic.app.instance import build_instance
+    from kvsp_quic.app.instance import DEV_EPOCH_FILE, build_instance, persisted_epoch
 
     section = cfg.instance
     if section.model is None:
@@ -633,7 +633,9 @@ async def run_instance(cfg: InstanceFile, *, dev_dir: Path | None, policy_path: 
     scope_keys = [read_scope_key(p) for p in key_files]
     if not scope_keys:
         log.warning("no scope key (--scope-key FILE): this instance cannot start or resume sessions")
-    started = time.time()
+    # the instance epoch, higher at every start: persisted (spec, "Instance Status and Lifecycle"), else the start time
+    epoch_file = section.epoch_file or (dev_dir / DEV_EPOCH_FILE if dev_dir is not None else None)
+    epoch = persisted_epoch(epoch_file) if epoch_file is not None else int(time.time() * 1000)
     try:
         engine = Engine.load(os.fspath(section.model), device=section.device, dtype=section.dtype,
                              kv_dtype=section.kv_dtype, block_tokens=section.block_tokens,
@@ -650,7 +652,7 @@ async def run_instance(cfg: InstanceFile, *, dev_dir: Path | None, policy_path: 
     try:
         node = build_instance(
             engine, base_uri=prepared.base_uri, files=prepared.files, policy=prepared.policy, scope_keys=scope_keys,
-            index=section.index, epoch=int(started * 1000), clock=clock, options=section, service=section,
+            index=section.index, epoch=epoch, clock=clock, options=section, service=section,
             links=[x.link() for x in section.links], replica_ttl_ms=section.replica_ttl_ms,
             lease_limits=section.leases, moqt=section.moqt, transport=prepared.settings)
         server = await serve_app(prepared, node.app, quic_handlers=node.quic_handlers)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from kvsp_quic.auth import ALL, Principal, Role, Scopes, require_scope
@@ -87,6 +87,7 @@ from kvsp_quic.roles.controller_sessions import (
     Repeated,
     StartOutcome,
     StatusReport,
+    engines_agree,
 )
 from kvsp_quic.roles.index import IndexService
 from kvsp_quic.roles.placement import PLACEMENT_POLICIES, Choice, PlacementInput, placement_policy, rank
@@ -399,12 +400,25 @@ class PlacementController:
             raise ScopeDenied(f"instance {entry.instance!r} is not authorized for the session's scope")
         session.instance, session.instance_epoch = entry.instance, entry.record.epoch
         request = session.request
+        deterministic = self.deterministic(request.compat_id, request.scope_id)
         if session.checkpoint is not None:
-            return Assignment(entry.instance, SessionResume(session.epoch, session.checkpoint, request.max_tokens,
-                                                            request.prompt))
+            cp = session.checkpoint
+            if cp.sampler.deterministic and not deterministic:
+                cp = replace(cp, sampler=replace(cp.sampler, deterministic=False))
+            return Assignment(entry.instance, SessionResume(session.epoch, cp, request.max_tokens, request.prompt))
+        if request.sampler.deterministic and not deterministic:
+            request = replace(request, sampler=replace(request.sampler, deterministic=False))
         matched = tuple(PrefetchBlock(m.block_key, tuple(dict.fromkeys(r.holder for r in m.replicas)))
                         for m in found.blocks) if found is not None else ()
         return Assignment(entry.instance, SessionStart.of(request, session.epoch, matched))
+
+    def deterministic(self, compat_id: bytes, scope_id: bytes) -> bool:
+        """Whether a session of *compat_id* in *scope_id* may run with a deterministic sampler: every live instance
+        of the scope that could resume it reports the same engine and build (:func:`engines_agree`). Checked at
+        each start and resume; the PC only ever clears the front end's (or checkpoint's) ``deterministic``."""
+        eligible = (e for e in self.status.live()
+                    if e.state is not InstanceState.FAILED and self.serves_scope(e.instance, scope_id))
+        return engines_agree(eligible, compat_id)
 
     def start_outcome(self, session: PlacedSession, assignment: Assignment, error: Problem | OSError | None,
                       choice: Choice, found: LookupResponse | None) -> StartOutcome:

@@ -5,11 +5,11 @@ Controller and instances agree. Unknown members are ignored, as in every KVSP re
 
 * :class:`SessionRequest` -- ``POST {pc}sessions`` from the front end;
 * :class:`SessionStart` -- ``POST {ii}sessions/{id}/start`` from the PC: the request plus ``epoch`` and the
-  lookup's matched blocks;
+  lookup's matched blocks, and *(extension)* ``owner``: the identity that created the session at the PC;
 * :class:`SessionResume` -- ``POST {ii}sessions/{id}/resume``: the spec's ``{"epoch", "checkpoint"}`` plus two
   extension members, ``max_tokens`` and ``prompt``, so the new instance knows when to stop and can recompute prompt
   blocks no replica serves (an instance that knows only the spec's members reads it as a
-  :class:`~kvsp_quic.records.ResumeRequest`);
+  :class:`~kvsp_quic.records.ResumeRequest`), and ``owner`` as in the start;
 * :class:`SessionInfo` -- the PC's answer to ``POST sessions`` and ``GET sessions/{id}``;
 * :class:`TokenLine` -- one line of ``GET {ii}sessions/{id}/tokens`` (``application/x-ndjson``): an output token
   ``{"index", "epoch", "token"}``, or the final line ``{"index", "epoch", "done": true, "reason"[, "detail"]}``.
@@ -87,7 +87,12 @@ class SessionRequest(Record):
 class SessionStart(Record):
     """``POST {ii}sessions/{id}/start``: :class:`SessionRequest` plus the session ``epoch`` and the lookup's
     matched blocks (``[{"block_key", "sources"}]``, in prefix order; ``sources`` are every holder the Index
-    Service listed, the instance itself included when it holds the block)."""
+    Service listed, the instance itself included when it holds the block).
+
+    *(extension)* ``owner``: the authenticated identity that created the session at the PC (its front end or
+    client); the instance serves the session's resources (its token stream, ``GET sessions/{id}``) only to that
+    identity or to the PC (docs/wire.md, "Session owner"). Absent from a PC that does not send it: then any
+    principal of the session's scope may read them, as before."""
 
     session: uuid.UUID = wire(f.uuid_string)
     epoch: int = wire(f.positive)
@@ -98,21 +103,25 @@ class SessionStart(Record):
     sampler: Sampler = wire(Sampler.read)
     block_keys: tuple[BlockKey, ...] = wire(_keys, default=())
     blocks: tuple[PrefetchBlock, ...] = wire(_blocks, default=())
+    owner: str | None = wire(f.string, default=None)
 
     @classmethod
-    def of(cls, request: SessionRequest, epoch: int, blocks: tuple[PrefetchBlock, ...]) -> SessionStart:
+    def of(cls, request: SessionRequest, epoch: int, blocks: tuple[PrefetchBlock, ...],
+           owner: str | None = None) -> SessionStart:
         return cls(request.session, epoch, request.scope_id, request.compat_id, request.prompt, request.max_tokens,
-                   request.sampler, request.block_keys, blocks)
+                   request.sampler, request.block_keys, blocks, owner)
 
 
 @dataclass(frozen=True)
 class SessionResume(Record):
-    """``POST {ii}sessions/{id}/resume``: the spec's members plus ``max_tokens`` and ``prompt`` (extension)."""
+    """``POST {ii}sessions/{id}/resume``: the spec's members plus ``max_tokens``, ``prompt`` and ``owner``
+    (extension; ``owner`` as in :class:`SessionStart`)."""
 
     epoch: int = wire(f.positive)
     checkpoint: SessionCheckpoint = wire(SessionCheckpoint.read)
     max_tokens: int | None = wire(f.positive, default=None)
     prompt: tuple[int, ...] | None = wire(_tokens, default=None)
+    owner: str | None = wire(f.string, default=None)
 
     def check(self) -> None:
         if self.epoch <= self.checkpoint.epoch:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvsp_quic.records import LookupRequest, SessionCheckpoint, StateMessage
@@ -60,6 +61,23 @@ class PlacedSession:
         if self.state in (SessionState.RUNNING, SessionState.DONE):
             return SessionInfo(self.id, self.epoch, self.output_offset, self.state, self.instance)
         return SessionInfo(self.id, self.served, self.output_offset, self.state, None)
+
+
+def engines_agree(eligible: Iterable[InstanceStatus], compat_id: bytes) -> bool:
+    """Whether a session of *compat_id* may keep a deterministic sampler (spec, "Records": "sampler.deterministic"
+    is true only if every instance eligible to resume the session produces bit-identical output tokens from the
+    same state): every instance of *eligible* (the live instances of the session's scope) that reports
+    *compat_id* in its ``"engine"`` status extension reports the same engine name and build fingerprint, and at
+    least one does. An eligible instance that reports no ``"engine"`` member could be of any engine: the answer
+    is then False. Instances of another Compatibility ID cannot resume the session and do not count."""
+    seen: set[tuple[str, str]] = set()
+    for entry in eligible:
+        engine = entry.record.engine
+        if engine is None:
+            return False
+        if bytes(engine.compat_id) == bytes(compat_id):
+            seen.add((engine.name, engine.build))
+    return len(seen) == 1
 
 
 # -- creating a session -------------------------------------------------------------------------------------------
@@ -166,5 +184,5 @@ class StatusReport:
 
 __all__ = [
     "Admission", "Admitted", "Assignment", "CapacityAction", "CapacityStep", "PlacedSession", "PlacementQuery",
-    "PrefetchOutcome", "Repeated", "StartKind", "StartOutcome", "StatusReport",
+    "PrefetchOutcome", "Repeated", "StartKind", "StartOutcome", "StatusReport", "engines_agree",
 ]

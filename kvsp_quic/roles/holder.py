@@ -33,7 +33,7 @@ import uuid
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from kvsp_quic.auth import Principal, require_scope
 from kvsp_quic.compat import CompatDescriptor
@@ -333,7 +333,8 @@ class BlockUpload:
         self._head_size = FIXED_HEADER.size + ENTRY.size * descriptor.layers  # a complete block's header
         self._buffer: memoryview | None = None
         self._allocation: Any = None  # a shared host tier's Allocation, when the octets go there
-        self._decoder = ContainerDecoder(descriptor, allocate=self._allocate,
+        me = weakref.ref(self)  # not self._allocate: a cycle would keep the buffer exported until a full collection
+        self._decoder = ContainerDecoder(descriptor, allocate=lambda size: cast(BlockUpload, me())._allocate(size),
                                          max_data=holder.settings.max_block_bytes - self._head_size)
         self._checked = False
         self.received = 0
@@ -503,9 +504,11 @@ class Holder:
     def _allocate_upload(self, layers: int, size: int) -> tuple[memoryview, Any]:
         """A writable buffer of *size* octets for an upload, and its allocation when it lies in a shared host tier
         (:class:`~kvsp_quic.storage.shared_host.SharedHostTier`: the octets are received where they are served)."""
-        allocate = getattr(self.storage.tiers[0], "allocate", None)
-        if allocate is None:
-            return memoryview(bytearray(size)), None
+        tier = self.storage.tiers[0]
+        allocate = getattr(tier, "allocate", None)
+        if allocate is None:  # in this process: a HostTier's recycled, pre-touched buffer when it has one
+            take = getattr(tier, "take_buffer", None)
+            return (take(size) if take is not None else memoryview(bytearray(size))), None
         allocation = allocate(layers, size)
         return allocation.container, allocation
 

@@ -27,6 +27,7 @@ import dataclasses
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated
 
 from kvsp_quic import fields as f
@@ -45,6 +46,7 @@ from kvsp_quic.problems import (
     TooManyRequests,
 )
 from kvsp_quic.records import (
+    EngineStatus,
     InstanceStatusRecord,
     Link,
     PrefetchDirective,
@@ -59,6 +61,21 @@ from kvsp_quic.roles.instance_sessions import Clock, InstanceSession, Phase, Ses
 
 MAX_CHECKPOINT_TOKENS = 64  # spec: "at least every 64 output tokens"
 ENGINE_NAMES = ("reference", "transformers")  # the engines of gpu/ (docs/inference.md, "Engines")
+
+
+def next_instance_epoch(previous: int | None, now_ms: int) -> int:
+    """The epoch of an instance starting now, from the one it persisted at its previous start (None: none).
+
+    Spec, "Instance Status and Lifecycle": 'The "epoch" of an instance MUST increase every time it restarts; the
+    start time of the instance in milliseconds since the Unix epoch satisfies this without persistent state,
+    provided that the instance's clock does not move backward across restarts; otherwise the instance persists a
+    counter.' The counter persisted here goes up by one at every start, and never below the start time in ms, so
+    that it stays above the epochs of instances that used the start time (a PC remembers the highest epoch of
+    each instance: a counter restarting at 1 would be discarded there) -- and a clock set back leaves it
+    increasing by one per start."""
+    if previous is not None and previous < 0:
+        raise ValueError(f"a persisted epoch is not negative: {previous}")
+    return now_ms if previous is None else max(previous + 1, now_ms)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +97,9 @@ class InstanceOptions:
     sleep_after_idle_ms: int | None = None  # ask to sleep after this long without sessions (None: never)
     deterministic_greedy: bool = True  # greedy output is bit-identical on every eligible instance (see docs)
     engine: str = "reference"  # what computes: "reference" (our Llama model) or "transformers" (its HF modules)
+    # The file of the persisted instance epoch (next_instance_epoch; default with --dev: DIR/instance.epoch;
+    # None without --dev: the start time in ms, which the spec allows only while the clock never moves backward)
+    epoch_file: Path | None = None
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINE_NAMES:
@@ -455,7 +475,7 @@ class InstanceRole:
     def __init__(self, settings: InstanceSettings, *, epoch: int, clock: Clock, links: Iterable[Link] = (),
                  keyers: Iterable[BlockKeyer] = (), check_sampler: SamplerCheck | None = None) -> None:
         self.settings = settings
-        self.epoch = epoch  # the instance's epoch: its start time in ms since the Unix epoch (docs/inference.md)
+        self.epoch = epoch  # the instance's epoch: higher at every start (next_instance_epoch, docs/inference.md)
         self._clock = clock
         self.lifecycle = Lifecycle(clock, sleep_after_idle_s=settings.sleep_after_idle_s)
         self.directives = DirectiveTable(settings, clock)
@@ -472,6 +492,8 @@ class InstanceRole:
         self._check_sampler = check_sampler
         self._last_report: float | None = None
         self._requested: InstanceState | None = None
+        # the engine's (name, build), reported as the "engine" status extension (set by the service)
+        self.engine_identity: tuple[str, str] | None = None
         self.reports = 0
 
     @property
@@ -640,8 +662,13 @@ class InstanceRole:
             return 0.0
         return max(0.0, self._last_report + self.report_interval - self._clock())
 
-    def status_record(self, figures: EngineFigures = EngineFigures()) -> InstanceStatusRecord:
-        """The record to report now (and remember what it requested, for the PC's answer)."""
+    def status_record(self, figures: EngineFigures = EngineFigures(), *,
+                      engine: tuple[str, str] | None = None) -> InstanceStatusRecord:
+        """The record to report now (and remember what it requested, for the PC's answer). *engine* (default:
+        :attr:`engine_identity`): the engine's ``(name, build)``, reported with the cache's Compatibility ID as the
+        ``"engine"`` extension member (:class:`~kvsp_quic.records.EngineStatus`: the PC's test of deterministic
+        samplers)."""
+        engine = engine if engine is not None else self.engine_identity
         self._requested = self.lifecycle.requested_state()
         prefill = figures.prefill_tokens_per_s
         decode = figures.decode_tokens_per_s
@@ -652,7 +679,8 @@ class InstanceRole:
             kv_utilization=None if figures.kv_utilization is None else round(min(1.0, figures.kv_utilization), 4),
             prefill_tokens_per_s=None if prefill is None else round(prefill, 1),
             decode_tokens_per_s=None if decode is None else round(decode, 1),
-            links=self.links.links(), requested_state=self._requested)
+            links=self.links.links(), requested_state=self._requested,
+            engine=None if engine is None else EngineStatus(engine[0], engine[1], CompatId(self.settings.compat_id)))
 
     def reported(self, answer: InstanceState | None) -> None:
         """A report went out (*answer*: the PC's ``{"state"}``, None when it failed)."""

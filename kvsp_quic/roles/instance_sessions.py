@@ -73,9 +73,16 @@ class InstanceSession:
     recomputed_tokens: int = 0  # prompt (or, after a resume, sequence) tokens computed by the prefill
     block_sources: dict[str, int] = field(default_factory=dict)  # loaded blocks by where from ("HTTP/3", ...)
     listeners: list[Callable[[], None]] = field(default_factory=list)
+    owner: str | None = None  # the identity that created the session at the PC (None: the PC did not say)
 
     def __post_init__(self) -> None:
         self.acked = self.snapshot_offset = self.base_offset
+
+    def readable_by(self, identity: str, *, controller: bool) -> bool:
+        """Whether *identity* may read this run (its token stream, ``GET sessions/{id}``): the PC, or the session's
+        owner (docs/wire.md, "Session owner"). A run whose start or resume named no owner is readable by any
+        principal of its scope (the caller checks the scope first)."""
+        return controller or self.owner is None or identity == self.owner
 
     def notify(self) -> None:
         for listener in list(self.listeners):

@@ -46,6 +46,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvsp_quic.container import ContainerError, ContainerHeader, decode, replica_digest
 from kvsp_quic.problems import DigestMismatch
+from kvsp_quic.storage.buffer_pool import BufferPool
 from kvsp_quic.storage.eviction import EVICTION_POLICIES as EVICTION_POLICIES
 from kvsp_quic.storage.eviction import BlockId as BlockId
 from kvsp_quic.storage.eviction import ChainPosition as ChainPosition
@@ -182,11 +183,20 @@ class Tier(abc.ABC):
 
 
 class HostTier(Tier):
-    """Host memory: the container buffer itself, never copied (reads are views of it)."""
+    """Host memory: the container buffer itself, never copied (reads are views of it).
+
+    Uploads take their buffers from :meth:`take_buffer`: the buffers of blocks this tier gave up, once no view of
+    them is left, are handed out again (pre-touched memory, ``kvsp_quic.storage.buffer_pool``)."""
 
     def __init__(self, capacity: int, policy: EvictionPolicy | None = None) -> None:
         super().__init__(HOST, capacity, policy or LruPolicy())
         self._data: dict[BlockId, memoryview] = {}
+        self.pool = BufferPool()
+
+    def take_buffer(self, size: int) -> memoryview:
+        """A writable buffer of *size* octets for an upload, to be stored here once complete; its contents are
+        unspecified (a recycled block's): the upload writes every octet."""
+        return memoryview(self.pool.take(size, self.free))
 
     def _keep(self, meta: BlockMeta, data: memoryview) -> None:
         if len(data) != meta.size:
@@ -197,7 +207,9 @@ class HostTier(Tier):
         return self._data[meta.id]
 
     def _forget(self, meta: BlockMeta) -> None:
-        del self._data[meta.id]
+        buf = self._data.pop(meta.id).obj
+        if isinstance(buf, bytearray) and len(buf) == meta.size:  # the whole buffer (only a PoolBuffer is kept)
+            self.pool.give(buf, self.free)
 
 
 # Local-storage file: fixed header, layer digests, then the container (plain) or nonce || AES-GCM(container).
