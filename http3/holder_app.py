@@ -39,7 +39,8 @@ from kvsp_quic.auth import Policy, Principal, Role
 from kvsp_quic.metrics import Registry, holder_collectors
 from kvsp_quic.problems import ContentTooLarge, NotFound, Problem, UnsupportedMediaType
 from kvsp_quic.records import LeaseRenewal, LeaseRequest
-from kvsp_quic.roles.holder import Fetched, Holder, parse_codec, parse_layers, parse_position
+from kvsp_quic.roles.holder import Fetched, Holder
+from kvsp_quic.roles.holder_requests import parse_codec, parse_layers, parse_position
 from kvsp_quic.roles.holder_worker import HolderWorker
 from quic.tls import scope_identity
 

@@ -38,7 +38,8 @@ from http3.client import KvspClient
 from kvsp_quic.keys import uri_id
 from kvsp_quic.problems import Problem
 from kvsp_quic.records import ReplicaRecord, moqt_record
-from kvsp_quic.roles.holder import Holder, Intent, IntentKind
+from kvsp_quic.roles.holder import Holder
+from kvsp_quic.roles.holder_outbox import Intent, IntentKind
 
 log = logging.getLogger("kvsp.publisher")
 

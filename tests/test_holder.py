@@ -26,7 +26,9 @@ from kvsp_quic.problems import (
     ScopeDenied,
 )
 from kvsp_quic.records import LeaseRenewal, LeaseRequest, ReplicaRecord
-from kvsp_quic.roles.holder import Holder, HolderSettings, IntentKind, parse_codec, parse_layers
+from kvsp_quic.roles.holder import Holder, HolderSettings
+from kvsp_quic.roles.holder_outbox import IntentKind
+from kvsp_quic.roles.holder_requests import parse_codec, parse_layers
 from kvsp_quic.roles.leases import LeaseLimits
 from kvsp_quic.samples import random_sections
 from kvsp_quic.storage.tiers import BlockId, LocalStorageConfig

@@ -12,7 +12,9 @@ import pytest
 
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.problems import BadRequest
-from kvsp_quic.roles.holder import Holder, HolderSettings, IntentKind, parse_position
+from kvsp_quic.roles.holder import Holder, HolderSettings
+from kvsp_quic.roles.holder_outbox import IntentKind
+from kvsp_quic.roles.holder_requests import parse_position
 from kvsp_quic.storage.journal import NAME as JOURNAL
 from kvsp_quic.storage.journal import ReplicaJournal
 from kvsp_quic.storage.tiers import BlockId, ChainPosition, LocalStorageConfig, file_header_size

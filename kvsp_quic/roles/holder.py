@@ -24,9 +24,7 @@ Service and drives the holder's timers (:meth:`Holder.tick`). docs/wire.md ("Hol
 from __future__ import annotations
 
 import collections
-import enum
 import heapq
-import itertools
 import os
 import time
 import uuid
@@ -49,18 +47,15 @@ from kvsp_quic.container import (
 )
 from kvsp_quic.fields import BlockKey, CompatId, ScopeId, base_uri
 from kvsp_quic.problems import (
-    BadRequest,
-    Incompatible,
     InsufficientStorage,
-    LayersUnavailable,
     LeaseQuota,
-    NotAcceptable,
     NotFound,
     PreconditionFailed,
-    PreconditionRequired,
 )
 from kvsp_quic.records import LeaseRenewal, LeaseRequest, LeaseResponse, ReplicaRecord, ResidencyEntry
 from kvsp_quic.repr_digest import format_repr_digest
+from kvsp_quic.roles.holder_outbox import Intent, IntentKind, ReplicaOutbox
+from kvsp_quic.roles.holder_requests import check_put, descriptor_of, layer_range
 from kvsp_quic.roles.leases import LeaseLimits, LeaseTable
 from kvsp_quic.storage.journal import ReplicaJournal
 from kvsp_quic.storage.tiers import (
@@ -138,146 +133,6 @@ class HolderSettings(HolderOptions):
         ids = [d.compat_id for d in self.descriptors]
         if len(set(ids)) != len(ids):
             raise ValueError("the holder's descriptors repeat a Compatibility ID")
-
-
-# -- The outbox of publish / withdraw intents ------------------------------------------------------------------------
-
-
-class IntentKind(enum.Enum):
-    PUBLISH = "publish"  # PUT {index}replicas/{holder-id}/{block_key} with the record
-    WITHDRAW = "withdraw"  # DELETE {index}replicas/{holder-id}/{block_key}
-
-
-@dataclass(frozen=True)
-class Intent:
-    """One request the publisher should send to the Index Service, then report with :meth:`Holder.intent_done`."""
-
-    kind: IntentKind
-    block: BlockId
-    version: int
-    taken_at: float
-    record: ReplicaRecord | None = None  # for PUBLISH
-
-    @property
-    def block_key(self) -> str:
-        return self.block.block_key.hex()
-
-
-@dataclass
-class _Entry:
-    desired: IntentKind
-    due: float
-    version: int = 0
-    in_flight: bool = False
-    sent: bool = False  # something went out: the Index Service may hold a record
-    attempts: int = 0
-
-
-class ReplicaOutbox:
-    """The latest wanted state (published / withdrawn) per replica, with due times; newer intents supersede.
-
-    A withdraw of a replica that was never sent is dropped (there is nothing to withdraw). A publish that
-    succeeds is due again a third of its TTL after it was taken (refresh); failures are retried with
-    exponential backoff; a change while a request is in flight is sent as soon as that request completes.
-    """
-
-    def __init__(self, backoff: tuple[float, float] = (0.5, 30.0)) -> None:
-        self._entries: dict[BlockId, _Entry] = {}
-        self._heap: list[tuple[float, int, BlockId]] = []
-        self._seq = itertools.count()
-        self._backoff = backoff
-        self.wakeup: Callable[[], None] | None = None  # called when something becomes due now
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def state(self, block: BlockId) -> tuple[IntentKind, float, bool] | None:
-        """(wanted state, due time, in flight) of *block*, for tests and diagnostics."""
-        e = self._entries.get(block)
-        return (e.desired, e.due, e.in_flight) if e is not None else None
-
-    def _schedule(self, block: BlockId, entry: _Entry, due: float) -> None:
-        entry.due = due
-        heapq.heappush(self._heap, (due, next(self._seq), block))
-
-    def _wake(self) -> None:
-        if self.wakeup is not None:
-            self.wakeup()
-
-    def _want(self, block: BlockId, kind: IntentKind, now: float) -> None:
-        entry = self._entries.get(block)
-        if entry is None:
-            entry = self._entries[block] = _Entry(kind, now)
-        entry.desired = kind
-        entry.version += 1
-        entry.attempts = 0
-        if not entry.in_flight:
-            self._schedule(block, entry, now)
-        self._wake()
-
-    def publish(self, block: BlockId, now: float) -> None:
-        self._want(block, IntentKind.PUBLISH, now)
-
-    def withdraw(self, block: BlockId, now: float) -> bool:
-        """Want *block* withdrawn; False when nothing was ever sent for it (nothing to withdraw, entry gone)."""
-        entry = self._entries.get(block)
-        if entry is None or (not entry.sent and not entry.in_flight):
-            self._entries.pop(block, None)
-            return False
-        self._want(block, IntentKind.WITHDRAW, now)
-        return True
-
-    def withdraw_stale(self, block: BlockId, now: float) -> None:
-        """Want withdrawn a record this holder may have published before it restarted (it cannot serve it now)."""
-        entry = self._entries.get(block)
-        if entry is None:
-            entry = self._entries[block] = _Entry(IntentKind.WITHDRAW, now)
-        entry.sent = True
-        self._want(block, IntentKind.WITHDRAW, now)
-
-    def take_due(self, now: float, limit: int) -> list[tuple[IntentKind, BlockId, int]]:
-        out: list[tuple[IntentKind, BlockId, int]] = []
-        while self._heap and self._heap[0][0] <= now and len(out) < limit:
-            due, _seq, block = heapq.heappop(self._heap)
-            entry = self._entries.get(block)
-            if entry is None or entry.in_flight or entry.due != due:
-                continue  # superseded
-            entry.in_flight = True
-            entry.sent = True
-            out.append((entry.desired, block, entry.version))
-        return out
-
-    def next_due(self) -> float | None:
-        while self._heap:
-            due, _seq, block = self._heap[0]
-            entry = self._entries.get(block)
-            if entry is not None and not entry.in_flight and entry.due == due:
-                return due
-            heapq.heappop(self._heap)
-        return None
-
-    def complete(self, block: BlockId, kind: IntentKind, version: int, ok: bool, now: float,
-                 refresh_at: float | None = None) -> bool:
-        """Report a taken intent; True when *block* is now withdrawn (its entry is gone)."""
-        entry = self._entries.get(block)
-        if entry is None or not entry.in_flight:
-            return False
-        entry.in_flight = False
-        if not ok:
-            entry.attempts += 1
-            delay = min(self._backoff[0] * 2 ** (entry.attempts - 1), self._backoff[1])
-            self._schedule(block, entry, now + delay)
-            return False
-        if entry.version != version:  # changed while in flight: send the new state now
-            self._schedule(block, entry, now)
-            self._wake()
-            return False
-        entry.attempts = 0
-        if kind is IntentKind.WITHDRAW:
-            del self._entries[block]
-            return True
-        self._schedule(block, entry, refresh_at if refresh_at is not None else now)
-        return False
 
 
 # -- Replicas --------------------------------------------------------------------------------------------------------
@@ -442,10 +297,7 @@ class Holder:
         return self._clock
 
     def descriptor(self, compat_id: bytes) -> CompatDescriptor:
-        d = self._descriptors.get(bytes(compat_id))
-        if d is None:
-            raise Incompatible(f"this holder serves no cache with Compatibility ID {bytes(compat_id).hex()}")
-        return d
+        return descriptor_of(self._descriptors, compat_id)
 
     def replica(self, block: BlockId) -> Replica | None:
         rep = self._replicas.get(block)
@@ -906,71 +758,4 @@ class Holder:
         self.leases.release(principal.identity, lease_id)
 
 
-def check_put(principal: Principal, descriptor_of: Callable[[bytes], CompatDescriptor], compat_id: bytes,
-              scope_id: bytes, block_key: bytes, if_none_match: str | None) -> tuple[BlockId, CompatDescriptor]:
-    """The checks of a PUT before its body is read, in the order that leaks nothing: the precondition (428), the
-    scope (403), the Compatibility ID (409). The holder and its worker processes check existence (412) after."""
-    if if_none_match is None or if_none_match.strip() != "*":
-        raise PreconditionRequired("storing a block requires If-None-Match: * (blocks are never replaced)")
-    require_scope(principal, scope_id)
-    descriptor = descriptor_of(compat_id)
-    return BlockId(bytes(compat_id), bytes(scope_id), bytes(block_key)), descriptor
-
-
-def layer_range(meta: BlockMeta, layers: tuple[int, int] | None, codec: int | None) -> tuple[int, int]:
-    """The inclusive layer range a read of the block *meta* serves: the codec must be the stored one (406: no
-        transcoding), the range inside the replica's layers (416)."""
-    if codec is not None and codec != meta.header.codec:
-        raise NotAcceptable(f"the replica is stored with codec {meta.header.codec}; this holder does not transcode")
-    count = len(meta.layer_digests)
-    first, last = layers if layers is not None else (0, count - 1)
-    if first > last:
-        raise BadRequest(f"layers {first}-{last}: the first layer is after the last")
-    if last >= count:
-        raise LayersUnavailable(f"layers {first}-{last} requested; the replica holds layers 0-{count - 1}")
-    return first, last
-
-
-def parse_layers(text: str) -> tuple[int, int]:
-    """The ``layers=a-b`` query parameter: decimal integers without signs or leading zeros, a <= b."""
-    first, sep, last = text.partition("-")
-    if not sep or not _is_decimal(first) or not _is_decimal(last):
-        raise BadRequest(f"layers={text!r}: expected a-b, two decimal layer numbers")
-    a, b = int(first), int(last)
-    if a > b:
-        raise BadRequest(f"layers={text}: the first layer is after the last")
-    return a, b
-
-
-def parse_position(query: dict[str, str], block_key: bytes) -> ChainPosition | None:
-    """``chain=<hex32>&position=<i>`` of a block PUT (both or neither): K[0] of the block's token sequence and its
-    index i; at position 0 the chain is the block's own key. Anything else is 400."""
-    chain, position = query.get("chain"), query.get("position")
-    if chain is None and position is None:
-        return None
-    if chain is None or position is None:
-        raise BadRequest("chain and position go together: the Block Key of block 0 and the block's index")
-    if len(chain) != 64 or any(ch not in "0123456789abcdef" for ch in chain):
-        raise BadRequest(f"chain={chain!r}: expected a Block Key (hex32, lowercase)")
-    if not _is_decimal(position) or int(position) > 0xFFFFFFFF:
-        raise BadRequest(f"position={position!r}: expected a block index 0-4294967295")
-    declared = ChainPosition(bytes.fromhex(chain), int(position))
-    if declared.position == 0 and declared.chain != bytes(block_key):
-        raise BadRequest("position=0: the chain is named by block 0's own key, which this block's is not")
-    return declared
-
-
-def parse_codec(text: str) -> int:
-    if not _is_decimal(text) or int(text) > 0xFFFF or int(text) == 0:
-        raise BadRequest(f"codec={text!r}: expected a codec number 1-65535")
-    return int(text)
-
-
-def _is_decimal(text: str) -> bool:
-    return text.isascii() and text.isdigit() and (text == "0" or not text.startswith("0")) and len(text) <= 10
-
-
-__all__ = [
-    "BlockUpload", "Fetched", "Holder", "HolderSettings", "Intent", "IntentKind", "Replica", "ReplicaOutbox",
-    "check_put", "layer_range", "parse_codec", "parse_layers", "parse_position",
-]
+__all__ = ["BlockUpload", "Fetched", "Holder", "HolderOptions", "HolderSettings", "Replica"]

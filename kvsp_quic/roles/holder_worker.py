@@ -30,9 +30,10 @@ from typing import Any, Protocol
 from kvsp_quic.auth import Principal, require_scope
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.container import ContainerHeader, EncodedContainer, cut
-from kvsp_quic.problems import Incompatible, NotFound, PreconditionFailed
+from kvsp_quic.problems import NotFound, PreconditionFailed
 from kvsp_quic.records import LeaseRenewal, LeaseRequest, LeaseResponse, ReplicaRecord
-from kvsp_quic.roles.holder import BlockUpload, Fetched, HolderSettings, check_put, layer_range
+from kvsp_quic.roles.holder import BlockUpload, Fetched, HolderSettings
+from kvsp_quic.roles.holder_requests import check_put, descriptor_of, layer_range
 from kvsp_quic.storage.shared_host import Allocation, SharedHostReader
 from kvsp_quic.storage.tiers import HOST, LOCAL_STORAGE, BlockId, BlockMeta, ChainPosition, LocalStorageTier, TierFault
 
@@ -84,10 +85,7 @@ class HolderWorker:
         return self._clock
 
     def descriptor(self, compat_id: bytes) -> CompatDescriptor:
-        d = self._descriptors.get(bytes(compat_id))
-        if d is None:
-            raise Incompatible(f"this holder serves no cache with Compatibility ID {bytes(compat_id).hex()}")
-        return d
+        return descriptor_of(self._descriptors, compat_id)
 
     # -- PUT ------------------------------------------------------------------------------------------------------
 
