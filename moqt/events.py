@@ -121,6 +121,45 @@ class TrackStatusRequested:
 
 
 @dataclass(frozen=True, slots=True)
+class PublishRequested:
+    """Draft 18 PUBLISH: the peer starts a subscription to a track it publishes (section "PUBLISH"). Accept with
+    ``accept_publish`` (PUBLISH_OK) or refuse with ``reject`` (UNINTERESTED, UNAUTHORIZED, ...); its objects arrive
+    as ``ObjectReceived`` with this request id (possibly before PUBLISH_OK: the alias is bound on receipt)."""
+
+    request_id: int
+    namespace: Namespace
+    track_name: bytes
+    track_alias: int
+    forward: bool = True  # FORWARD omitted or 1: objects come without waiting for PUBLISH_OK
+    largest: Location | None = None
+    expires: int = 0
+    group_order: GroupOrder | None = None  # the DEFAULT_PUBLISHER_GROUP_ORDER track property, if sent
+    auth_tokens: tuple[AuthToken, ...] = ()
+    params: Params = ()
+    properties: KeyValuePairs = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SubscribeTracksRequested:
+    """Draft 18 SUBSCRIBE_TRACKS: the peer asks for a PUBLISH for every track (now and later) under ``prefix``.
+    Accept with ``accept_subscribe_tracks``, then ``publish`` each matching track (``forward`` as asked)."""
+
+    request_id: int
+    prefix: Namespace
+    forward: bool = True
+    auth_tokens: tuple[AuthToken, ...] = ()
+    params: Params = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SubscribeTracksEnded:
+    """The peer withdrew a SUBSCRIBE_TRACKS we accepted (FIN or reset of its stream)."""
+
+    request_id: int
+    prefix: Namespace
+
+
+@dataclass(frozen=True, slots=True)
 class UpdateRequested:
     """SUBSCRIBE_UPDATE (draft 14: no reply) or REQUEST_UPDATE (draft 18: answer with ``accept_update`` or
     ``reject``) of request ``target_request_id``. ``None`` fields are unchanged. Draft 14's start / end group arrive
@@ -184,6 +223,34 @@ class PublishNamespaceAccepted:
 @dataclass(frozen=True, slots=True)
 class SubscribeNamespaceAccepted:
     request_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class PublishAccepted:
+    """Draft 18 PUBLISH_OK (a REQUEST_OK on our PUBLISH's stream): the subscription is established. ``forward``
+    False: send no objects until an update sets it (``UpdateRequested``)."""
+
+    request_id: int
+    forward: bool = True
+    filter: SubscriptionFilter | None = None
+    subscriber_priority: int | None = None
+    group_order: GroupOrder | None = None
+    params: Params = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SubscribeTracksAccepted:
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class PublishBlocked:
+    """Draft 18 PUBLISH_BLOCKED on one of our SUBSCRIBE_TRACKS streams: no PUBLISH will come for this track
+    (``namespace`` is the full one: prefix + suffix); SUBSCRIBE to it instead."""
+
+    request_id: int
+    namespace: Namespace
+    track_name: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,4 +421,5 @@ Event = (SetupCompleted | SessionClosed | GoawayReceived | RequestsBlockedReceiv
          | SubscribeAccepted | FetchAccepted | TrackStatusReceived | UpdateAccepted | RequestRejected
          | RequestCancelled | PublishDone
          | NamespaceReceived | DataStreamOpened | ObjectReceived | FetchRangeEnded | StreamEnded | StreamReset
-         | StreamStopped)
+         | StreamStopped | PublishRequested | SubscribeTracksRequested | SubscribeTracksEnded | PublishAccepted
+         | SubscribeTracksAccepted | PublishBlocked)

@@ -41,8 +41,8 @@ class Kind(Enum):
     PUBLISH_NAMESPACE = "publish_namespace"
     SUBSCRIBE_NAMESPACE = "subscribe_namespace"
     UPDATE = "update"
-    PUBLISH = "publish"  # answered NOT_SUPPORTED
-    SUBSCRIBE_TRACKS = "subscribe_tracks"  # answered NOT_SUPPORTED
+    PUBLISH = "publish"  # moqt.publishing (draft 18), moqt.publishing14 (draft 14)
+    SUBSCRIBE_TRACKS = "subscribe_tracks"  # draft 18 only
 
 
 class RState(Enum):

@@ -35,6 +35,7 @@ from moqt.events import (
     StreamStopped,
 )
 from moqt.messages18 import Redirect
+from moqt.publish_api import PublishingApi
 from moqt.requests import Kind, Request, Role, RState, SessionConfig
 from moqt.types import (
     AliasType,
@@ -58,7 +59,7 @@ from moqt.writers import FetchStreamWriter, StreamWriter, SubgroupWriter
 __all__ = ["Kind", "MoqtSession", "RState", "Request", "Role", "SessionConfig"]
 
 
-class MoqtSession:
+class MoqtSession(PublishingApi):
     """The draft-independent part of a session. Use :meth:`create` / :meth:`for_alpn`."""
 
     draft: Draft
@@ -277,7 +278,8 @@ class MoqtSession:
         del self.requests[req.request_id]
         req.state = RState.DONE
         if req.track_alias is not None:
-            aliases = self._aliases_in if req.local else self._aliases_out
+            # our SUBSCRIBE and the peer's PUBLISH receive objects under the alias; the others send them
+            aliases = self._aliases_in if req.local != (req.kind is Kind.PUBLISH) else self._aliases_out
             if aliases.get(req.track_alias) == req.request_id:
                 del aliases[req.track_alias]
         self._forget_streams(req)
@@ -349,6 +351,10 @@ class MoqtSession:
         if pending is False and req.state is not RState.ACTIVE:
             raise MoqtUsageError(f"request {request_id} is not active")
         return req
+
+    def _served(self, request_id: int) -> Request:
+        """A subscription we serve objects on: the peer's accepted SUBSCRIBE (publishing sessions: our PUBLISH too)."""
+        return self._theirs(request_id, Kind.SUBSCRIBE, pending=False)
 
     def _check_tokens(self, tokens: tuple[bytes, ...]) -> tuple[AuthToken, ...]:
         """Decode AUTHORIZATION TOKEN values. We advertise no token cache, so registering or using an alias is a
@@ -605,7 +611,7 @@ class MoqtSession:
                      stream_count: int | None = None) -> None:
         """PUBLISH_DONE for a subscription we serve (after its streams are closed). The stream count defaults to
         the subgroup streams opened for it."""
-        req = self._theirs(request_id, Kind.SUBSCRIBE, pending=False)
+        req = self._served(request_id)
         req.state = RState.DONE
         self._send_publish_done(req, status_code, reason, req.data_streams if stream_count is None else stream_count)
         self._forget(req)
@@ -628,7 +634,7 @@ class MoqtSession:
     def open_subgroup(self, request_id: int, group: int, subgroup: int = 0, *, priority: int | None = 128,
                       extensions: bool = False, end_of_group: bool = False) -> SubgroupWriter:
         """A subgroup stream for a subscription we serve. ``priority`` None: draft 18's default priority."""
-        req = self._theirs(request_id, Kind.SUBSCRIBE, pending=False)
+        req = self._served(request_id)
         assert req.track_alias is not None
         header = SubgroupHeader(req.track_alias, group, subgroup, priority, extensions, end_of_group)
         try:
@@ -648,7 +654,7 @@ class MoqtSession:
         """OBJECT_DATAGRAM (or a status datagram) for a subscription we serve; needs the DATAGRAM extension."""
         if not self.config.datagrams:
             raise MoqtUsageError("the DATAGRAM extension was not negotiated")
-        req = self._theirs(request_id, Kind.SUBSCRIBE, pending=False)
+        req = self._served(request_id)
         assert req.track_alias is not None
         try:
             data = ObjectDatagram(req.track_alias, group, object_id, payload, priority, status, extensions,

@@ -1,18 +1,20 @@
-"""The MOQT session of a draft: the one place that knows both :class:`~moqt.session14.Session14` and
-:class:`~moqt.session18.Session18` (the base :class:`~moqt.session.MoqtSession` knows neither)."""
+"""The MOQT session of a draft: the one place that knows both drafts' sessions,
+:class:`~moqt.publishing14.PublishingSession14` (draft 14 with PUBLISH) and
+:class:`~moqt.publishing.PublishingSession18` (draft 18 with PUBLISH and SUBSCRIBE_TRACKS); the base
+:class:`~moqt.session.MoqtSession` knows neither."""
 
 from __future__ import annotations
 
+from moqt.publishing import PublishingSession18
+from moqt.publishing14 import PublishingSession14
 from moqt.requests import SessionConfig
 from moqt.session import MoqtSession, Role
-from moqt.session14 import Session14
-from moqt.session18 import Session18
 from moqt.types import Draft
 
 
 def new_session(draft: Draft, role: Role, config: SessionConfig | None = None) -> MoqtSession:
     """A session speaking *draft* as *role* (not started: call :meth:`~moqt.session.MoqtSession.start`)."""
-    return (Session14 if draft is Draft.D14 else Session18)(role, config)
+    return (PublishingSession14 if draft is Draft.D14 else PublishingSession18)(role, config)
 
 
 def session_for_alpn(alpn: str, role: Role, config: SessionConfig | None = None) -> MoqtSession:

@@ -485,19 +485,17 @@ def test_draft18_request_before_setup_is_held() -> None:
     assert events[1].request_id == rid  # type: ignore[union-attr]
 
 
-def test_draft18_publish_is_answered_not_supported() -> None:
+def test_draft18_publish_is_a_request() -> None:  # tests/test_moqt_publish.py has the rest
     server = _server(Draft.D18)
     msg = m18.Publish(0, NS, TRACK, 1)
-    server.receive_stream_data(0, encode_message(msg, Draft.D18))
-    sent = [a for a in server.take_actions() if isinstance(a, SendStreamData)]
-    assert sent[-1].fin and sent[-1].data[:1] == b"\x05"  # REQUEST_ERROR, then FIN
+    events = server.receive_stream_data(0, encode_message(msg, Draft.D18))
+    assert [(type(e).__name__, getattr(e, "track_alias", None)) for e in events] == [("PublishRequested", 1)]
 
 
-def test_draft14_publish_is_answered_not_supported() -> None:
+def test_draft14_publish_is_a_request() -> None:  # tests/test_moqt_publish.py has the rest
     server = _server(Draft.D14)
-    server.receive_stream_data(0, encode_message(m14.Publish(0, NS, TRACK, 1), Draft.D14))
-    sent = [a for a in server.take_actions() if isinstance(a, SendStreamData)]
-    assert sent[-1].data[:1] == b"\x1f"
+    events = server.receive_stream_data(0, encode_message(m14.Publish(0, NS, TRACK, 1), Draft.D14))
+    assert [(type(e).__name__, getattr(e, "track_alias", None)) for e in events] == [("PublishRequested", 1)]
 
 
 def test_draft18_peer_cancels_our_subscription() -> None:

@@ -245,6 +245,28 @@ class MoqtConnection:
         await self._await_reply(rid, timeout)
         return rid
 
+    async def publish(self, namespace: Namespace, track_name: bytes, *, forward: bool = True,
+                      timeout: float | None = 10.0) -> ev.PublishAccepted:
+        """Draft 18 PUBLISH; returns PUBLISH_OK (``request_id``, ``forward``) once the peer accepted. Write the
+        objects with ``session.open_subgroup(request_id, ...)``, end with ``session.publish_done``. MoqtRequestError
+        when refused, MoqtStalled without an answer. (Objects may also be sent before the answer: use
+        ``session.publish`` directly.)"""
+        if self.closed is not None:
+            raise MoqtSessionClosed(self.closed.error_code, self.closed.reason)
+        rid = self.session.publish(namespace, track_name, forward=forward)  # MoqtUsageError on draft 14
+        reply = await self._await_reply(rid, timeout)
+        assert isinstance(reply, ev.PublishAccepted)
+        return reply
+
+    async def subscribe_tracks(self, prefix: Namespace, *, forward: bool = True, timeout: float | None = 10.0) -> int:
+        """Draft 18 SUBSCRIBE_TRACKS; returns its request id once accepted (the peer's PUBLISHes then reach
+        ``MoqtApp.request`` as ``PublishRequested``)."""
+        if self.closed is not None:
+            raise MoqtSessionClosed(self.closed.error_code, self.closed.reason)
+        rid = self.session.subscribe_tracks(prefix, forward=forward)  # MoqtUsageError on draft 14
+        await self._await_reply(rid, timeout)
+        return rid
+
     async def _await_reply(self, rid: int, timeout: float | None) -> ev.Event:
         future: asyncio.Future[ev.Event] = asyncio.get_running_loop().create_future()
         self._replies[rid] = future
@@ -400,7 +422,8 @@ class MoqtConnection:
         if fetch is not None:
             fetch._on_accepted(event)
 
-    def _on_namespace_reply(self, event: ev.PublishNamespaceAccepted | ev.SubscribeNamespaceAccepted) -> None:
+    def _on_namespace_reply(self, event: ev.PublishNamespaceAccepted | ev.SubscribeNamespaceAccepted
+                            | ev.PublishAccepted | ev.SubscribeTracksAccepted) -> None:
         if event.request_id in self._replies:
             self._reply(event.request_id, event)
         else:
@@ -522,6 +545,8 @@ _HANDLERS: dict[type, Callable[[MoqtConnection, Any], None]] = {
     ev.FetchAccepted: MoqtConnection._on_fetch_accepted,
     ev.PublishNamespaceAccepted: MoqtConnection._on_namespace_reply,
     ev.SubscribeNamespaceAccepted: MoqtConnection._on_namespace_reply,
+    ev.PublishAccepted: MoqtConnection._on_namespace_reply,
+    ev.SubscribeTracksAccepted: MoqtConnection._on_namespace_reply,
     ev.RequestRejected: MoqtConnection._on_refusal,
     ev.RequestCancelled: MoqtConnection._on_refusal,
     ev.FetchRequested: MoqtConnection._on_fetch_requested,
@@ -531,6 +556,8 @@ _HANDLERS: dict[type, Callable[[MoqtConnection, Any], None]] = {
     ev.SubscribeNamespaceRequested: MoqtConnection._on_peer_request,
     ev.SubscribeRequested: MoqtConnection._on_peer_request,
     ev.TrackStatusRequested: MoqtConnection._on_peer_request,
+    ev.PublishRequested: MoqtConnection._on_peer_request,
+    ev.SubscribeTracksRequested: MoqtConnection._on_peer_request,
     ev.UpdateRequested: MoqtConnection._on_update,
     ev.SetupCompleted: MoqtConnection._on_setup,
     ev.SessionClosed: MoqtConnection._on_closed,

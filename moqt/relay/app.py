@@ -19,7 +19,8 @@ from moqt.relay.fanout import Subscriptions
 from moqt.relay.fetching import Fetches
 from moqt.relay.interfaces import AccessRules, RelayConfig, TrackShapes, UpstreamDirectory
 from moqt.relay.namespaces import Announcement, Namespaces, render
-from moqt.types import JoiningFetch, Namespace
+from moqt.relay.published import PublishedTracks, TracksSubscriber
+from moqt.types import Draft, JoiningFetch, Namespace
 
 
 class Relay(MoqtApp):
@@ -41,16 +42,23 @@ class Relay(MoqtApp):
                                upstreams=upstreams)
         self.subscriptions = Subscriptions(rules, config, self.namespaces, self.metrics, self._spawn)
         self.complete = CompleteTracks(rules, self.fetches, self.metrics, self._spawn)
+        self.published = PublishedTracks(rules, self.subscriptions, self.namespaces, self.metrics)
         self._requests: dict[type, Callable[[MoqtConnection, Any], None]] = {
             ev.PublishNamespaceRequested: self.namespaces.publish,
             ev.SubscribeRequested: self._subscribe,
-            ev.SubscribeNamespaceRequested: self.namespaces.subscribe,
+            ev.SubscribeNamespaceRequested: self._subscribe_namespace,
+            ev.PublishRequested: self.published.publish,
+            ev.SubscribeTracksRequested: self.published.subscribe_tracks,
+            ev.UpdateRequested: self._update,
         }
         self._events: dict[type, Callable[[MoqtConnection, Any], None]] = {
             ev.PublishNamespaceDone: self.namespaces.done,
-            ev.SubscribeNamespaceEnded: self.namespaces.subscription_ended,
+            ev.SubscribeNamespaceEnded: self._subscribe_namespace_ended,
             ev.Unsubscribed: self._unsubscribed,
             ev.StreamStopped: self.subscriptions.stream_stopped,
+            ev.PublishAccepted: self.published.accepted,
+            ev.SubscribeTracksEnded: self.published.ended,
+            ev.UpdateRequested: self._update_event,
         }
 
     @property
@@ -83,6 +91,7 @@ class Relay(MoqtApp):
                       "evictions": cache.evictions},
             "inflight": sum(len(v) for v in self.inflight.values()),
             "subscriptions": len(self.subscriptions.subscriptions),
+            "published_tracks": sum(not s.finished for s in self.subscriptions.published.values()),
             "metrics": dict(sorted(self.metrics.items())),
             "uptime_s": round(time.monotonic() - self.started, 1),
         }
@@ -98,6 +107,7 @@ class Relay(MoqtApp):
         self.namespaces.session_closed(conn)
         self.subscriptions.session_closed(conn)
         self.complete.session_closed(conn)
+        self.published.session_closed(conn)
 
     async def aclose(self) -> None:
         for task in list(self._tasks):
@@ -127,6 +137,26 @@ class Relay(MoqtApp):
             self.subscriptions.subscribe(conn, request)
         else:
             self.complete.subscribe(conn, request, group)
+
+    def _update(self, conn: MoqtConnection, request: ev.UpdateRequested) -> None:
+        """REQUEST_UPDATE of a PUBLISH of the relay's (:mod:`moqt.relay.published`); other updates: NOT_SUPPORTED."""
+        if not self.published.update(conn, request):
+            super().request(conn, request)
+
+    def _update_event(self, conn: MoqtConnection, event: ev.UpdateRequested) -> None:
+        """A draft 14 SUBSCRIBE_UPDATE (no reply) of a PUBLISH of the relay's: its Forward State."""
+        self.published.update(conn, event)
+
+    def _subscribe_namespace(self, conn: MoqtConnection, request: ev.SubscribeNamespaceRequested) -> None:
+        """Draft 14: an accepted SUBSCRIBE_NAMESPACE also gets a PUBLISH of each published track under its prefix."""
+        self.namespaces.subscribe(conn, request)
+        if conn.draft is Draft.D14 and any(s.conn is conn and s.request_id == request.request_id
+                                           for s in self.namespaces.subscribers):
+            self.published.add_subscriber(TracksSubscriber(conn, request.request_id, request.prefix, True))
+
+    def _subscribe_namespace_ended(self, conn: MoqtConnection, event: ev.SubscribeNamespaceEnded) -> None:
+        self.namespaces.subscription_ended(conn, event)
+        self.published.ended(conn, event)
 
     def _unsubscribed(self, conn: MoqtConnection, event: ev.Unsubscribed) -> None:
         self.subscriptions.unsubscribed(conn, event)

@@ -22,7 +22,7 @@ from moqt.aio import MoqtConnection, MoqtRequestError, MoqtStalled
 from moqt.errors import MoqtUsageError, PublishDoneCode14, StreamResetCode
 from moqt.messages18 import Params18
 from moqt.relay.codes import publish_done_code, request_code, upstream_error, verdict_code
-from moqt.relay.interfaces import AccessRules, RelayConfig
+from moqt.relay.interfaces import AccessRules, RelayConfig, Verdict
 from moqt.relay.namespaces import Announcement, Namespaces
 from moqt.types import Draft, GroupOrder, Location, Namespace, ObjectStatus
 from moqt.writers import SubgroupWriter
@@ -37,6 +37,7 @@ class Downstream:
     conn: MoqtConnection
     request_id: int
     accepted: bool = False
+    pushed: bool = False  # draft 18: the relay PUBLISHed the track to it (SUBSCRIBE_TRACKS); accepted at PUBLISH_OK
     joined_at: Location | None = None  # the largest location when SUBSCRIBE_OK was sent (its Joining Location)
     writers: dict[int, SubgroupWriter] = field(default_factory=dict)  # by upstream data stream id
 
@@ -67,6 +68,7 @@ class Subscription:
     ended: int = 0  # ... ended (FIN or reset)
     done: ev.PublishDone | None = None
     finished: bool = False
+    published: bool = False  # the publisher PUBLISHed it (draft 18): kept while published, with or without readers
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,33 @@ class Subscriptions:
         self.subscriptions: dict[tuple[int, int], Subscription] = {}  # (id(publisher conn), upstream request id)
         self._by_alias: dict[tuple[int, int], Subscription] = {}  # (id(publisher conn), track alias)
         self._downstream: dict[tuple[int, int], Subscription] = {}  # (id(subscriber conn), downstream request id)
+        self.published: dict[tuple[Namespace, bytes], Subscription] = {}  # PUBLISHed tracks (moqt.relay.published)
+
+    def published_track(self, namespace: Namespace, track_name: bytes) -> Subscription | None:
+        sub = self.published.get((namespace, track_name))
+        if sub is not None and sub.finished:
+            del self.published[(namespace, track_name)]
+            return None
+        return sub
+
+    def add_published(self, sub: Subscription) -> None:
+        """A track a publisher PUBLISHed (accepted): its objects fan out like an upstream subscription's."""
+        self.subscriptions[(id(sub.conn), sub.request_id)] = sub
+        if sub.alias is not None:
+            self._by_alias[(id(sub.conn), sub.alias)] = sub
+        self.published[(sub.namespace, sub.track_name)] = sub
+
+    def add_downstream(self, sub: Subscription, down: Downstream) -> None:
+        sub.downstreams.append(down)
+        self._downstream[(id(down.conn), down.request_id)] = sub
+        if sub.accepted is not None and not down.pushed:
+            self._accept_downstream(sub, down)
+
+    def downstream(self, conn: MoqtConnection, request_id: int) -> tuple[Subscription, Downstream] | None:
+        sub = self._downstream.get((id(conn), request_id))
+        down = next((d for d in sub.downstreams if d.conn is conn and d.request_id == request_id), None) \
+            if sub is not None else None
+        return (sub, down) if sub is not None and down is not None else None
 
     def joined(self, conn: MoqtConnection, request_id: int) -> Joined | None:
         """The accepted subscription *request_id* of *conn*, for a joining FETCH."""
@@ -133,13 +162,24 @@ class Subscriptions:
     def subscribe(self, conn: MoqtConnection, request: ev.SubscribeRequested) -> None:
         draft, rid = conn.draft, request.request_id
         decision = self.rules.read(conn.peer_identity, request.namespace)
+        wait = request.params.rendezvous_timeout if isinstance(request.params, Params18) else None
         if not decision.ok:
             self.metrics["subscribe_refused"] += 1
+            if wait and decision.verdict is Verdict.DOES_NOT_EXIST:
+                # Outside every namespace the relay carries no publisher can appear; the subscriber asked to wait
+                # for one, and draft 18 says "the relay SHOULD hold the subscription ... If the timeout expires
+                # without a publisher, the relay SHOULD respond with REQUEST_ERROR with error code TIMEOUT".
+                self._spawn(self._no_rendezvous(conn, rid, min(wait / 1000, self.config.rendezvous_limit_s)))
+                return
             conn.reject(rid, verdict_code(draft, decision), decision.reason.encode())
+            return
+        published = self.published_track(request.namespace, request.track_name)
+        if published is not None:
+            self.metrics["subscriptions_joined"] += 1
+            self.add_downstream(published, Downstream(conn, rid))
             return
         publisher = self.namespaces.publisher_for(request.namespace)
         if publisher is None:
-            wait = request.params.rendezvous_timeout if isinstance(request.params, Params18) else None
             if wait:
                 self._spawn(self._rendezvous(conn, request, min(wait / 1000, self.config.rendezvous_limit_s)))
                 return
@@ -150,6 +190,12 @@ class Subscriptions:
     async def _rendezvous(self, conn: MoqtConnection, request: ev.SubscribeRequested, seconds: float) -> None:
         deadline = asyncio.get_running_loop().time() + seconds
         while (publisher := self.namespaces.publisher_for(request.namespace)) is None:
+            # "if the relay is holding a downstream SUBSCRIBE awaiting a publisher for this Track ..., it MUST proceed
+            # with the SUBSCRIBE" (draft 18, "Publisher Interactions"): a PUBLISH of the track ends the wait too
+            published = self.published_track(request.namespace, request.track_name)
+            if published is not None and conn.closed is None:
+                self.add_downstream(published, Downstream(conn, request.request_id))
+                return
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0 or conn.closed is not None:
                 conn.reject(request.request_id, request_code(conn.draft, "timeout"),
@@ -157,6 +203,11 @@ class Subscriptions:
                 return
             await self.namespaces.wait_published(left)
         self._attach(conn, request, publisher)
+
+    async def _no_rendezvous(self, conn: MoqtConnection, request_id: int, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        conn.reject(request_id, request_code(conn.draft, "timeout"), b"no publisher appeared within the rendezvous "
+                                                                     b"timeout")
 
     def _attach(self, conn: MoqtConnection, request: ev.SubscribeRequested, publisher: Announcement) -> None:
         down = Downstream(conn, request.request_id)
@@ -179,10 +230,7 @@ class Subscriptions:
             self._spawn(self._subscribe_deadline(sub))
         else:
             self.metrics["subscriptions_joined"] += 1
-        sub.downstreams.append(down)
-        self._downstream[(id(conn), request.request_id)] = sub
-        if sub.accepted is not None:
-            self._accept_downstream(sub, down)
+        self.add_downstream(sub, down)
 
     async def _subscribe_deadline(self, sub: Subscription) -> None:
         await asyncio.sleep(self.config.upstream_timeout_s)
@@ -221,7 +269,7 @@ class Subscriptions:
         down.writers.clear()
         if down.conn.closed is None:
             down.conn.flush()
-        if not sub.downstreams and not sub.finished:  # nobody wants it any more
+        if not sub.downstreams and not sub.finished and not sub.published:  # nobody wants it any more
             sub.finished = True
             self.subscriptions.pop((id(sub.conn), sub.request_id), None)
             if sub.alias is not None:
@@ -240,7 +288,7 @@ class Subscriptions:
                 writer.reset(StreamResetCode.CANCELLED)
             down.writers.clear()
             if down.conn.closed is None:
-                if down.accepted:
+                if down.accepted or down.pushed:  # our PUBLISH ends with PUBLISH_DONE, accepted or not
                     with contextlib.suppress(MoqtUsageError):
                         down.conn.session.publish_done(down.request_id,
                                                        publish_done_code(status, up_draft, down.conn.draft), reason)
@@ -276,11 +324,15 @@ class Subscriptions:
             sub.largest = event.largest
         self._by_alias[(id(conn), event.track_alias)] = sub
         for down in list(sub.downstreams):
-            if not down.accepted:
+            if not down.accepted and not down.pushed:
                 self._accept_downstream(sub, down)
 
     def _on_refusal(self, conn: MoqtConnection, event: ev.RequestRejected | ev.RequestCancelled) -> None:
         sub = self.subscriptions.get((id(conn), event.request_id))
+        if sub is None and isinstance(event, ev.RequestRejected):  # a subscriber refused the relay's PUBLISH
+            found = self.downstream(conn, event.request_id)
+            if found is not None:
+                self._detach(*found)
         if sub is not None:
             if sub.accepted is None:
                 reason = event.reason if isinstance(event, ev.RequestRejected) else b"cancelled"

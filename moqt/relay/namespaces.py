@@ -65,9 +65,7 @@ class Namespaces:
         self.announcements.append(announcement)
         self.metrics["namespaces_published"] += 1
         log.info("namespace %s published by %s", render(request.namespace), conn.peer_identity)
-        if self._published is not None:
-            self._published.set()
-            self._published = None
+        self.notify_published()
         for subscriber in self.subscribers:
             self._announce(subscriber, request.namespace)
 
@@ -94,6 +92,12 @@ class Namespaces:
                     (best is None or len(a.namespace) >= len(best.namespace)):
                 best = a
         return best
+
+    def notify_published(self) -> None:
+        """Wake :meth:`wait_published` (a namespace, or a track (PUBLISH), was published)."""
+        if self._published is not None:
+            self._published.set()
+            self._published = None
 
     async def wait_published(self, timeout: float) -> None:
         """Until some namespace is published, or *timeout* seconds have passed."""
