@@ -45,6 +45,7 @@ import httpx
 from http3.client import KvspClient
 from http3.h1_client import copy_into
 from kvsp_quic import container as c
+from kvsp_quic.app import event_loop
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.samples import random_sections
 from quic.tls import TlsFiles, TransportSettings, ssl_client_context, ssl_server_context
@@ -291,7 +292,8 @@ async def main_async(args: argparse.Namespace) -> None:
         cmd = [sys.executable, "-c", "import sys; from kvsp_quic.app.cli import main; sys.exit(main())",
                "holder", "--dev", str(work / "dev"),
                "--host-capacity", args.host_capacity,
-               "--workers", "1"]  # one process: pinned, its CPU read (bench_workers scales)
+               "--workers", "1",  # one process: pinned, its CPU read (bench_workers scales)
+               "--event-loop", args.event_loop]
         for p in paths:
             cmd += ["--descriptor", str(p)]
         holder = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, stderr=subprocess.DEVNULL)
@@ -353,6 +355,8 @@ def main() -> None:
     p.add_argument("--host-capacity", default="2GiB",
                    help="the holder's host tier; a small one (e.g. 64MiB) makes PUTs evict, as a full holder does")
     p.add_argument("--before", action="store_true", help="also httpx over HTTP/1.1, the TCP path before")
+    p.add_argument("--event-loop", default="auto", choices=event_loop.CHOICES,
+                   help="the loop of the holder and of this client (kvsp_quic/app/event_loop.py; auto: uvloop)")
     p.add_argument("--no-pin", action="store_true", help="do not pin the processes to CPUs 0 and 1")
     p.add_argument("--client-cpus", default="1", help="the CPUs of this (the client) process; 0,1 lets the client's "
                    "threads use the servers' CPU too (the servers stay on CPU 0)")
@@ -361,7 +365,7 @@ def main() -> None:
     if args.serve_raw:
         serve_raw(*args.serve_raw)
         return
-    asyncio.run(main_async(args))
+    event_loop.run(main_async(args), args.event_loop)
 
 
 if __name__ == "__main__":

@@ -78,6 +78,8 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlsplit
 
+from kvsp_quic.app import event_loop
+
 REPO = Path(__file__).resolve().parent.parent
 MOONCAKE_PACKAGE = "mooncake-transfer-engine-non-cuda"
 MOONCAKE_VERSION = "0.3.13"
@@ -326,12 +328,12 @@ def make_blocks(workdir: Path, names: list[str]) -> tuple[dict[str, Any], dict[s
     return descriptors, bodies, files
 
 
-def start_holder(procs: Processes, workdir: Path, names: list[str]) -> dict[str, Any]:
+def start_holder(procs: Processes, workdir: Path, names: list[str], loop: str = "auto") -> dict[str, Any]:
     exe = Path(sys.executable).parent / "kvsp-quic"
     argv = [os.fspath(exe)] if exe.exists() else [sys.executable, "-c", "from kvsp_quic.app.cli import main; main()"]
     # one process: the CPU figures read one pid (worker scaling is benchmarks.bench_workers)
     argv += ["holder", "--dev", os.fspath(workdir / "dev"), "--host-capacity", "4GiB", "--log-level", "WARNING",
-             "--workers", "1"]
+             "--workers", "1", "--event-loop", loop]
     for i in range(len(names)):
         argv += ["--descriptor", os.fspath(workdir / f"descriptor-{i}.json")]
     proc = procs.start(argv, log=workdir / "holder.log")
@@ -671,7 +673,7 @@ async def run(args: argparse.Namespace, env: Environment, procs: Processes, work
                 for n in names}
     print(f"blocks: {', '.join(f'{n} = {len(bodies[n])} octets' for n in names)}", flush=True)
 
-    ready = start_holder(procs, workdir, names)
+    ready = start_holder(procs, workdir, names, args.event_loop)
     print(f"holder: {ready['base_uri']} (pid {ready['pid']})", flush=True)
     tls = TlsFiles.of(ready["ca"], ready["client_cert"], ready["client_key"])
     ports = start_socket_server(procs, holder_tls(workdir, ready), list(files.values()))
@@ -732,6 +734,8 @@ def main() -> None:
     parser.add_argument("--no-mooncake", action="store_true", help="skip Mooncake even where it is installed")
     parser.add_argument("--ops", nargs="*", metavar="OP", help='only these rows, e.g. "get 16 MiB, c8"')
     parser.add_argument("--skip", action="append", default=[], choices=SUBJECTS, help="leave out this column")
+    parser.add_argument("--event-loop", default="auto", choices=event_loop.CHOICES,
+                        help="the loop of our holder and client (kvsp_quic/app/event_loop.py; auto: uvloop)")
     parser.add_argument("--timeout", type=float, default=600, help="stop everything after this many seconds")
     parser.add_argument("--serve-sockets", metavar="JSON", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -760,7 +764,7 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="bench-vs-mooncake-") as tmp:
             try:
-                asyncio.run(run(args, env, procs, Path(tmp)))
+                event_loop.run(run(args, env, procs, Path(tmp)), args.event_loop)
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 procs.stop_all()

@@ -37,7 +37,7 @@ import contextlib
 import re
 import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from quic.tls import serves, ssl_peer_identity
 
@@ -99,8 +99,9 @@ class H1Connection(asyncio.BufferedProtocol):
 
     # -- asyncio.BufferedProtocol ---------------------------------------------------------------------------
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+    def connection_made(self, base: asyncio.BaseTransport) -> None:
+        # a stream transport: asyncio's, or uvloop's (which does not register with asyncio's ABCs)
+        transport = cast(asyncio.Transport, base)
         self.transport = transport
         self.peer_identity = ssl_peer_identity(transport)  # the server's role (SAN URI), checked per request
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)

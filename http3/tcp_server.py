@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import Any
+from typing import Any, cast
 
 from http3.asgi_bridge import AsgiContext, Lifespan, address, alt_svc_h3, tls_cipher_code
 from http3.asgi_types import ASGIApp
@@ -163,8 +163,9 @@ class _Handshake(asyncio.Protocol):
     def __init__(self, server: TcpServer) -> None:
         self.server = server
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+    def connection_made(self, base: asyncio.BaseTransport) -> None:
+        # a stream transport: asyncio's, or uvloop's (which does not register with asyncio's ABCs)
+        transport = cast(asyncio.Transport, base)
         transport.set_protocol(self.server._accept(transport))
 
     def connection_lost(self, exc: Exception | None) -> None:  # pragma: no cover - replaced before any I/O

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kvsp_quic.app import event_loop
+
 T = TypeVar("T")
 
 _SIZE_RE = re.compile(r"(\d+)\s*([KMGT]i?B?|B)?", re.IGNORECASE)
@@ -205,7 +207,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
     cfg = dataclasses.replace(cfg, frontend=replace(cfg.frontend, "frontend", **overrides),
                               **_server_overrides(cfg, args))
     _logging(args.log_level)
-    asyncio.run(run_frontend(cfg, dev_dir=args.dev, policy_path=args.policy))
+    event_loop.run(run_frontend(cfg, dev_dir=args.dev, policy_path=args.policy), cfg.server.event_loop)
     return 0
 
 
@@ -220,6 +222,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-dir", type=Path, metavar="DIR", help="take ca.pem, NAME.pem, NAME.key from DIR")
     p.add_argument("--name", metavar="NAME", help="the principal name in --tls-dir")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--event-loop", choices=event_loop.CHOICES,
+                   help="the event loop (default auto: uvloop where installed, else asyncio's)")
 
 
 def _file(cls: type[T], args: argparse.Namespace) -> T:
@@ -233,9 +237,11 @@ def _server_overrides(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
     changes: dict[str, Any] = {}
     if args.listen is not None or args.base_uri is not None:
         server = ServerSection(listen=args.listen or server.listen, base_uri=args.base_uri or server.base_uri,
-                               policy=server.policy)
+                               policy=server.policy, event_loop=server.event_loop)
     elif args.dev is not None and args.config is None:
         server = ServerSection(listen="127.0.0.1:0")
+    if args.event_loop is not None:
+        server = dataclasses.replace(server, event_loop=args.event_loop)
     changes["server"] = server
     if args.tls_dir is not None:
         if not args.name:
@@ -276,7 +282,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     cfg = dataclasses.replace(cfg, index=replace(section, "index", **overrides),
                               controller=replace(cfg.controller, "controller", **pc), **_server_overrides(cfg, args))
     _logging(args.log_level)
-    asyncio.run(run_index(cfg, dev_dir=args.dev, policy_path=args.policy))
+    event_loop.run(run_index(cfg, dev_dir=args.dev, policy_path=args.policy), cfg.server.event_loop)
     return 0
 
 
@@ -302,7 +308,7 @@ def cmd_holder(args: argparse.Namespace) -> int:
         raise ConfigError("--local-capacity and --encryption-key-file need --local-storage DIR")
     cfg = dataclasses.replace(cfg, holder=replace(section, "holder", **overrides), **_server_overrides(cfg, args))
     _logging(args.log_level)
-    asyncio.run(run_holder(cfg, dev_dir=args.dev, policy_path=args.policy))
+    event_loop.run(run_holder(cfg, dev_dir=args.dev, policy_path=args.policy), cfg.server.event_loop)
     return 0
 
 
@@ -318,7 +324,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
             overrides[name] = getattr(args, name)
     cfg = dataclasses.replace(cfg, relay=replace(section, "relay", **overrides), **_server_overrides(cfg, args))
     _logging(args.log_level)
-    asyncio.run(run_relay(cfg, dev_dir=args.dev, policy_path=args.policy))
+    event_loop.run(run_relay(cfg, dev_dir=args.dev, policy_path=args.policy), cfg.server.event_loop)
     return 0
 
 
@@ -342,5 +348,5 @@ def cmd_instance(args: argparse.Namespace) -> int:
         raise ConfigError("--model DIR (or instance.model in --config) is required")
     cfg = dataclasses.replace(cfg, instance=section, **_server_overrides(cfg, args))
     _logging(args.log_level)
-    asyncio.run(run_instance(cfg, dev_dir=args.dev, policy_path=args.policy))
+    event_loop.run(run_instance(cfg, dev_dir=args.dev, policy_path=args.policy), cfg.server.event_loop)
     return 0

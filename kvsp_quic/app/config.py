@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
+from kvsp_quic.app import event_loop
 from kvsp_quic.fields import BASE_URIS, RecordError, base_uri, base_uris
 from kvsp_quic.frontend import FrontendOptions
 from kvsp_quic.records import Link
@@ -76,9 +77,12 @@ class ServerSection:
     listen: str = "127.0.0.1:0"
     base_uri: str | None = None
     policy: Path | None = None
+    event_loop: str = "auto"  # kvsp_quic.app.event_loop: auto (uvloop where installed), uvloop, asyncio
 
     def __post_init__(self) -> None:
         host_port(self.listen)  # validates
+        if self.event_loop not in event_loop.CHOICES:
+            raise ConfigError(f"server.event_loop {self.event_loop!r}: expected one of {', '.join(event_loop.CHOICES)}")
         if self.base_uri is not None:
             try:
                 base_uri(self.base_uri, "server.base_uri")

@@ -32,6 +32,7 @@ from typing import Any, cast
 
 import orjson
 
+from kvsp_quic.app import event_loop
 from kvsp_quic.app.workers import worker_process
 from kvsp_quic.auth import Policy
 from kvsp_quic.problems import Forbidden, Problem, Unavailable, problem_from_json
@@ -216,6 +217,7 @@ class WorkerSpec:
     host_directory: Path
     log_level: int
     moqt_alpns: tuple[str, ...]
+    event_loop: str = "auto"  # kvsp_quic.app.event_loop
 
     @property
     def control(self) -> Path:
@@ -226,7 +228,7 @@ def worker_main(spec: WorkerSpec, ready: Any) -> None:
     """A worker process's entry point (*ready*: a ``multiprocessing`` event, set once it serves)."""
     worker_process(spec.index, spec.log_level)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_serve_worker(spec, ready))
+        event_loop.run(_serve_worker(spec, ready), spec.event_loop)
 
 
 async def _serve_worker(spec: WorkerSpec, ready: Any) -> None:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvsp_quic.app import event_loop
 from kvsp_quic.app.config import (
     ConfigError,
     FrontendFile,
@@ -328,7 +329,8 @@ async def run_holder(cfg: HolderFile, *, dev_dir: Path | None, policy_path: Path
         raise ConfigError(str(exc)) from None
     pool = None
     if host_directory is not None:
-        pool = await start_workers(holder, prepared, host_directory, workers, server, section.moqt_alpns)
+        pool = await start_workers(holder, prepared, host_directory, workers, server, section.moqt_alpns,
+                                   cfg.server.event_loop)
     publisher = None
     if section.index:
         client = KvspClient(prepared.files, settings=prepared.settings)
@@ -368,7 +370,7 @@ def shared_store(settings: Any, host_directory: Path) -> Any:
 
 
 async def start_workers(holder: Any, prepared: Prepared, host_directory: Path, count: int, server: Any,
-                        moqt_alpns: list[str]) -> tuple[Any, Any]:
+                        moqt_alpns: list[str], loop: str = "auto") -> tuple[Any, Any]:
     """The control socket and workers 1..count-1 of a holder (``kvsp_quic.app.holder_workers``), serving."""
     from kvsp_quic.app.holder_workers import ControlServer, WorkerSpec, worker_main
     from kvsp_quic.app.workers import Workers
@@ -380,7 +382,7 @@ async def start_workers(holder: Any, prepared: Prepared, host_directory: Path, c
 
     def spec_for(index: int) -> WorkerSpec:
         return WorkerSpec(index, holder.settings, prepared.files, prepared.policy_file, prepared.settings, host, port,
-                          host_directory, level, tuple(moqt_alpns))
+                          host_directory, level, tuple(moqt_alpns), loop)
 
     pool = Workers("holder", worker_main, spec_for, count)
     try:
@@ -499,7 +501,7 @@ def relay_worker_main(spec: RelayWorkerSpec, ready: Any) -> None:
 
     worker_process(spec.index, spec.log_level)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_relay_worker(spec, ready))
+        event_loop.run(_relay_worker(spec, ready), spec.cfg.server.event_loop)
 
 
 async def _relay_worker(spec: RelayWorkerSpec, ready: Any) -> None:
