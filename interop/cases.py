@@ -36,6 +36,7 @@ from http3.api import KvspApi
 from http3.client import KvspClient
 from http3.retrieval import BlockFetcher, HttpSource
 from interop.drivers import NO_HEADERS, Driver, Refused, Reply, Request, Unsupported
+from interop.moqrs_drivers import NEEDS_ANNOUNCEMENT
 from interop.moqt_drivers import ALPN, MoqtDriver, OursMoqt
 from interop.servers import DEV_IDENTITY, INSTANCES
 from kvsp_moqt.source import MoqtSource, PreferMoqt
@@ -357,6 +358,9 @@ async def moqt_publish_namespace(env: Env, driver: Driver) -> None:
 
 async def moqt_fetch_block(env: Env, driver: Driver) -> None:
     d = moqt_driver(driver)
+    if d.needs_announcement:  # moq-rs; diagnosed in interop/moqrs_drivers.py
+        raise Unsupported(NEEDS_ANNOUNCEMENT.format(where="our holder (it answers SUBSCRIBE_NAMESPACE with "
+                                                          "NOT_SUPPORTED)"))
     key, _, enc = await stored(env, 70_000 + env.fresh())
     namespace, name = block_track(env, key, env.holder)
     got = await d.fetch(env.holder_moqt, env.tls("dev"), namespace, name)
@@ -365,6 +369,9 @@ async def moqt_fetch_block(env: Env, driver: Driver) -> None:
 
 async def moqt_relay_fan_out(env: Env, driver: Driver) -> None:
     d = moqt_driver(driver)
+    if d.needs_announcement:  # moq-rs: moqt-kvsp-announced is this case with the namespace published
+        raise Unsupported(NEEDS_ANNOUNCEMENT.format(where="the relay, for a block it finds through the Index "
+                                                          "Service,"))
     key, _, enc = await stored(env, 80_000 + env.fresh())
     await until_published(env, key, env.holder_moqt)  # the relay finds the holder through the Index Service
     before = await relay_metrics(env)
@@ -388,7 +395,7 @@ async def relay_metrics(env: Env) -> dict[str, int]:
 async def moqt_http_fallback(env: Env, driver: Driver) -> None:
     d = moqt_driver(driver)
     if not isinstance(d, OursMoqt):
-        raise Unsupported("aiomoqt is a MOQT library: it has no HTTP fallback")
+        raise Unsupported(f"{d.name.rsplit('-moqt', 1)[0]} is a MOQT library: it has no HTTP fallback")
     key, body, _ = await stored(env, 90_000 + env.fresh())
     https = await until_published(env, key, env.holder)
     async with MoqtPool(env.tls("dev"), alpn=ALPN[d.draft], connect_timeout=3) as pool:
@@ -778,4 +785,4 @@ CASES: list[CaseInfo] = [
     CaseInfo("moqt-relay-fan-out", "MOQT FETCH x4 through the relay: one upstream FETCH; the relay's record",
              moqt_relay_fan_out),
     CaseInfo("moqt-http-fallback", "Retrieval client: MOQT first, HTTP when MOQT is refused", moqt_http_fallback),
-]
+]  # and the MOQT cases with moq-rs on the far side: interop/moqt_peer_cases.py (ALL_CASES)

@@ -7,6 +7,7 @@ against a ``moqt://host:port/`` with a client certificate. It sends no HTTP requ
     kvsp-quic-moqt14/18   moqt.aio (our adapter and sans-I/O core), ALPN moq-00 / moqt-18
     aiomoqt-moqt14/18     aiomoqt 0.13.3 (picoquic) in .venv-aiomoqt, through interop/aiomoqt_peer.py; its client
                           presents our certificate via aiopquic's QuicConfiguration.load_cert_chain
+    moq-rs-moqt14/18      moq-rs 0.5.1 in .venv-moqrs: interop/moqrs_drivers.py
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ TIMEOUT = 60.0
 class MoqtDriver(Driver):
     draft = 14
     lines: list[str]
+    # True: the client reaches a track only under a namespace its peer announced (moq-rs): the cases whose
+    # server announces none are "unsupported" for it
+    needs_announcement = False
 
     def __init__(self) -> None:
         self.lines = []
@@ -48,9 +52,10 @@ class MoqtDriver(Driver):
         """PUBLISH_NAMESPACE: None when accepted, else the error code."""
         raise NotImplementedError
 
-    async def fetch(self, uri: str, tls: TlsFiles, namespace: Namespace, track: bytes,
-                    clients: int = 1) -> list[list[bytes]]:
-        """FETCH all of group 0 with *clients* sessions at once; per client, the SHA-256 of each object."""
+    async def fetch(self, uri: str, tls: TlsFiles, namespace: Namespace, track: bytes, clients: int = 1,
+                    expected: list[bytes] | None = None) -> list[list[bytes]]:
+        """FETCH all of group 0 with *clients* sessions at once; per client, the SHA-256 of each object (computed
+        on the receiving side; a driver may also check them against *expected* there)."""
         raise NotImplementedError
 
 
@@ -82,8 +87,8 @@ class OursMoqt(MoqtDriver):
         finally:
             await conn.aclose()
 
-    async def fetch(self, uri: str, tls: TlsFiles, namespace: Namespace, track: bytes,
-                    clients: int = 1) -> list[list[bytes]]:
+    async def fetch(self, uri: str, tls: TlsFiles, namespace: Namespace, track: bytes, clients: int = 1,
+                    expected: list[bytes] | None = None) -> list[list[bytes]]:
         host, port = moqt_address(uri)
         conns = [await connect_moqt(host, port, tls, alpn=ALPN[self.draft], timeout=10) for _ in range(clients)]
 
@@ -142,8 +147,8 @@ class AiomoqtMoqt(MoqtDriver):
         answer = (await self._peer("announce", uri, tls, "--namespace", _fields(namespace)))[0]
         return None if answer.get("ok") else int(str(answer["error"]))
 
-    async def fetch(self, uri: str, tls: TlsFiles, namespace: Namespace, track: bytes,
-                    clients: int = 1) -> list[list[bytes]]:
+    async def fetch(self, uri: str, tls: TlsFiles, namespace: Namespace, track: bytes, clients: int = 1,
+                    expected: list[bytes] | None = None) -> list[list[bytes]]:
         result = (await self._peer("fetch", uri, tls, "--namespace", _fields(namespace), "--track", track.decode(),
                                    "--clients", str(clients)))[0]
         out = []

@@ -23,9 +23,11 @@ from typing import Any
 
 from http3.client import KvspClient
 from interop import report
-from interop.cases import CASES, CaseInfo, Env, Inference
+from interop.cases import CaseInfo, Env, Inference
 from interop.drivers import Driver, Unsupported, all_drivers
+from interop.moqrs_drivers import moqrs_drivers
 from interop.moqt_drivers import MoqtDriver, moqt_drivers
+from interop.moqt_peer_cases import ALL_CASES as CASES
 from interop.servers import INSTANCE_URI, INSTANCES, SCOPE_KEY, principal_of, start
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.keys import BlockKeyer, scope_id
@@ -34,7 +36,8 @@ from quic.tls import TlsFiles
 
 HERE = Path(__file__).resolve().parent
 EXPECTED = HERE / "expected.json"
-QUICK_CASES = ("mtls-refused", "block-get-layers", "lease-quota", "lookup-with-estimates")
+# the HTTP cases, and one KVSP-over-MOQT case every MOQT client plays (moq-rs too: ~2 s a column)
+QUICK_CASES = ("mtls-refused", "block-get-layers", "lease-quota", "lookup-with-estimates", "moqt-kvsp-announced")
 SERVER = "kvsp-quic"
 
 
@@ -162,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-expected", action="store_true", help="record this run's results as expected")
     parser.add_argument("--list", action="store_true", help="list the cases and implementations, then exit")
     args = parser.parse_args(argv)
-    drivers = all_drivers() + moqt_drivers()
+    drivers = all_drivers() + moqt_drivers() + moqrs_drivers()
     if args.list:
         for case in CASES:
             print(f"case {case.name}: {case.resource}")

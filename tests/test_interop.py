@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 
 from interop import report
-from interop.cases import CASES
+from interop.moqrs_drivers import moqrs_missing
+from interop.moqt_peer_cases import ALL_CASES as CASES
 from interop.runner import EXPECTED, QUICK_CASES, Cell, regressions
 
 INFERENCE_CASES = [c.name for c in CASES if c.needs_instance]
+MOQRS = moqrs_missing() is None
 
 
 def test_the_quick_subset_passes_against_expected(tmp_path: Path) -> None:
@@ -24,9 +26,13 @@ def test_the_quick_subset_passes_against_expected(tmp_path: Path) -> None:
     cells = json.loads((tmp_path / "matrix.json").read_text())
     assert {c["case"] for c in cells} == set(QUICK_CASES)
     passed = {(c["case"], c["client"]) for c in cells if c["result"] == "pass"}
-    # our client passes every quick case on every transport, and curl over TCP
+    # our client passes every quick case on every transport, and curl over TCP; the MOQT one, our MOQT client on
+    # both drafts and moq-rs on draft 18 (when its environment exists)
     for case in QUICK_CASES:
-        for client in ("kvsp-quic-h1", "kvsp-quic-h2", "kvsp-quic-h3", "curl-h1", "curl-h2"):
+        clients: tuple[str, ...] = ("kvsp-quic-h1", "kvsp-quic-h2", "kvsp-quic-h3", "curl-h1", "curl-h2")
+        if case.startswith("moqt-"):
+            clients = ("kvsp-quic-moqt14", "kvsp-quic-moqt18") + (("moq-rs-moqt18",) if MOQRS else ())
+        for client in clients:
             assert (case, client) in passed, (case, client)
     for name in ("matrix.md", "matrix.html"):
         assert (tmp_path / name).stat().st_size > 100
@@ -62,6 +68,35 @@ def test_the_inference_cases_pass_against_a_real_instance(tmp_path: Path) -> Non
         for client in ("gtlsclient-h3", "kvsp-quic-moqt14"):  # unsupported, and said why, without any setup
             cell = cells[(case, client)]
             assert cell["result"] == "unsupported" and cell["detail"] and cell["seconds"] < 1, cell
+
+
+@pytest.mark.skipif(not MOQRS, reason=moqrs_missing() or "")
+def test_the_moqrs_columns(tmp_path: Path) -> None:
+    """moq-rs (issue 17 point 4) as a client on draft 18 -- through the relay: a block a holder published there
+    (layers checked on moq-rs's side against the record's digests), a moq-rs publisher under the open prefix -- and
+    as a server: moq.Server fetched from by our client on both drafts, and as the relay's upstream (found through the
+    Index Service); what moq-rs cannot play is unsupported, saying why (never a silent skip)."""
+    cases = ["moqt-kvsp-announced", "moqt-open-prefix", "moqt-moq-server", "moqt-moq-server-upstream",
+             "moqt-fetch-block", "moqt-publish-namespace"]
+    argv = [sys.executable, "-m", "interop", "--out", str(tmp_path), "--impl", "moq-rs-moqt18", "--impl",
+            "moq-rs-moqt14", "--impl", "kvsp-quic-moqt14", "--impl", "kvsp-quic-moqt18"]
+    for name in cases:
+        argv += ["--case", name]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    cells = {(c["case"], c["client"]): c for c in json.loads((tmp_path / "matrix.json").read_text())}
+    expected = json.loads(EXPECTED.read_text())
+    for (case, client), cell in cells.items():
+        assert cell["result"] == expected[f"{case}|{client}|kvsp-quic"], cell
+        if cell["result"] == "unsupported":
+            assert cell["detail"], cell
+    for case in ("moqt-kvsp-announced", "moqt-open-prefix"):  # issue 17's done-when: KVSP and open prefix, draft 18
+        assert cells[(case, "moq-rs-moqt18")]["result"] == "pass"
+    for client in ("kvsp-quic-moqt14", "kvsp-quic-moqt18"):
+        assert cells[("moqt-moq-server", client)]["result"] == "pass"
+        assert cells[("moqt-moq-server-upstream", client)]["result"] == "pass"
+    assert "announced" in cells[("moqt-fetch-block", "moq-rs-moqt18")]["detail"]
+    assert "moqt-18" in cells[("moqt-open-prefix", "moq-rs-moqt14")]["detail"]
 
 
 def test_every_case_is_implemented() -> None:

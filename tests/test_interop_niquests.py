@@ -1,0 +1,62 @@
+"""The interop matrix's niquests-h3 driver (interop/drivers.py) against a real server: its workaround for niquests'
+parse of URI subjectAltNames lets it talk to KVSP role certificates, while qh3 still verifies the chain -- a
+server certificate of another CA is refused."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from interop.drivers import PEERS_PYTHON, NiquestsDriver, Refused, Reply, Request
+from quic.tls import TlsFiles
+from tests.pki import make_pki
+
+pytestmark = pytest.mark.skipif(not PEERS_PYTHON.exists(), reason=f"no niquests environment at {PEERS_PYTHON}")
+
+
+@pytest.fixture
+def index(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    proc = subprocess.Popen([sys.executable, "-m", "kvsp_quic", "index", "--dev", "dev", "--log-level", "WARNING"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read() if proc.stderr else "no ready line"
+        ready: dict[str, Any] = json.loads(line)
+        yield {**ready, "root": tmp_path}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+async def test_niquests_reads_a_kvsp_server_certificate_and_refuses_another_ca(index: dict[str, Any],
+                                                                               tmp_path: Path) -> None:
+    root = index["root"]
+    url = f"{index['base_uri']}metrics"
+    client = (root / index["client_cert"], root / index["client_key"])
+    log: list[str] = []
+    reply = await NiquestsDriver().send(Request("GET", url), TlsFiles(root / index["ca"], *client), log)
+    assert isinstance(reply, Reply) and reply.status == 200 and reply.http_version == "h3", (reply, log)
+    # the server certificate's identity, a URI, is in niquests' ConnectionInfo as the ssl module names it
+    assert any(f"['URI', '{index['base_uri']}']" in line for line in log), log
+
+    other = make_pki(tmp_path / "other")  # a CA that did not issue the server's certificate
+    log = []
+    refused = await NiquestsDriver().send(Request("GET", url), TlsFiles(other.ca, *client), log)
+    assert isinstance(refused, Refused), (refused, log)
+    # the one difference from the call above is the trust anchor: qh3 refused the server's certificate
+    assert "server certificate is unacceptable" in refused.reason, refused.reason
