@@ -64,9 +64,10 @@ def check_declared_length(request: Request, limit: int) -> None:
         raise ContentTooLarge(f"the request body of {declared} octets exceeds the limit of {limit}")
 
 
-async def read_json_body(request: Request, limit: int) -> bytes:
-    """The request body, which must be ``application/kvsp+json`` and at most *limit* octets (415, 413)."""
-    require_media_type(request, JSON_MEDIA_TYPE)
+async def read_body_within(request: Request, limit: int) -> bytes:
+    """The request body, at most *limit* octets: a larger declared ``Content-Length`` is refused before anything is
+    read, and an undeclared body (HTTP/1.1 chunks, HTTP/2 or HTTP/3 DATA frames) as soon as the octets received pass
+    *limit* (413): the app stops reading there, so the transport's flow control holds the rest back."""
     check_declared_length(request, limit)
     body = bytearray()
     async for chunk in request.stream():
@@ -74,6 +75,12 @@ async def read_json_body(request: Request, limit: int) -> bytes:
         if len(body) > limit:
             raise ContentTooLarge(f"the request body exceeds the limit of {limit} octets")
     return bytes(body)
+
+
+async def read_json_body(request: Request, limit: int) -> bytes:
+    """The request body, which must be ``application/kvsp+json`` and at most *limit* octets (415, 413)."""
+    require_media_type(request, JSON_MEDIA_TYPE)
+    return await read_body_within(request, limit)
 
 
 class BasePath:

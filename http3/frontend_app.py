@@ -12,6 +12,8 @@ Resources, relative to the front end's base URI:
 
 Every other request authenticates with a policy-listed client certificate or ``Authorization: Bearer KEY``, within
 its principal's limits (:mod:`http3.frontend_auth`); errors are OpenAI's shape (:mod:`http3.frontend_errors`).
+Request bodies are JSON objects of at most ``max_body_bytes`` (16 MiB), read against that limit as they arrive
+whatever the framing (413 as soon as they pass it), nested at most ``kvsp_quic.fields.MAX_JSON_DEPTH`` deep (400).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from http3.app_kit import BasePath, check_declared_length
+from http3.app_kit import BasePath, read_body_within
 from http3.asgi_types import ASGIApp
 from http3.client import TransportError
 from http3.frontend_auth import ApiAuthentication, PrincipalLimits
@@ -36,6 +38,7 @@ from http3.frontend_session import Completion, Frontend, FrontendStats, Tokenize
 from http3.frontend_text import ChatTemplateError
 from http3.metrics_app import metrics_route
 from kvsp_quic import __version__
+from kvsp_quic import fields as f
 from kvsp_quic.auth import Policy
 from kvsp_quic.metrics import Registry
 from kvsp_quic.problems import BadRequest, Problem
@@ -52,15 +55,15 @@ def _json(obj: Any, status: int = 200) -> Response:
                     headers={"cache-control": "no-store"})
 
 
-async def _body(request: Request) -> dict[str, Any]:
-    check_declared_length(request, MAX_BODY)
-    raw = await request.body()
-    if len(raw) > MAX_BODY:
-        raise Problem(f"the request body exceeds {MAX_BODY} octets", status=413)
+async def read_json_object(request: Request, limit: int = MAX_BODY) -> dict[str, Any]:
+    """The JSON object of the request, read as it arrives and refused (413) as soon as it passes *limit* octets --
+    whatever the framing: a declared ``Content-Length``, HTTP/1.1 chunks, HTTP/2 or HTTP/3 DATA frames -- without
+    buffering more; nesting deeper than :data:`kvsp_quic.fields.MAX_JSON_DEPTH` is a 400 (issue 13)."""
+    raw = await read_body_within(request, limit)
     try:
-        body = json.loads(raw)
-    except ValueError:
-        raise BadRequest("the body must be a JSON object") from None
+        body = f.loads_json(raw)
+    except BadRequest as exc:  # not JSON, a duplicate member, NaN, or nested too deeply: the reason is the message
+        raise BadRequest(f"the body must be a JSON object: {exc.detail}") from None
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     return body
@@ -79,7 +82,11 @@ async def cancel_session(frontend: Frontend, run: Completion) -> None:
 
 
 def frontend_app(frontend: Frontend, policy: Policy, *, base_path: str = "/",
-                 limits: PrincipalLimits | None = None) -> ASGIApp:
+                 limits: PrincipalLimits | None = None, max_body_bytes: int = MAX_BODY) -> ASGIApp:
+    """The front end's ASGI app; request bodies above *max_body_bytes* get 413 (:func:`read_json_object`)."""
+    async def _body(request: Request) -> dict[str, Any]:
+        return await read_json_object(request, max_body_bytes)
+
     async def cancel(run: Completion) -> None:
         await cancel_session(frontend, run)
 

@@ -138,8 +138,9 @@ class Principal:
 
 @dataclass(frozen=True)
 class Policy:
-    """The principals of a deployment, by identity. Immutable; build one with :meth:`load`, :meth:`from_dict`
-    or :meth:`dev`."""
+    """The principals of a deployment, by identity. Build one with :meth:`load`, :meth:`from_dict` or
+    :meth:`dev`. Immutable except for :meth:`replace_with` (SIGHUP reload): apps keep the object and ask it for
+    each request, so a reloaded policy applies to the next request, on new and existing connections alike."""
 
     principals: Mapping[str, Principal] = field(default_factory=lambda: MappingProxyType({}))
     source: str = "policy"  # where it came from, for messages
@@ -162,6 +163,13 @@ class Policy:
         """The principal whose ``api_keys`` list the hash of *key*, or None."""
         identity = self.api_keys.get(api_key_hash(key))
         return self.principals.get(identity) if identity is not None else None
+
+    def replace_with(self, other: Policy) -> None:
+        """Take *other*'s principals, source and keys in place (the reload of a running server's policy file).
+        One attribute assignment each; a request reads :meth:`principal` once, so it sees one policy or the
+        other for its identity (the event loop runs no request while this runs)."""
+        for name in ("principals", "api_keys", "source", "anyone"):
+            object.__setattr__(self, name, getattr(other, name))
 
     def with_principal(self, principal: Principal) -> Policy:
         """This policy and *principal* (its identity and key hashes must be new): ``--dev`` adds its API key so."""

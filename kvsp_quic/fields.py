@@ -39,15 +39,53 @@ def fail(path: str, message: str) -> RecordError:
     return RecordError(f"{path}: {message}" if path else message)
 
 
-def loads_object(body: bytes | str, path: str = "") -> dict[str, Any]:
-    """Parse a JSON document that must be an object. Duplicate members, NaN and Infinity are rejected."""
+MAX_JSON_DEPTH = 64  # nested arrays and objects in a peer's JSON body; no KVSP object needs more than 5
+
+
+def loads_json(body: bytes | str, path: str = "", *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Parse a JSON document from a peer: any value, nested at most *max_depth* arrays or objects deep.
+
+    Duplicate members, NaN and Infinity are rejected. Deeper nesting is a :class:`RecordError` (400), checked
+    before parsing (the standard library's parser recurses once per level, and would raise ``RecursionError`` --
+    a 500 -- near 1000 levels)."""
+    too_deep = _depth_over(body, max_depth)
+    if too_deep:
+        raise fail(path, f"not valid JSON here: nested more than {max_depth} arrays or objects deep")
     try:
-        obj = json.loads(body, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+        return json.loads(body, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
     except RecordError:
         raise
     except (ValueError, UnicodeDecodeError) as exc:
         raise fail(path, f"not valid JSON ({exc})") from None
-    return as_object(obj, path)
+    except RecursionError:  # (unreachable after the check above; kept as the last line of defence)
+        raise fail(path, "not valid JSON here: nested too deeply") from None
+
+
+_STRUCTURE_RE = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[{]|[\]}]', re.DOTALL)
+
+
+def _depth_over(body: bytes | str, max_depth: int) -> bool:
+    """Whether *body* opens more than *max_depth* arrays or objects at once (strings skipped; linear time). Only
+    documents with more than *max_depth* opening brackets are scanned at all."""
+    raw = body.encode("utf-8", "surrogatepass") if isinstance(body, str) else bytes(body)
+    if raw.count(b"[") + raw.count(b"{") <= max_depth:
+        return False
+    depth = 0
+    for m in _STRUCTURE_RE.finditer(raw):
+        c = raw[m.start()]
+        if c in b"[{":
+            depth += 1
+            if depth > max_depth:
+                return True
+        elif c in b"]}":
+            depth -= 1
+    return False
+
+
+def loads_object(body: bytes | str, path: str = "") -> dict[str, Any]:
+    """Parse a JSON document that must be an object (:func:`loads_json`: duplicate members, NaN, Infinity and
+    nesting deeper than :data:`MAX_JSON_DEPTH` are rejected)."""
+    return as_object(loads_json(body, path), path)
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

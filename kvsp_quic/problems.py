@@ -220,7 +220,7 @@ def problem_from_json(status: int, body: bytes | str | Mapping[str, Any]) -> Pro
     if isinstance(body, bytes | str):
         try:
             obj = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nesting too deep
             obj = {}
     if not isinstance(obj, Mapping):
         obj = {}

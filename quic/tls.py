@@ -15,6 +15,7 @@ import functools
 import ipaddress
 import os
 import ssl
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,8 @@ from aioquic.quic.configuration import QuicConfiguration
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from quic.crl import Revocation, any_active, revoked_in_process
 
 ALPN_H3 = "h3"
 ALPN_MOQT_14 = "moq-00"
@@ -43,6 +46,8 @@ class TlsFiles:
     ca: Path
     cert: Path
     key: Path
+    # The CRL of the CA (``[tls] crl``; servers only): peer certificates it revokes are refused (quic.crl)
+    crl: Revocation | None = field(default=None, compare=False)
 
     @classmethod
     def of(cls, ca: str | os.PathLike[str], cert: str | os.PathLike[str],
@@ -95,12 +100,42 @@ def ssl_server_context(files: TlsFiles, alpn: Sequence[str] = ("h2", "http/1.1")
                        client_cert_optional: bool = False) -> ssl.SSLContext:
     """TLS 1.3 over TCP; a client certificate from the CA is required (*client_cert_optional*: asked for and
     verified when sent, but a client may send none -- the front end's API-key users)."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-    ctx.verify_mode = ssl.CERT_OPTIONAL if client_cert_optional else ssl.CERT_REQUIRED
-    _load(ctx, files)
-    ctx.set_alpn_protocols(list(alpn))
-    return ctx
+    def build(crl_pem: str | None) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        ctx.verify_mode = ssl.CERT_OPTIONAL if client_cert_optional else ssl.CERT_REQUIRED
+        _load(ctx, files)
+        ctx.set_alpn_protocols(list(alpn))
+        if crl_pem is not None:  # OpenSSL refuses a revoked leaf, or one whose issuer has no (current) CRL
+            _load_crls(ctx, crl_pem)
+            ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
+            ctx.num_tickets = 0  # no TLS 1.3 resumption: it would skip the certificate check of a revoked peer
+        return ctx
+
+    revocation = files.crl
+    if revocation is None:
+        return build(None)
+    first = build(revocation.current.pem)
+    key = object()  # this listener's contexts, one per CRL generation
+
+    def current(ssl_object: ssl.SSLObject | ssl.SSLSocket, _name: str | None, _ctx: ssl.SSLContext) -> None:
+        # Called by OpenSSL for every ClientHello, before the client certificate is verified: a handshake after a
+        # reload (SIGHUP) is moved to the context whose store holds the CRLs read last (quic.crl).
+        ctx = revocation.current_context(key, build)
+        if ssl_object.context is not ctx:
+            ssl_object.context = ctx
+
+    revocation.current_context(key, lambda _pem: first)
+    first.sni_callback = current
+    return first
+
+
+def _load_crls(ctx: ssl.SSLContext, crl_pem: str) -> None:
+    # ``cadata`` takes certificates only; a PEM file given as ``cafile`` may hold CRLs (X509_load_cert_crl_file)
+    with tempfile.NamedTemporaryFile("w", suffix=".crl.pem") as tmp:
+        tmp.write(crl_pem)
+        tmp.flush()
+        ctx.load_verify_locations(cafile=tmp.name)
 
 
 def ssl_client_context(files: TlsFiles, alpn: Sequence[str] = ("h2", "http/1.1")) -> ssl.SSLContext:
@@ -121,6 +156,14 @@ def _load(ctx: ssl.SSLContext, files: TlsFiles) -> None:
         raise TlsConfigError(f"cannot load TLS files ({files.cert}, {files.key}, CA {files.ca}): {exc}") from None
 
 
+@dataclass
+class KvspQuicConfiguration(QuicConfiguration):
+    """aioquic's configuration and, on a server, the CRL its client-certificate check consults
+    (:func:`quic.connection.verify_client_certificate`)."""
+
+    revocation: Revocation | None = None
+
+
 def quic_configuration(files: TlsFiles, *, is_client: bool, alpn: Sequence[str],
                        settings: TransportSettings = TransportSettings(),
                        server_name: str | None = None) -> QuicConfiguration:
@@ -129,7 +172,8 @@ def quic_configuration(files: TlsFiles, *, is_client: bool, alpn: Sequence[str],
     On the server side this alone does not make aioquic ask for or verify client certificates: the server
     in :mod:`quic.listener` installs :mod:`http3.quic_tls` on every connection for that.
     """
-    config = QuicConfiguration(
+    config = KvspQuicConfiguration(
+        revocation=None if is_client else files.crl,
         is_client=is_client,
         alpn_protocols=list(alpn),
         max_datagram_size=settings.max_datagram_size,
@@ -262,8 +306,17 @@ def ssl_peer_identity(transport: Any) -> str | None:
 
 
 def scope_identity(scope: Mapping[str, Any]) -> str | None:
-    """The authenticated identity of an ASGI request, or None when there is no verified client certificate."""
+    """The authenticated identity of an ASGI request, or None when there is no verified client certificate or a
+    CRL loaded in this process revokes it since the connection was established (quic.crl; SIGHUP reload)."""
     tls = scope.get("extensions", {}).get("tls")
     if not tls or tls.get("client_cert_error") or not tls.get("client_cert_chain"):
         return None
-    return identity_of_pem(tls["client_cert_chain"][0])
+    leaf = tls["client_cert_chain"][0]
+    if any_active() and revoked_in_process(_cert_of_pem(leaf)):
+        return None
+    return identity_of_pem(leaf)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cert_of_pem(pem: str) -> x509.Certificate:
+    return x509.load_pem_x509_certificate(pem.encode("ascii"))

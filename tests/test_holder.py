@@ -15,6 +15,7 @@ from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.fields import BlockKey, CompatId, ScopeId
 from kvsp_quic.problems import (
     BadRequest,
+    DigestMismatch,
     Incompatible,
     InsufficientStorage,
     LayersUnavailable,
@@ -299,7 +300,7 @@ def test_a_fault_withdraws_first_then_drops(make, d: CompatDescriptor, tmp_path:
     assert intents[0].record.residency[0].read_mbit_per_s == 8000
     lease_id = lease(h, d, 1, 2)
     path = corrupt(h, bid(d, 1))
-    with pytest.raises(NotFound, match="failed verification"):
+    with pytest.raises(DigestMismatch, match="does not match its digest"):  # 422, not 404 (issue 13)
         h.fetch(ALICE, d.compat_id, SCOPE, key(1))
     # Not served any more, lease broken, withdrawal queued -- and the octets still there until it is done.
     assert bid(d, 1) not in h.blocks() and h.metrics["faults"] == 1
@@ -326,7 +327,7 @@ def test_a_fault_whose_withdrawal_fails_drops_once_the_record_expired(make, d: C
     put(h, d, 2)
     drain(h)
     path = corrupt(h, bid(d, 1))
-    with pytest.raises(NotFound):
+    with pytest.raises(DigestMismatch):
         h.fetch(ALICE, d.compat_id, SCOPE, key(1))
     drain(h, ok=False)  # the Index Service is unreachable
     clock.now += TTL_MS / 1000 - 1
@@ -344,7 +345,7 @@ def test_a_fault_before_any_publication_drops_at_once(make, d: CompatDescriptor,
     put(h, d, 1)
     put(h, d, 2)
     path = corrupt(h, bid(d, 1))
-    with pytest.raises(NotFound):
+    with pytest.raises(DigestMismatch):
         h.fetch(ALICE, d.compat_id, SCOPE, key(1))
     assert not path.exists() and h.outbox.state(bid(d, 1)) is None  # nothing was ever sent to withdraw
 

@@ -174,3 +174,17 @@ async def test_a_tenant_b_session_with_only_tenant_a_instances_is_refused(t: Clu
     refused = await t.call("bob", "POST", "sessions", session_body(6) | {"scope_id": S2.hex()})
     assert refused.status == 503
     assert t.instances["ia"].calls == []
+
+
+async def test_get_instances_lists_only_the_callers_scopes(t: Cluster) -> None:
+    assert (await t.report("ia")).status == 200
+    assert (await t.report("ib")).status == 200
+
+    async def listed(who: str) -> set[str]:
+        got = await t.call(who, "GET", "instances")
+        assert got.status == 200, got.content
+        return {i["instance"] for i in got.json()["instances"]}
+
+    assert await listed("alice") == {t.uri("ia")}  # before the fix: both tenants' instances with their load
+    assert await listed("bob") == {t.uri("ib")}
+    assert await listed("pc") == {t.uri("ia"), t.uri("ib")}  # a controller (an operator) sees every instance

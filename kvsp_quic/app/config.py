@@ -24,6 +24,7 @@ file's directory.
     ca = "pki/ca.pem"
     cert = "pki/holder1.pem"
     key = "pki/holder1.key"
+    crl = "pki/ca.crl"            # optional: the CA's CRL (PEM or DER); SIGHUP re-reads it and the policy
 
     [transport]                   # optional: fields of quic.tls.TransportSettings
     stream_window = 16777216
@@ -70,6 +71,7 @@ class TlsSection:
     ca: Path
     cert: Path
     key: Path
+    crl: Path | None = None  # revoked peer certificates (quic.crl); re-read on SIGHUP
 
 
 @dataclass(frozen=True)

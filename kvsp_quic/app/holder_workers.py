@@ -235,6 +235,7 @@ async def _serve_worker(spec: WorkerSpec, ready: Any) -> None:
     from http3.holder_app import holder_app
     from http3.server import RoleServer, bind_pair
     from kvsp_moqt.holder_tracks import holder_moqt_handlers
+    from kvsp_quic.app.reload import reload_on_sighup
     from kvsp_quic.metrics import Registry
     from kvsp_quic.roles.holder_worker import HolderWorker
 
@@ -248,6 +249,7 @@ async def _serve_worker(spec: WorkerSpec, ready: Any) -> None:
     await server.start(sockets=sockets)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    reload_on_sighup(policy, spec.policy_file, spec.files)  # the primary passes SIGHUP on (kvsp_quic.app.reload)
     ready.set()
     try:
         while not stop.is_set() and os.getppid() == parent:

@@ -47,6 +47,7 @@ from kvsp_quic.container import (
 )
 from kvsp_quic.fields import BlockKey, CompatId, ScopeId, base_uri
 from kvsp_quic.problems import (
+    DigestMismatch,
     InsufficientStorage,
     LeaseQuota,
     NotFound,
@@ -249,6 +250,17 @@ class BlockUpload:
 
 
 # -- The role --------------------------------------------------------------------------------------------------------
+
+
+def stored_data_fault(block: BlockId, fault: TierFault) -> NotFound | DigestMismatch:
+    """The answer to a read whose stored octets failed (the caller has dropped the replica): octets that do not
+    match their digests (or header, or authentication tag) are spec, Problem Types, "kvsp-digest-mismatch 422
+    Stored data does not match its digest" -- a client can tell corruption from eviction and need not retry
+    here; a file that could not be read at all is a replica that is gone (404)."""
+    if fault.integrity:
+        return DigestMismatch(f"the stored replica of {block.block_key.hex()} does not match its digest "
+                              f"({fault.reason}); it was dropped")
+    return NotFound(f"the replica of {block.block_key.hex()} could not be read and was dropped")
 
 
 class Holder:
@@ -526,8 +538,13 @@ class Holder:
     def read(self, principal: Principal, compat_id: bytes, scope_id: bytes, block_key: bytes,
              layers: tuple[int, int] | None = None) -> EncodedContainer:
         """What :meth:`fetch` checks and returns, without the representation digest: for transports that carry
-        the sections with their layer digests only (MOQT). The sections are views of the stored container."""
-        return self._read(principal, compat_id, scope_id, block_key, layers, None)[2]
+        the sections with their layer digests only (MOQT). The sections are views of the stored container.
+        Stored octets that fail verification are NotFound here: MOQT has no digest-mismatch error, and the
+        replica is gone once the fault is seen."""
+        try:
+            return self._read(principal, compat_id, scope_id, block_key, layers, None)[2]
+        except DigestMismatch as exc:
+            raise NotFound(exc.detail) from None
 
     def _read(self, principal: Principal, compat_id: bytes, scope_id: bytes, block_key: bytes,
               layers: tuple[int, int] | None, codec: int | None) -> tuple[Replica, str, EncodedContainer]:
@@ -555,7 +572,7 @@ class Holder:
             tier, data = self.storage.read(block)
         except TierFault as fault:
             self.fault(block, fault.reason)
-            raise NotFound(f"the replica of {block.block_key.hex()} failed verification and was dropped") from None
+            raise stored_data_fault(block, fault) from None
         return tier.name, cut(data, first, last, layer_digests=rep.meta.layer_digests)
 
     def _max_age(self, rep: Replica, now: float) -> int:

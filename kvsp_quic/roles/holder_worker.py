@@ -30,9 +30,9 @@ from typing import Any, Protocol
 from kvsp_quic.auth import Principal, require_scope
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.container import ContainerHeader, EncodedContainer, cut
-from kvsp_quic.problems import NotFound, PreconditionFailed
+from kvsp_quic.problems import DigestMismatch, NotFound, PreconditionFailed
 from kvsp_quic.records import LeaseRenewal, LeaseRequest, LeaseResponse, ReplicaRecord
-from kvsp_quic.roles.holder import BlockUpload, Fetched, HolderSettings
+from kvsp_quic.roles.holder import BlockUpload, Fetched, HolderSettings, stored_data_fault
 from kvsp_quic.roles.holder_requests import check_put, descriptor_of, layer_range
 from kvsp_quic.storage.shared_host import Allocation, SharedHostReader
 from kvsp_quic.storage.tiers import HOST, LOCAL_STORAGE, BlockId, BlockMeta, ChainPosition, LocalStorageTier, TierFault
@@ -132,8 +132,12 @@ class HolderWorker:
 
     def read(self, principal: Principal, compat_id: bytes, scope_id: bytes, block_key: bytes,
              layers: tuple[int, int] | None = None) -> EncodedContainer:
-        """What :meth:`fetch` serves, without the representation digest (MOQT)."""
-        block, meta, _tier, data, _stored_at = self._find(principal, compat_id, scope_id, block_key)
+        """What :meth:`fetch` serves, without the representation digest (MOQT; a digest mismatch is NotFound,
+        as at the primary: MOQT has no such error)."""
+        try:
+            block, meta, _tier, data, _stored_at = self._find(principal, compat_id, scope_id, block_key)
+        except DigestMismatch as exc:
+            raise NotFound(exc.detail) from None
         first, last = layer_range(meta, layers, None)
         self._served(block)
         return cut(data, first, last, layer_digests=meta.layer_digests)
@@ -160,8 +164,7 @@ class HolderWorker:
                 pass
             except TierFault as fault:
                 self._fault(block, fault.reason)
-                raise NotFound(f"the replica of {block.block_key.hex()} failed verification and was dropped") \
-                    from None
+                raise stored_data_fault(block, fault) from None
             except Exception as exc:
                 raise NotFound(f"no replica of {block.block_key.hex()} ({exc})") from None
             else:

@@ -80,12 +80,14 @@ class BlockMeta:
 
 
 class TierFault(Exception):
-    """A stored block cannot be read back intact (verification failed, file missing or unreadable)."""
+    """A stored block cannot be read back intact (verification failed, file missing or unreadable).
+    *integrity*: the octets were read and are not what was stored (False: they could not be read at all)."""
 
-    def __init__(self, block: BlockId, reason: str) -> None:
+    def __init__(self, block: BlockId, reason: str, *, integrity: bool = True) -> None:
         super().__init__(f"block {block}: {reason}")
         self.block = block
         self.reason = reason
+        self.integrity = integrity
 
 
 class NoRoom(Exception):
@@ -413,7 +415,7 @@ class LocalStorageTier(Tier):
         try:
             data = self._load(self.path_of(meta.id), meta.id)
         except OSError as exc:
-            raise TierFault(meta.id, f"cannot read its file: {exc.strerror or exc}") from None
+            raise TierFault(meta.id, f"cannot read its file: {exc.strerror or exc}", integrity=False) from None
         return self._verify(meta.id, data, meta)[1]
 
     def _load(self, path: Path, block: BlockId) -> tuple[tuple[bytes, ...], memoryview]:

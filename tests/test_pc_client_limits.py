@@ -1,0 +1,145 @@
+"""Issue 13: per-client session limits at the Placement Controller (``ClientSessionLimits``, http3/controller_app.py).
+
+A real PC (``controller_app`` behind a RoleServer, mutual TLS, 127.0.0.1) and a recording instance: one client may
+own at most ``max_sessions`` sessions that are not done, and place at most ``max_in_flight`` at once; beyond
+either it gets 429 with ``Retry-After``, while another client of the same scope is still served and a retry of a
+session it already created is still answered. Before the limits, one client could hold all of the PC's 100 000."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from http3.client import KvspClient
+from http3.controller_app import ClientSessionLimits, controller_app
+from http3.controller_link import HttpInstanceLink
+from http3.controller_service import ControllerService
+from http3.server import RoleServer, bind_pair
+from kvsp_quic.auth import Policy
+from kvsp_quic.metrics import Registry
+from kvsp_quic.roles.controller import ControllerConfig, PlacementController
+from kvsp_quic.roles.index import Geometry, IndexConfig, IndexService
+from kvsp_quic.roles.status import LifecyclePolicy, SleepPolicy, StatusTable
+from kvsp_quic.storage.memory_index import MemoryIndexStore
+from tests.pki import make_pki
+from tests.test_controller_app import BLOCK, Cluster, FakeInstance, checkpoint, session_body
+from tests.test_index import C1, S1
+
+NAMES = ("pc", "ia", "h1")
+
+
+@contextlib.asynccontextmanager
+async def limited_pc(root: Path, limits: ClientSessionLimits,
+                     hold: tuple[asyncio.Event, asyncio.Event] | None = None) -> AsyncIterator[Cluster]:
+    """The PC and its instance; with *hold* = (arrived, release), the instance's first session start sets
+    *arrived* and waits for *release* before it answers."""
+    sockets: dict[str, tuple[socket.socket, socket.socket | None]] = {n: bind_pair("127.0.0.1", 0, 1 << 20)
+                                                                      for n in NAMES}
+    uris = {n: f"https://127.0.0.1:{s[0].getsockname()[1]}/kvsp/" for n, s in sockets.items()}
+    pki = make_pki(root, roles=uris)
+    policy = Policy.from_dict({"principal": [
+        {"identity": uris["pc"], "roles": ["controller"], "scopes": "*"},
+        {"identity": uris["ia"], "roles": ["instance", "holder"], "scopes": [S1.hex()]},
+        {"identity": "urn:kvsp:client:alice", "roles": ["client"], "scopes": [S1.hex()]},
+        {"identity": "urn:kvsp:client:bob", "roles": ["client"], "scopes": [S1.hex()]}]})
+    status = StatusTable(time.monotonic, policy=LifecyclePolicy(SleepPolicy()), max_ttl_ms=60_000)
+    service = IndexService(MemoryIndexStore(), clock=time.monotonic,
+                           config=IndexConfig(geometry={C1: Geometry(BLOCK, 4)}), status=status)
+    pc_client = KvspClient(pki.files("pc"), timeout=5.0)
+    role = PlacementController(service, clock=time.monotonic, config=ControllerConfig(prefetch_deadline_ms=200),
+                               metrics=Registry(), identity=uris["pc"])
+    controller = ControllerService(role, HttpInstanceLink(pc_client))
+    instance = FakeInstance("ia", uris["ia"])
+    inner = instance.app(policy)
+
+    async def slow(scope: Any, receive: Any, send: Any) -> None:
+        if hold is not None and scope["type"] == "http" and scope["method"] == "POST" \
+                and scope["path"].endswith("/start") and not hold[0].is_set():
+            hold[0].set()
+            await hold[1].wait()  # the instance takes its time to start this session
+        await inner(scope, receive, send)
+
+    servers = [RoleServer(controller_app(service, controller, policy, base_path="/kvsp/", tick_interval=0.05,
+                                         client_limits=limits), pki.files("pc")),
+               RoleServer(slow, pki.files("ia"))]
+    clients = {n: KvspClient(pki.files(n), timeout=10.0, retries=0) for n in ("pc", "ia", "alice", "bob")}
+    try:
+        for name, server in zip(("pc", "ia"), servers, strict=True):
+            await server.start(sockets=sockets[name])
+        for sock in sockets["h1"]:
+            if sock is not None:
+                sock.close()
+        yield Cluster(uris["pc"], uris, service, controller, {"ia": instance}, clients)
+    finally:
+        for client in [*clients.values(), pc_client]:
+            await client.aclose()
+        for server in servers:
+            await server.close()
+
+
+def _body(n: int) -> dict[str, Any]:
+    return session_body(n, blocks=0) | {"block_keys": []}
+
+
+async def test_a_client_owns_at_most_max_sessions_live_sessions(tmp_path: Path) -> None:
+    async with limited_pc(tmp_path, ClientSessionLimits(max_sessions=2, retry_after_s=3)) as c:
+        assert (await c.report("ia")).status == 200
+        for n in (1, 2):
+            created = await c.call("alice", "POST", "sessions", _body(n))
+            assert created.status == 201, created.content
+        refused = await c.call("alice", "POST", "sessions", _body(3))
+        assert refused.status == 429, refused.content
+        assert refused.headers["retry-after"] == "3"
+        assert refused.headers["content-type"].startswith("application/problem+json")
+        assert "max_sessions 2" in refused.json()["detail"]
+        again = await c.call("alice", "POST", "sessions", _body(1))  # a retry of one it owns: answered, not 429
+        assert again.status == 200, again.content
+        other = await c.call("bob", "POST", "sessions", _body(4))  # another client of the scope is served
+        assert other.status == 201, other.content
+        # session 1 ends (its instance's last checkpoint says done): alice has room for one more
+        body = _body(1)
+        done = checkpoint(body, 1, [5, 6]) | {"done": True}
+        acked = await c.call("ia", "PUT", f"sessions/{uuid.UUID(body['session'])}/checkpoint", done)
+        assert acked.status == 200, acked.content
+        created = await c.call("alice", "POST", "sessions", _body(3))
+        assert created.status == 201, created.content
+
+
+async def test_a_client_places_at_most_max_in_flight_sessions_at_once(tmp_path: Path) -> None:
+    arrived, release = asyncio.Event(), asyncio.Event()
+    async with limited_pc(tmp_path, ClientSessionLimits(max_in_flight=1), (arrived, release)) as c:
+        assert (await c.report("ia")).status == 200
+        first = asyncio.ensure_future(c.call("alice", "POST", "sessions", _body(1)))
+        await asyncio.wait_for(arrived.wait(), 30)  # the first one is being placed: its start is at the instance
+        second = await c.call("alice", "POST", "sessions", _body(2))
+        assert second.status == 429 and int(second.headers["retry-after"]) >= 1, second.content
+        assert "max_in_flight 1" in second.json()["detail"]
+        release.set()
+        bob = await c.call("bob", "POST", "sessions", _body(3))
+        assert bob.status == 201, bob.content
+        assert (await first).status == 201
+        third = await c.call("alice", "POST", "sessions", _body(2))  # nothing of alice's under way now
+        assert third.status == 201, third.content
+
+
+def test_limits_are_positive() -> None:
+    with pytest.raises(ValueError, match="max_sessions"):
+        ClientSessionLimits(max_sessions=0)
+
+
+def test_the_limits_are_controller_settings() -> None:
+    from kvsp_quic.app.config import IndexFile, build
+    from kvsp_quic.roles.controller import ControllerConfig
+
+    cfg = build(IndexFile, {"controller": {"client_max_sessions": 7, "client_max_in_flight": 2}})
+    assert (cfg.controller.client_max_sessions, cfg.controller.client_max_in_flight) == (7, 2)
+    with pytest.raises(ValueError, match="client_max_sessions: must be positive"):
+        ControllerConfig(client_max_sessions=0)

@@ -1,0 +1,231 @@
+"""Issue 13: revocation. A server role takes ``[tls] crl`` / ``--crl FILE`` (the CA's CRL) and refuses a peer
+certificate it revokes at the handshake, over TCP (HTTP/1.1, HTTP/2: OpenSSL's CRL check) and QUIC (HTTP/3, MOQT:
+quic.connection's client-certificate check); SIGHUP re-reads the policy and the CRL (kvsp_quic.app.reload): new
+handshakes and the next request on an established connection see the new ones, a broken file keeps the old ones.
+A real ``kvsp-quic holder`` process on 127.0.0.1 with the test PKI (docs/security.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+
+from kvsp_quic.samples import example_descriptor
+from moqt.aio import MoqtConnectError, connect_moqt
+from quic import pki
+from quic.crl import CrlError, CrlSet
+from quic.tls import TlsFiles
+from tests.authz_matrix import TLS, Requester
+from tests.pki import make_pki
+
+SCOPE = "0d" * 16
+TRANSPORTS = ("HTTP/1.1", "HTTP/2", "HTTP/3")
+DESCRIPTOR = Path(__file__).resolve().parents[1] / "kvsp_quic" / "data" / "example-descriptor.json"
+CLIENTS = ("alice", "bob", "carol", "dave", "erin")
+
+
+def write_crl(root: Path, revoked: list[str], path: Path, *, der: bool = False) -> None:
+    """A CRL of the test CA revoking the client certificates *revoked* (by name)."""
+    ca_cert, ca_key = pki.load_pair(root, "ca")
+    now = dt.datetime.now(dt.UTC)
+    builder = (x509.CertificateRevocationListBuilder().issuer_name(ca_cert.subject)
+               .last_update(now - dt.timedelta(minutes=1)).next_update(now + dt.timedelta(days=1)))
+    for name in revoked:
+        cert = x509.load_pem_x509_certificate((root / f"{name}.pem").read_bytes())
+        builder = builder.add_revoked_certificate(
+            x509.RevokedCertificateBuilder().serial_number(cert.serial_number).revocation_date(now).build())
+    crl = builder.sign(ca_key, hashes.SHA256())
+    path.write_bytes(crl.public_bytes(serialization.Encoding.DER if der else serialization.Encoding.PEM))
+
+
+def write_policy(path: Path, clients: list[str]) -> None:
+    lines = []
+    for name in clients:
+        lines += ["[[principal]]", f'identity = "urn:kvsp:client:{name}"', 'roles = ["client"]',
+                  f'scopes = ["{SCOPE}"]', ""]
+    path.write_text("\n".join(lines))
+
+
+def test_crl_files_are_checked(tmp_path: Path) -> None:
+    root = tmp_path / "pki"
+    tls = make_pki(root)
+    crl = tmp_path / "ca.crl"
+    write_crl(root, ["alice"], crl, der=True)  # DER is read as well as PEM
+    loaded = CrlSet.load(crl, tls.ca.read_bytes())
+    alice = x509.load_pem_x509_certificate((root / "alice.pem").read_bytes())
+    bob = x509.load_pem_x509_certificate((root / "bob.pem").read_bytes())
+    assert loaded.count == 1 and loaded.refusal(alice) == "the certificate is revoked" and loaded.refusal(bob) is None
+    assert loaded.refusal(bob, dt.datetime.now(dt.UTC) + dt.timedelta(days=2)) is not None  # past nextUpdate
+    with pytest.raises(CrlError, match="not signed by a CA"):  # another CA's CRL
+        CrlSet.load(crl, (root / "foreign" / "ca.pem").read_bytes())
+    crl.write_text("-----BEGIN X509 CRL-----\nbroken\n-----END X509 CRL-----\n")
+    with pytest.raises(CrlError, match="not a PEM or DER CRL"):
+        CrlSet.load(crl, tls.ca.read_bytes())
+
+
+class Holder:
+    """``kvsp-quic holder`` with the test PKI, a policy file and a CRL; its log goes to a file (INFO lines)."""
+
+    def __init__(self, tmp_path: Path, root: Path, policy: Path, crl: Path, workers: int) -> None:
+        self.workers = workers
+        self.log = tmp_path / "holder.log"
+        self._log = self.log.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvsp_quic", "holder", "--tls-dir", str(root), "--name", "server",
+             "--listen", "127.0.0.1:0", "--policy", str(policy), "--crl", str(crl), "--workers", str(workers),
+             "--descriptor", str(DESCRIPTOR), "--log-level", "INFO"],
+            stdout=subprocess.PIPE, stderr=self._log, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the holder did not start: {self.log.read_text()}")
+        self.ready = json.loads(line)
+
+    def reload(self, expect: str, timeout: float = 30.0) -> None:
+        """SIGHUP, then wait for *expect* in the log once more than before from each process (they share it)."""
+        before = self.log.read_text().count(expect)
+        self.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + timeout
+        while self.log.read_text().count(expect) < before + self.workers:
+            assert self.proc.poll() is None, f"the holder ended on SIGHUP: {self.log.read_text()}"
+            assert time.monotonic() < deadline, f"no {expect!r} in the log: {self.log.read_text()}"
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+        self._log.close()
+
+
+@contextlib.contextmanager
+def holder(tmp_path: Path, root: Path, policy: Path, crl: Path, workers: int) -> Iterator[Holder]:
+    server = Holder(tmp_path, root, policy, crl, workers)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+async def statuses(base: str, root: Path, name: str, requesters: dict[str, Requester] | None = None
+                   ) -> dict[str, int | str]:
+    """The answer to ``GET blocks/...`` for client *name* over each transport (``tls``: the handshake refused);
+    *requesters* keeps their connections open for later requests."""
+    compat = example_descriptor().compat_id.hex()
+    path = f"blocks/{compat}/{SCOPE}/{'ab' * 32}"
+    out: dict[str, int | str] = {}
+    for transport in TRANSPORTS:
+        requester = Requester(base, make_files(root, name), root / "ca.pem", transport)
+        out[transport] = await requester.request("GET", path, None, {})
+        if requesters is not None:
+            requesters[transport] = requester
+        else:
+            await requester.aclose()
+    return out
+
+
+async def again(requesters: dict[str, Requester]) -> dict[str, int | str]:
+    """The same request on the connections *requesters* hold (no new handshake unless the server closed one)."""
+    compat = example_descriptor().compat_id.hex()
+    path = f"blocks/{compat}/{SCOPE}/{'ab' * 32}"
+    return {t: await r.request("GET", path, None, {}) for t, r in requesters.items()}
+
+
+def make_files(root: Path, name: str) -> TlsFiles:
+    return TlsFiles(root / "ca.pem", root / f"{name}.pem", root / f"{name}.key")
+
+
+async def moqt_refused(moqt_uri: str, root: Path, name: str) -> bool:
+    host, port = moqt_uri.removeprefix("moqt://").rstrip("/").rsplit(":", 1)
+    try:
+        conn = await connect_moqt(host, int(port), make_files(root, name), timeout=10)
+    except (MoqtConnectError, ConnectionError):
+        return True
+    await conn.aclose()
+    return False
+
+
+def served(answers: dict[str, int | str]) -> bool:
+    return all(a not in (TLS, 401, 403) for a in answers.values())
+
+
+@pytest.mark.parametrize("workers", [1, 2])  # 2: the primary passes SIGHUP on to its worker process
+async def test_revoked_clients_are_refused_and_sighup_reloads_the_crl_and_policy(tmp_path: Path,
+                                                                                 workers: int) -> None:
+    root = tmp_path / "pki"
+    make_pki(root)
+    ca_cert, ca_key = pki.load_pair(root, "ca")
+    for name in ("carol", "dave", "erin"):
+        pki.write_pair(root, name, *pki.issue(ca_cert, ca_key, pki.client(name)))
+    policy, crl = tmp_path / "policy.toml", tmp_path / "ca.crl"
+    write_policy(policy, [f"{n}" for n in CLIENTS])
+    write_crl(root, ["alice"], crl)
+    with holder(tmp_path, root, policy, crl, workers) as server:
+        base, moqt = server.ready["base_uri"], server.ready["moqt"]
+        # alice's certificate is revoked: refused at the handshake over every transport; the others are served
+        assert await statuses(base, root, "alice") == {t: TLS for t in TRANSPORTS}
+        assert await moqt_refused(moqt, root, "alice")
+        for name in ("bob", "dave"):
+            assert served(await statuses(base, root, name)), name
+            assert not await moqt_refused(moqt, root, name)
+        carols: dict[str, Requester] = {}  # carol keeps her connections across the reload
+        erins: dict[str, Requester] = {}
+        assert served(await statuses(base, root, "carol", carols))
+        assert served(await statuses(base, root, "erin", erins))
+
+        # bob and carol revoked, erin removed from the policy; SIGHUP
+        write_crl(root, ["alice", "bob", "carol"], crl)
+        write_policy(policy, ["alice", "bob", "carol", "dave"])
+        server.reload("reloaded policy (4 principals) and CRL (3 revoked)")
+        assert await statuses(base, root, "bob") == {t: TLS for t in TRANSPORTS}
+        assert await moqt_refused(moqt, root, "bob")
+        assert await again(carols) == {t: 403 for t in TRANSPORTS}  # her established connections: refused
+        assert await again(erins) == {t: 403 for t in TRANSPORTS}  # not in the policy any more
+        assert served(await statuses(base, root, "dave"))
+        assert not await moqt_refused(moqt, root, "dave")
+
+        # a broken CRL on SIGHUP: one ERROR line, the previous CRL (and policy) stay, the server serves on
+        crl.write_text("-----BEGIN X509 CRL-----\nnot a CRL\n-----END X509 CRL-----\n")
+        write_policy(policy, list(CLIENTS))
+        server.reload("reload failed, keeping the previous policy and CRL")
+        assert await statuses(base, root, "bob") == {t: TLS for t in TRANSPORTS}
+        assert await statuses(base, root, "erin") == {t: 403 for t in TRANSPORTS}  # the policy was not applied
+        assert served(await statuses(base, root, "dave"))
+        # a broken policy is refused the same way
+        write_crl(root, ["alice"], crl)
+        policy.write_text("[[principal]]\nidentity = 3\n")
+        server.reload("reload failed, keeping the previous policy and CRL")
+        assert await statuses(base, root, "bob") == {t: TLS for t in TRANSPORTS}
+        for requester in [*carols.values(), *erins.values()]:
+            await requester.aclose()
+        await asyncio.sleep(0)
+        log = server.log.read_text()
+    errors = [line for line in log.splitlines() if " ERROR " in line]
+    assert len(errors) == 2 * workers and all("reload failed" in line for line in errors), log
+    assert server.proc.returncode == 0 or server.proc.returncode == -signal.SIGTERM
+
+
+def test_the_tls_section_takes_a_crl(tmp_path: Path) -> None:
+    from kvsp_quic.app.config import HolderFile, build
+
+    cfg = build(HolderFile, {"tls": {"ca": "ca.pem", "cert": "h.pem", "key": "h.key", "crl": "ca.crl"}},
+                root=tmp_path)
+    assert cfg.tls is not None and cfg.tls.crl == tmp_path / "ca.crl"
+    assert build(HolderFile, {"tls": {"ca": "ca.pem", "cert": "h.pem", "key": "h.key"}}).tls.crl is None  # type: ignore[union-attr]
