@@ -103,7 +103,15 @@ from kvsp_quic.records import (
     StateMessage,
 )
 from kvsp_quic.retrieval_plan import LayerRange, ReprDigestError, parse_repr_digest
-from kvsp_quic.roles.controller_records import SessionInfo, SessionRequest, SessionResume, SessionStart, TokenLine
+from kvsp_quic.roles.controller_records import (
+    SessionInfo,
+    SessionRequest,
+    SessionResume,
+    SessionStart,
+    SuspectAnswer,
+    SuspectReport,
+    TokenLine,
+)
 
 JSON_MEDIA_TYPE = "application/kvsp+json"
 BLOCK_MEDIA_TYPE = "application/kvsp-block"
@@ -495,6 +503,24 @@ class KvspApi:
             "PUT", self.url(base, path), StateMessage, body=record, timeout=timeout), safe=True)
         return message.state
 
+    async def put_liveness(self, index: str | ServiceEndpoints, holder: str, ttl_ms: int, *,
+                           timeout: float | None = None) -> int:
+        """``PUT {index}holders/{holder-id}/liveness`` (docs/wire.md, "Holder liveness and failure reports"): the
+        holder is alive for *ttl_ms*; returns the TTL the Index Service granted."""
+        async def at(base: str) -> int:
+            response = await self._call("PUT", self.url(base, f"holders/{uri_id(holder)}/liveness"),
+                                        body={"holder": holder, "ttl_ms": ttl_ms}, timeout=timeout)
+            assert isinstance(response, Response)
+            return f.member(_json_object(response, "liveness"), "ttl_ms", f.positive)
+        return await self._at(index, at, safe=True)
+
+    async def report_failure(self, index: str | ServiceEndpoints, holder: str, scope_id: bytes, *,
+                             timeout: float | None = None) -> None:
+        """``POST {index}holders/{holder-id}/failures``: this client (of *scope_id*) could not fetch from *holder*."""
+        await self._at(index, lambda base: self._call(
+            "POST", self.url(base, f"holders/{uri_id(holder)}/failures"), ok=(202,), idempotent=True,
+            body={"holder": holder, "scope_id": bytes(scope_id).hex()}, timeout=timeout), safe=True)
+
     # -- holders ------------------------------------------------------------------------------------------------
 
     def block_url(self, holder: str, compat_id: bytes, scope_id: bytes, block_key: bytes,
@@ -587,6 +613,14 @@ class KvspApi:
         """``GET {controller}sessions/{id}``: the PC's view of the session."""
         return await self._at(controller, lambda base: self._json(
             "GET", self.url(base, f"sessions/{session}"), SessionInfo, timeout=timeout), safe=True)
+
+    async def suspect_session(self, controller: str | ServiceEndpoints, session: uuid.UUID, report: SuspectReport, *,
+                              timeout: float | None = None) -> SuspectAnswer:
+        """``POST {controller}sessions/{id}/suspect`` (extension, docs/wire.md "Suspect reports"): the PC's verdict
+        on the session's run, and where the session runs now (retried elsewhere: a report may arrive twice)."""
+        return await self._at(controller, lambda base: self._json(
+            "POST", self.url(base, f"sessions/{session}/suspect"), SuspectAnswer, body=report, idempotent=True,
+            timeout=timeout), safe=True)
 
     async def cancel_session(self, controller: str | ServiceEndpoints, session: uuid.UUID, *,
                              timeout: float | None = None) -> bool:

@@ -1,13 +1,15 @@
 """The Placement Controller's requests to instances over HTTP (an :class:`~http3.controller_service.InstanceLink`).
 
 :class:`HttpInstanceLink` sends the PC's directives with the typed KVSP client :class:`~http3.api.KvspApi`:
-``POST prefetch``, ``POST sessions/{id}/start``, ``POST sessions/{id}/resume``, ``PUT state`` and ``POST reshard``.
+``POST prefetch``, ``POST sessions/{id}/start``, ``POST sessions/{id}/resume``, ``PUT state`` and ``POST reshard``,
+and the probe of a suspect report (``GET sessions/{id}`` once, with a short timeout).
 Failures follow the client's semantics: a refusal raises its :class:`~kvsp_quic.problems.Problem`; no answer, a
 timeout or a 5xx raises :class:`~http3.api.RetryElsewhere` (an ``OSError``); none of these requests is retried.
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 from http3.api import KvspApi
@@ -47,6 +49,20 @@ class HttpInstanceLink:
         response = await self.api.client.request("DELETE", self.api.url(instance, f"sessions/{session}"))
         if response.status not in (204, 404):
             raise problem_from_json(response.status, response.content or b"")
+
+    async def probe(self, instance: str, session: uuid.UUID, timeout: float) -> None:
+        """``GET {instance}sessions/{id}`` once, answered within *timeout* seconds or not at all (a suspect report's
+        probe, docs/wire.md "Suspect reports"): returns on 200; raises the Problem of another answer, or an
+        ``OSError`` (``TimeoutError``, a transport error) when none came."""
+        async with asyncio.timeout(timeout):
+            response = await self.api.client.send("GET", self.api.url(instance, f"sessions/{session}"),
+                                                  timeout=timeout, retries=0)
+            try:
+                body = await response.aread()
+            finally:
+                await response.aclose()
+        if response.status != 200:
+            raise problem_from_json(response.status, body)
 
 
 __all__ = ["HttpInstanceLink"]

@@ -4,7 +4,8 @@
 does its I/O: lookups on the Index Service, the requests to instances through an :class:`InstanceLink`, the start
 hook (a :class:`Starter`; :class:`CommandStarter` runs a command), waiting for an instance to become active, one
 lock per session, the tick loop that starts migrations (at once when a report says an instance failed or
-restarted), the reshard fan-out with its deadline, and the placement timing. It holds no protocol rules: every
+restarted), suspect reports (a probe of the run, then a migration at once: docs/wire.md, "Suspect reports"), the
+reshard fan-out with its deadline, and the placement timing. It holds no protocol rules: every
 result goes back to the role, which judges it (the outcome types of :mod:`kvsp_quic.roles.controller_sessions`).
 
     controller = PlacementController(service, clock=clock, metrics=registry)
@@ -26,7 +27,7 @@ from typing import Any, Protocol
 
 from kvsp_quic.auth import Principal
 from kvsp_quic.compat import InstanceState
-from kvsp_quic.problems import BadRequest, PlanConflict, Problem, StaleEpoch, Unavailable
+from kvsp_quic.problems import BadRequest, NotFound, PlanConflict, Problem, StaleEpoch, Unavailable
 from kvsp_quic.records import (
     CheckpointAck,
     InstanceStatusRecord,
@@ -38,14 +39,25 @@ from kvsp_quic.records import (
     StateMessage,
 )
 from kvsp_quic.roles.controller import PlacementController
-from kvsp_quic.roles.controller_records import SessionInfo, SessionRequest, SessionResume, SessionStart, SessionState
-from kvsp_quic.roles.controller_reshard import ReshardMessage, ReshardOutcome
+from kvsp_quic.roles.controller_records import (
+    SessionInfo,
+    SessionRequest,
+    SessionResume,
+    SessionStart,
+    SessionState,
+    SuspectAnswer,
+    SuspectReport,
+    Verdict,
+)
+from kvsp_quic.roles.controller_reshard import ReshardContext, ReshardMessage, ReshardOutcome, with_context
 from kvsp_quic.roles.controller_sessions import (
     Admitted,
     Assignment,
     CapacityAction,
     PlacedSession,
+    RunHealth,
     StartOutcome,
+    SuspectStep,
 )
 from kvsp_quic.roles.controller_store import load_statuses, placed_session, stored_session, stored_status
 from kvsp_quic.roles.placement import Choice
@@ -72,6 +84,10 @@ class InstanceLink(Protocol):
     async def reshard(self, instance: str, message: ReshardMessage, timeout: float | None = None) -> None: ...
 
     async def cancel(self, instance: str, session: uuid.UUID) -> None: ...
+
+    async def probe(self, instance: str, session: uuid.UUID, timeout: float) -> None:
+        """``GET sessions/{id}`` at *instance*, sent once, answered within *timeout* seconds or raising."""
+        ...
 
 
 class Starter(Protocol):
@@ -157,6 +173,7 @@ class ControllerService:
         self._locks: dict[uuid.UUID, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[bool]] = set()
         self._migrating: set[uuid.UUID] = set()
+        self.map_contexts: dict[str, ReshardContext] = {}  # (extension) per map: what its plans carry as "context"
 
     # -- the shared store (several replicas): read before a decision, write after it ------------------------------
 
@@ -276,9 +293,9 @@ class ControllerService:
                 return ack
         raise Unavailable(f"session {session_id}: too many concurrent writes")
 
-    async def instances(self) -> list[dict[str, object]]:
+    async def instances(self, viewer: Principal | None = None) -> list[dict[str, object]]:
         await self.refresh()
-        return self.role.instances()
+        return self.role.instances(viewer)
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
 
@@ -448,8 +465,10 @@ class ControllerService:
     async def create_session(self, principal: Principal, request: SessionRequest) -> tuple[SessionInfo, bool]:
         """POST sessions: place and start the session; (its info, whether it was created now)."""
         admission = await self._admit(principal, request)
-        if not isinstance(admission, Admitted):
-            return admission, False  # a retry of the same request
+        if not isinstance(admission, Admitted):  # a retry of the same request
+            if self.shared is not None and admission.state is SessionState.PLACING:
+                return await self._placement_of(principal, request.session), False
+            return admission, False
         session = admission.session
         started = time.perf_counter()
         async with self._lock(session.id), self._leased(session.id) as held:
@@ -474,6 +493,48 @@ class ControllerService:
             self._evict(session.id)
             return info, True
 
+    async def _placement_of(self, principal: Principal, session_id: uuid.UUID) -> SessionInfo:
+        """A retry of ``POST sessions`` for a session another replica admitted and is placing (the client's first
+        try timed out or failed, e.g. that replica died): wait for its placement, or -- once that replica no longer
+        holds the session's placement lease -- take the placement over (:meth:`PlacementController.
+        take_over_placement`) and place it here. Found by ``kvsp-quic chaos`` (fault is-kill)."""
+        assert self.shared is not None
+        deadline = time.monotonic() + (2 * self.role.config.lease_ms + self.role.config.start_timeout_ms) / 1000
+        while True:
+            await asyncio.sleep(0.1)  # the admitting replica takes the lease right after it stored the session
+            try:
+                info = await self.session_info(principal, session_id)
+            except NotFound:  # its placement failed meanwhile (the session is forgotten)
+                raise Unavailable(f"no active instance took the session {session_id}") from None
+            if info.state is not SessionState.PLACING:
+                return info
+            async with self._lock(session_id), self._leased(session_id) as held:
+                if held:
+                    session = await self._fetch(session_id)
+                    if session is None:
+                        raise Unavailable(f"no active instance took the session {session_id}")
+                    if session.state is not SessionState.PLACING:
+                        self._evict(session_id)
+                        return session.info()
+                    self._based[session.id] = session.epoch
+                    self.role.take_over_placement(session)
+                    try:
+                        await self._persist(session, strict=True)
+                        placed = await self._place(session)
+                    except BaseException:
+                        self._evict(session_id)
+                        raise
+                    if not placed:
+                        problem = self.role.unplaced(session)
+                        await self.shared.delete(session.id)
+                        raise problem
+                    self.role.migrated(session)
+                    await self._persist(session)
+                    self._evict(session.id)
+                    return session.info()
+            if time.monotonic() > deadline:
+                raise Unavailable(f"session {session_id} is still being placed by another replica")
+
     async def cancel_session(self, principal: Principal, session_id: uuid.UUID) -> None:
         """``DELETE sessions/{id}`` (extension; docs/wire.md, "Cancelling a session"): only the session's creator
         (404 for anyone else); the PC forgets the session (never migrates it) and tells its instance to stop the
@@ -496,11 +557,12 @@ class ControllerService:
 
     # -- failures -------------------------------------------------------------------------------------------------
 
-    async def migrate(self, session: PlacedSession) -> bool:
-        """Move *session* off its failed instance (see the role's ``begin_migration``). False when no instance took
-        it (retried at the next tick)."""
+    async def migrate(self, session: PlacedSession, lost_epoch: int | None = None) -> bool:
+        """Move *session* off its failed instance (see the role's ``begin_migration``; with *lost_epoch*, also when
+        a verified suspect report found its run of that epoch lost). False when no instance took it (retried at
+        the next tick)."""
         async with self._lock(session.id):
-            if not self.role.needs_migration(session):
+            if not (self.role.needs_migration(session) or self.role.lost(session, lost_epoch)):
                 return True
             self.role.begin_migration(session)
             if not await self._place(session):
@@ -508,7 +570,7 @@ class ControllerService:
             self.role.migrated(session)
             return True
 
-    async def migrate_shared(self, session_id: uuid.UUID) -> bool:
+    async def migrate_shared(self, session_id: uuid.UUID, lost_epoch: int | None = None) -> bool:
         """:meth:`migrate` with a shared store: under the session's lease, on the stored session; the epoch
         increment is a compare-and-set, so of several replicas that decide to migrate it one does, and the others
         stand down (False, as when no instance took it: the next tick looks again)."""
@@ -521,7 +583,7 @@ class ControllerService:
             if session is None:
                 await self.shared.forget(session_id)
                 return True
-            if not self.role.needs_migration(session):
+            if not (self.role.needs_migration(session) or self.role.lost(session, lost_epoch)):
                 return True
             self._based[session_id] = session.epoch
             try:
@@ -535,6 +597,65 @@ class ControllerService:
                 log.info("migration of session %s: standing down (%s)", session_id, exc)
                 return False
             return True
+
+    # -- suspect reports (extension: docs/wire.md, "Suspect reports") -------------------------------------------
+
+    async def suspect(self, principal: Principal, session_id: uuid.UUID, report: SuspectReport) -> SuspectAnswer:
+        """``POST sessions/{id}/suspect``: the session's creator saw its token stream break or stall. The PC never
+        moves a session on that word alone: it probes the run (``GET sessions/{id}`` at the instance, within
+        ``suspect_probe_ms``, and once more within twice that after a timeout: the client drops a connection that
+        timed out, so the second goes afresh); an answer is a false alarm (``healthy``); none holds the run failed (in
+        the shared store too, so every replica's tick moves its other sessions) and the session is migrated at
+        once, without waiting for the status to expire. The answer waits (up to ``suspect_wait_ms``) for the
+        session's new instance: ``moved`` with it, else ``migrating``."""
+        if self.shared is not None:
+            await self.refresh()
+            await self._fetch(session_id)
+        try:
+            step = self.role.suspect(principal, session_id, report)
+            session = self.role.sessions[session_id]
+        finally:
+            self._evict(session_id)
+        if step is SuspectStep.PROBE:
+            assert session.instance is not None
+            instance, run = session.instance, session.instance_epoch
+            first = self.role.config.suspect_probe_ms / 1000
+            health = RunHealth.SILENT
+            for timeout, last in ((first, False), (2 * first, True)):  # silence once: again, longer, afresh
+                error: Problem | OSError | None = None
+                try:
+                    await self.link.probe(instance, session_id, timeout)
+                except (Problem, OSError) as exc:
+                    error = exc
+                health = self.role.probe_outcome(session, error, last=last)
+                if health is not RunHealth.SILENT:
+                    break
+            if health is RunHealth.ALIVE:
+                return SuspectAnswer.of(await self.session_info(principal, session_id), Verdict.HEALTHY)
+            if health is RunHealth.DEAD:
+                if self.shared is not None and run is not None:
+                    await self.shared.fail_status(instance, run)
+                    await self.refresh()  # every replica's view, without the run (a tick may have read it back)
+                self.kick.set()  # the tick moves the run's other sessions
+            step = SuspectStep.MIGRATE
+        if step is SuspectStep.MIGRATE:
+            if self.shared is None:
+                if self.role.sessions.get(session_id) is session:  # not cancelled meanwhile
+                    await self.migrate(session, report.epoch)
+            else:
+                await self.migrate_shared(session_id, report.epoch)
+        return await self._moved(principal, session_id, report.epoch)
+
+    async def _moved(self, principal: Principal, session_id: uuid.UUID, epoch: int) -> SuspectAnswer:
+        """The session once it is past *epoch* (``moved``), or as it is after ``suspect_wait_ms`` (``migrating``)."""
+        deadline = time.monotonic() + self.role.config.suspect_wait_ms / 1000
+        while True:
+            info = await self.session_info(principal, session_id)
+            if info.epoch > epoch or info.state is SessionState.DONE:
+                return SuspectAnswer.of(info, Verdict.MOVED)
+            if time.monotonic() >= deadline:
+                return SuspectAnswer.of(info, Verdict.MIGRATING)
+            await asyncio.sleep(0.02)
 
     def _failed_run(self, instance: str, instance_epoch: int) -> bool:
         status = self.role.status
@@ -614,17 +735,23 @@ class ControllerService:
         await self._pull_map(map_id)
         return map_id in self.role.maps
 
-    async def put_map(self, shard_map: ShardMap) -> ReshardOutcome:
+    async def put_map(self, shard_map: ShardMap, context: ReshardContext | None = None) -> ReshardOutcome:
+        if context is not None:
+            self.map_contexts[shard_map.map] = context
         if self.shared is not None:
             existing = await self.shared.add_map(shard_map)
             if existing is not None:
                 self.role.maps[shard_map.map] = existing
         return self.role.register_map(shard_map)
 
-    async def reshard(self, new: ShardMap, deadline_ms: int | None = None) -> ReshardOutcome:
+    async def reshard(self, new: ShardMap, deadline_ms: int | None = None,
+                      context: ReshardContext | None = None) -> ReshardOutcome:
         """Move a map from version v to v+1 = ``new.version``: send every member its plan; when all acknowledged
         (200, after loading their fetch ranges) within the deadline, commit to all members, otherwise abort to
-        all members (the role decides, and keeps the authoritative version)."""
+        all members (the role decides, and keeps the authoritative version). Plans carry the map's *context* (or
+        the one it was registered with at this replica): docs/wire.md "Resharding"."""
+        if context is not None:
+            self.map_contexts[new.map] = context
         if self.shared is not None:
             deadline = deadline_ms or self.role.config.reshard_deadline_ms
             if not await self.shared.lock_map(new.map, self.replica, 3 * deadline + 5000):
@@ -645,7 +772,8 @@ class ControllerService:
         undelivered: dict[str, str] = {}
         try:
             deadline = round_.deadline_s
-            tasks = {asyncio.create_task(self.link.reshard(i, round_.plans[i], deadline)): i for i in everyone}
+            plans = with_context(round_.plans, self.map_contexts.get(new.map))
+            tasks = {asyncio.create_task(self.link.reshard(i, plans[i], deadline)): i for i in everyone}
             done, pending = await asyncio.wait(tasks, timeout=deadline, return_when=asyncio.FIRST_EXCEPTION)
             for task in pending:
                 task.cancel()

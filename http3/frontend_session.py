@@ -10,6 +10,7 @@ waits for the new epoch, and resumes reading at the first index it lacks.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import secrets
@@ -23,10 +24,11 @@ from http3.api import KvspApi, RetryElsewhere, ServiceEndpoints
 from http3.client import KvspClient, TransportError
 from http3.frontend_errors import Overloaded, RateLimited
 from http3.frontend_params import Limits, Params
+from http3.h3_client import KeepAlive
 from kvsp_quic.frontend import FrontendOptions, SamplingRequest, TokenRelay
 from kvsp_quic.keys import BlockKeyer
 from kvsp_quic.problems import Problem
-from kvsp_quic.roles.controller_records import SessionRequest, SessionState
+from kvsp_quic.roles.controller_records import SessionRequest, SessionState, SuspectAnswer, SuspectReport, Verdict
 
 log = logging.getLogger("kvsp.frontend")
 Logprobs = tuple[float, tuple[tuple[int, float], ...]]  # a token's log probability and the best alternatives
@@ -45,6 +47,51 @@ class FrontendStats:
     stale: int = 0
     tokens: int = 0
     cancelled: int = 0
+    suspects: int = 0  # suspect reports the PC answered
+
+
+@dataclass
+class StallWatch:
+    """When a token stream that flows has gone silent for too long: ``factor`` times the 99th percentile of the
+    recent gaps between tokens (the last ``window``), at least ``floor_s``, doubled per false alarm in a row.
+    Until ``min_gaps`` gaps were seen, and on each new stream until its first token (a resume computes first),
+    the caller's own bound applies (:attr:`flowing` is False)."""
+
+    floor_s: float = 0.12
+    factor: float = 2.0
+    window: int = 64
+    min_gaps: int = 8
+    gaps: collections.deque[float] = field(default_factory=collections.deque)
+    _last: float | None = None
+    _alarms: int = 0
+    _clock: Callable[[], float] = time.monotonic
+
+    @property
+    def flowing(self) -> bool:
+        return self._last is not None and len(self.gaps) >= self.min_gaps
+
+    def new_stream(self) -> None:
+        self._last = None
+
+    def token(self) -> None:
+        now = self._clock()
+        if self._last is not None:
+            self.gaps.append(now - self._last)
+            if len(self.gaps) > self.window:
+                self.gaps.popleft()
+        self._last = now
+        self._alarms = 0
+
+    def false_alarm(self) -> None:
+        self._alarms += 1
+
+    def bound(self, otherwise: float) -> float:
+        """Seconds of silence after which the stream is suspect (*otherwise* while it is not :attr:`flowing`)."""
+        if not self.flowing:
+            return otherwise
+        ordered = sorted(self.gaps)
+        p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+        return max(self.floor_s, self.factor * p99) * (1 << min(self._alarms, 6))
 
 
 @dataclass
@@ -63,6 +110,7 @@ class Completion:
 
     placed: bool = False
     finished: bool = False
+    watch: StallWatch = field(default_factory=lambda: StallWatch())
 
     async def place(self) -> None:
         """``POST sessions`` at the PC. Every failure is a Problem with the HTTP status the client gets: the PC's
@@ -111,23 +159,50 @@ class Completion:
             self.relay.duplicates = self.relay.stale = 0
 
     async def _follow(self) -> AsyncIterator[tuple[int, int, Logprobs | None]]:
-        """Read the current instance's tokens; when they stop (the stream broke, or nothing came for
-        ``stall_check`` seconds and the PC says the session moved), continue at its new instance."""
+        """Read the current instance's tokens; when they stop, continue at the session's new instance.
+
+        A stream that breaks, or that stalls past the :class:`StallWatch`'s bound once tokens flow, is reported to
+        the PC (``POST sessions/{id}/suspect``, docs/wire.md "Suspect reports"), which probes the instance and
+        migrates the session at once if it does not answer; its answer names the new instance. A stall report
+        does not stop the reading: a false alarm (``healthy``) only lengthens the bound. Without reports
+        (``Frontend.suspect`` False), or while no token came yet, silence of ``stall_check`` seconds asks the PC
+        whether the session moved, and a broken stream polls it until it did."""
         fe = self.frontend
         deadline: float | None = None
         while True:
             queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
             reader = asyncio.create_task(self._pump(self.instance, queue))
+            getter: asyncio.Future[tuple[str, Any]] | None = None
+            report: asyncio.Task[SuspectAnswer | None] | None = None
+            self.watch.new_stream()
+            reading = self.instance, self.relay.epoch
             moved: str | None = None
             try:
                 while moved is None:
-                    try:
-                        kind, value = await asyncio.wait_for(queue.get(), fe.options.stall_check_s)
-                    except TimeoutError:
-                        moved = await self._peek()  # silence: has the PC moved the session meanwhile?
+                    getter = getter or asyncio.ensure_future(queue.get())
+                    waits: set[asyncio.Future[Any]] = {getter} if report is None else {getter, report}
+                    bound = self.watch.bound(fe.options.stall_check_s) if fe.suspect else fe.options.stall_check_s
+                    done, _ = await asyncio.wait(waits, timeout=bound, return_when=asyncio.FIRST_COMPLETED)
+                    if report is not None and report in done:
+                        answer, report = report.result(), None
+                        moved = self._answered(answer)
+                        if moved is None:
+                            self.watch.false_alarm()
                         continue
+                    if getter not in done:  # silence
+                        if fe.suspect and self.watch.flowing:
+                            if report is None:
+                                log.info("session %s: no token from %s for %.0f ms; reporting it", self.session,
+                                         self.instance, bound * 1000)
+                                report = asyncio.create_task(self._report("stall"))
+                        else:
+                            moved = await self._peek()  # has the PC moved the session meanwhile?
+                        continue
+                    kind, value = getter.result()
+                    getter = None
                     if kind == "token":
                         deadline = None
+                        self.watch.token()
                         yield value
                     elif kind == "done":
                         self.reason = value
@@ -135,18 +210,54 @@ class Completion:
                     elif isinstance(value, Problem) and not isinstance(value, TransportError):
                         raise value
                     else:
-                        log.info("session %s: token stream from %s broke (%s); asking the PC", self.session,
-                                 self.instance, value)
+                        log.info("session %s: token stream from %s broke (%s)", self.session, self.instance, value)
                         break
             finally:
-                reader.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await reader
+                for task in (reader, getter, report):
+                    if task is not None:
+                        task.cancel()
+                        with contextlib.suppress(asyncio.CancelledError, Exception):
+                            await task
+            deadline = deadline or time.monotonic() + fe.options.failover_timeout_s
+            if moved is None and fe.suspect:
+                answer = await self._report("broken")
+                moved = self._answered(answer)
+                if moved is None and answer is not None and answer.verdict is Verdict.HEALTHY:
+                    if time.monotonic() >= deadline:
+                        raise Overloaded(f"session {self.session}: its instance answers but its token stream "
+                                         f"broke for {fe.options.failover_timeout_s} s")
+                    await asyncio.sleep(fe.options.poll_interval_s)
+                    moved = self.instance  # the instance is alive: read it again
             if moved is None:
-                deadline = deadline or time.monotonic() + fe.options.failover_timeout_s
                 moved = await self._moved(deadline)
+            if (moved, self.relay.epoch) != reading:
+                fe.stats.failovers += 1
             self.instance = moved
-            fe.stats.failovers += 1
+
+    async def _report(self, reason: str) -> SuspectAnswer | None:
+        """``POST sessions/{id}/suspect`` for the epoch being read; None when the PC did not answer it (or does not
+        know the extension): the caller falls back to asking where the session went."""
+        fe = self.frontend
+        started = time.perf_counter()
+        try:
+            answer = await fe.api.suspect_session(fe.pc, self.session, SuspectReport(self.relay.epoch, reason),
+                                                  timeout=fe.suspect_timeout_s)
+        except (TransportError, Problem) as exc:
+            log.info("session %s: the suspect report found no answer (%s)", self.session, exc)
+            return None
+        fe.stats.suspects += 1
+        log.info("session %s: suspect report (%s) answered %s in %.0f ms: epoch %d at %s", self.session, reason,
+                 answer.verdict.value, (time.perf_counter() - started) * 1000, answer.epoch, answer.instance)
+        return answer
+
+    def _answered(self, answer: SuspectAnswer | None) -> str | None:
+        """The instance to read from when *answer* says the session moved past the epoch being read, else None."""
+        if answer is None or answer.verdict is not Verdict.MOVED:
+            return None
+        if answer.epoch > self.relay.epoch or answer.state is SessionState.DONE:
+            self.relay.new_epoch(answer.epoch)
+            return answer.instance or self.instance
+        return None
 
     async def _pump(self, instance: str, queue: asyncio.Queue[tuple[str, Any]]) -> None:
         try:
@@ -161,6 +272,8 @@ class Completion:
 
     async def _read(self, instance: str) -> AsyncIterator[tuple[int, int, str | None, Logprobs | None]]:
         fe = self.frontend
+        if fe.suspect and fe.stream_keepalive is not None:
+            fe.client.keep_alive(instance, fe.stream_keepalive)
         async with fe.api.tokens(instance, self.session, self.relay.next_index,
                                  timeout=fe.options.read_timeout_s) as lines:
             async for line in lines:
@@ -222,6 +335,13 @@ class Frontend:
     chat_template: Callable[[list[dict[str, Any]]], str] | None = None  # frontend_text.load_chat_template
     placement_timeout_s: float = 30.0  # of POST sessions at the PC
     max_choices: int = 16  # prompts x n per request
+    # Suspect reports (docs/wire.md, "Suspect reports"): a broken or stalled token stream is reported to the PC,
+    # which verifies it and migrates at once; False: only ask the PC where the session went (the path before).
+    suspect: bool = True
+    suspect_timeout_s: float = 15.0  # of a report (the PC's answer waits up to its suspect_wait_ms for a new owner)
+    # QUIC PINGs on the connections to instances whose tokens are read (with suspect reports): a peer that died is
+    # noticed at the next PING (an ICMP error ends the connection) or after `missed` silent intervals (frozen).
+    stream_keepalive: KeepAlive | None = field(default_factory=lambda: KeepAlive(interval=0.1, missed=10))
     api: KvspApi = field(init=False)
 
     def __post_init__(self) -> None:

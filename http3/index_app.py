@@ -11,6 +11,9 @@ Resources, relative to the base URI's path (docs/wire.md, "Index Service"), with
 * ``DELETE replicas/{holder_id}/{block_key}`` (holder): 204;
 * ``POST lookup`` (controller, instance, client, holder): 200 + the lookup response;
 * ``PUT instances/{instance_id}/status`` (instance): 200 + ``{"state": s}``;
+* ``PUT holders/{holder_id}/liveness`` (holder) ``{"holder": uri, "ttl_ms": n}``: 200 + ``{"holder", "ttl_ms"}``
+  (granted); ``POST holders/{holder_id}/failures`` (controller, instance, client, holder) ``{"holder": uri,
+  "scope_id": hex}``: 202 (docs/wire.md, "Holder liveness and failure reports");
 * with ``metrics``: ``GET metrics`` (any principal), the Prometheus text format (:mod:`http3.metrics_app`).
 
 The Placement Controller's resources are added to the same app by :func:`http3.controller_app.controller_app`
@@ -57,6 +60,8 @@ INDEX_RULES: tuple[Rule, ...] = (
     Rule("DELETE", "replicas/{holder_id}/{block_key}", ["holder"]),
     Rule("POST", "lookup", ["controller", "instance", "client", "holder"]),
     Rule("PUT", "instances/{instance_id}/status", ["instance"]),
+    Rule("PUT", "holders/{holder_id}/liveness", ["holder"]),
+    Rule("POST", "holders/{holder_id}/failures", ["controller", "instance", "client", "holder"]),
 )
 
 
@@ -91,6 +96,10 @@ def _uri_id(request: Request, name: str) -> str:
     if not _URI_ID_RE.fullmatch(value):
         raise BadRequest(f"{name} (path): must be 43 base64url characters (SHA-256 of a base URI)")
     return value
+
+
+def _holder_uri(value: Any, path: str) -> str:
+    return f.base_uri(value, path, schemes=("https", "moqt"))
 
 
 # The status handler answers at once, or (a Placement Controller with a shared store) after awaiting it.
@@ -136,11 +145,31 @@ def index_routes(service: IndexService, *, max_body_bytes: int = DEFAULT_MAX_BOD
             answer = await answer
         return kvsp_json(answer.to_json())
 
+    async def put_liveness(request: Request) -> Response:
+        principal = principal_of(request)
+        holder_id = _uri_id(request, "holder_id")
+        obj = f.loads_object(await read_json_body(request, max_body_bytes), "liveness")  # RecordError: 400
+        holder = f.member(obj, "holder", _holder_uri)
+        ttl_ms = f.member(obj, "ttl_ms", f.positive)
+        granted = service.report_liveness(principal, holder_id, holder, ttl_ms)
+        return kvsp_json({"holder": holder, "ttl_ms": granted})
+
+    async def post_failure(request: Request) -> Response:
+        principal = principal_of(request)
+        holder_id = _uri_id(request, "holder_id")
+        obj = f.loads_object(await read_json_body(request, max_body_bytes), "failure report")
+        holder = f.member(obj, "holder", _holder_uri)
+        scope = f.member(obj, "scope_id", f.scope_id)
+        service.report_failure(principal, holder_id, holder, scope)
+        return Response(status_code=202, headers=NO_STORE)
+
     return [
         Route("/replicas/{holder_id}/{block_key}", put_replica, methods=["PUT"]),
         Route("/replicas/{holder_id}/{block_key}", delete_replica, methods=["DELETE"]),
         Route("/lookup", lookup, methods=["POST"]),
         Route("/instances/{instance_id}/status", put_status, methods=["PUT"]),
+        Route("/holders/{holder_id}/liveness", put_liveness, methods=["PUT"]),
+        Route("/holders/{holder_id}/failures", post_failure, methods=["POST"]),
     ]
 
 

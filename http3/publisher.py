@@ -20,6 +20,11 @@ also published as its MOQT twin (:func:`kvsp_quic.records.moqt_record`: ``holder
 from a holder whose policy entry lists *moqt_uri* in ``publish_for``; a 403 for it is logged once and not retried
 (the ``https`` record is what counts).
 
+The publisher also keeps the holder's liveness record fresh (:class:`LivenessReporter`, ``PUT {index-base}holders/
+{holder-id}/liveness`` every third of its TTL; docs/wire.md, "Holder liveness and failure reports"): once it
+lapses -- the holder was killed, or froze -- lookups leave out the holder's replicas instead of advertising them
+until their TTL runs out.
+
     publisher = ReplicaPublisher(holder, client, "https://is.example/kvsp/")
     publisher.start()
     ...
@@ -34,7 +39,7 @@ import logging
 from collections.abc import Sequence
 
 from http3.api import KvspApi, ServiceEndpoints
-from http3.client import KvspClient
+from http3.client import KvspClient, TransportError
 from kvsp_quic.keys import uri_id
 from kvsp_quic.problems import Problem
 from kvsp_quic.records import ReplicaRecord, moqt_record
@@ -43,11 +48,66 @@ from kvsp_quic.roles.holder_outbox import Intent, IntentKind
 
 log = logging.getLogger("kvsp.publisher")
 
+DEFAULT_LIVENESS_TTL_MS = 4000  # refreshed every third: a holder that died drops out of lookups within ~4 s
+
+
+class LivenessReporter:
+    """Keeps *holder*'s liveness record fresh at the Index Service: ``PUT holders/{holder-id}/liveness`` now and
+    every third of the granted TTL (sooner after a transport failure). An Index Service without the extension
+    (404, 405) or a refusal (403) is logged once and asked again every 30 s."""
+
+    def __init__(self, api: KvspApi, index: ServiceEndpoints, holder: str, *,
+                 ttl_ms: int = DEFAULT_LIVENESS_TTL_MS, timeout: float = 10.0) -> None:
+        if ttl_ms < 3:
+            raise ValueError("ttl_ms must be at least 3")
+        self.api = api
+        self.index = index
+        self.holder = holder
+        self.ttl_ms = ttl_ms
+        self.timeout = timeout
+        self.reported = 0  # records the Index Service accepted
+        self._refused = False
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def start(self) -> None:
+        if not self.running:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kvsp-liveness-{self.holder}")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _run(self) -> None:
+        while True:
+            interval = self.ttl_ms / 3000
+            try:
+                granted = await self.api.put_liveness(self.index, self.holder, self.ttl_ms,
+                                                      timeout=min(self.timeout, interval * 2))
+                self.reported += 1
+                interval = granted / 3000
+            except Problem as exc:
+                if not self._refused:
+                    self._refused = True
+                    log.warning("the Index Service does not take liveness records of %s: %s", self.holder, exc)
+                interval = 30.0
+            except (TransportError, OSError) as exc:
+                log.info("liveness of %s: %s", self.holder, exc)
+                interval = min(interval, 0.5)
+            await asyncio.sleep(interval)
+
 
 class ReplicaPublisher:
     def __init__(self, holder: Holder, client: KvspClient, index_base: str | Sequence[str] | ServiceEndpoints, *,
                  concurrency: int = 8,
-                 max_sleep: float = 1.0, timeout: float = 10.0, moqt_uri: str | None = None) -> None:
+                 max_sleep: float = 1.0, timeout: float = 10.0, moqt_uri: str | None = None,
+                 liveness_ttl_ms: int | None = DEFAULT_LIVENESS_TTL_MS) -> None:
         self.holder = holder
         self.client = client
         self.api = KvspApi(client)
@@ -62,6 +122,8 @@ class ReplicaPublisher:
         self._task: asyncio.Task[None] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
         self._stopping = False
+        self.liveness = LivenessReporter(self.api, self.index_base, holder.base_uri, ttl_ms=liveness_ttl_ms,
+                                         timeout=timeout) if liveness_ttl_ms is not None else None
 
     def url(self, block_key_hex: str, holder: str | None = None) -> str:
         return self.api.replica_url(self.index_base, holder or self.holder.base_uri, bytes.fromhex(block_key_hex))
@@ -76,12 +138,16 @@ class ReplicaPublisher:
         self._stopping = False
         self.holder.outbox.wakeup = self._wake.set
         self._task = asyncio.get_running_loop().create_task(self._run(), name="kvsp-replica-publisher")
+        if self.liveness is not None:
+            self.liveness.start()
 
     async def stop(self, *, withdraw: bool = False, timeout: float = 5.0) -> None:
         """Stop the loop and cancel what is in flight. With *withdraw*, first withdraw every replica (waiting
         up to *timeout* seconds for the Index Service)."""
         if self._task is None:
             return
+        if self.liveness is not None:
+            await self.liveness.stop()
         if withdraw and self.running:
             self.holder.withdraw_all()
             with contextlib.suppress(TimeoutError):

@@ -25,7 +25,9 @@ to check (a record without them, or a transcoded codec) every layer is held back
 When an attempt fails after some layers were delivered, the next replica is asked for the remaining layers
 only (``layers=n-b``), so the caller sees each layer once, in order. A digest mismatch or a malformed container
 withdraws the replica on the holder's behalf (``DELETE {is}replicas/{holder-id}/{key}``; a 403 is only noted).
-A block no replica delivers is reported missing -- a miss is never an exception; only misuse raises.
+A block no replica delivers is reported missing -- a miss is never an exception; only misuse raises. A holder
+that is gone (nothing listens at its port: ``AttemptError.unreachable``) is skipped at its host and port, its
+``https`` and ``moqt://`` records alike, and reported to the Index Service (docs/wire.md, "Dead sources").
 
 Source kinds: an attempt talks to a :class:`BlockSource` chosen by the replica's holder URI.
 :class:`HttpSource` serves ``https`` holders through :class:`http3.api.KvspApi`, whose failure classes (miss,
@@ -76,12 +78,16 @@ from kvsp_quic.retrieval_plan import (
     Ranking,
     RetrievalMetrics,
     covers,
+    endpoint_key,
     failure_for_status,
 )
+from quic.protocol import PEER_UNREACHABLE
 
 log = logging.getLogger("kvsp.retrieval")
 
 DEFAULT_MAX_LOOKUP_KEYS = 8192  # the Index Service's default limit; longer lookups are sent in parts
+REPORT_TIMEOUT = 2.0  # s: a failure report to the Index Service (best effort, in the background)
+MAX_PENDING_REPORTS = 64
 
 
 # -- source kinds -----------------------------------------------------------------------------------------------
@@ -146,7 +152,7 @@ class HttpSource:
             failure = _failure(exc)
             if isinstance(exc.problem, LeaseQuota) or exc.status == 429:
                 failure = Failure.LEASE_REFUSED
-            raise AttemptError(failure, str(exc)) from None
+            raise AttemptError(failure, str(exc), unreachable=_unreachable(exc)) from None
         except Problem as exc:  # 403 and friends: this client gets no lease there
             raise AttemptError(Failure.LEASE_REFUSED, f"{what}: {exc}") from None
         if isinstance(granted, Miss):
@@ -165,7 +171,7 @@ class HttpSource:
             body = await self.api.get_block(record.holder, record.compat_id, record.scope_id, record.block_key,
                                             layers=layers, codec=codec)
         except RetryElsewhere as exc:
-            raise AttemptError(_failure(exc), str(exc)) from None
+            raise AttemptError(_failure(exc), str(exc), unreachable=_unreachable(exc)) from None
         except Problem as exc:
             raise AttemptError(failure_for_status(exc.status), f"GET {record.holder}: {exc}") from None
         if isinstance(body, Miss):
@@ -177,6 +183,12 @@ class HttpSource:
             await body.aclose()
 
         return SourceBody(chunks, body.repr_digest, body.http_version, close)
+
+
+def _unreachable(exc: RetryElsewhere) -> bool:
+    """Whether a failure without an answer shows that nothing listens at the holder's port: ICMP port unreachable
+    ended the HTTP/3 connection (:data:`quic.protocol.PEER_UNREACHABLE`) and TCP was refused too."""
+    return exc.status is None and PEER_UNREACHABLE in str(exc)
 
 
 def _failure(exc: RetryElsewhere) -> Failure:
@@ -279,7 +291,9 @@ class LayerStream:
     async def _run(self) -> AsyncGenerator[DecodedLayer, None]:
         fetcher = self._fetcher
         try:
-            for record, source in fetcher._candidates(self.match, (self.first, self.last)):
+            candidates = fetcher._candidates(self.match, (self.first, self.last))
+            fetcher._warm_alternate(candidates)
+            for record, source in candidates:
                 if self.complete:
                     break
                 if fetcher.failures.recent(record.holder):  # failed while this stream was running
@@ -397,6 +411,9 @@ class BlockFetcher:
     * *sources*: the source kinds (default: one :class:`HttpSource` over *client*).
     * *withdraw_corrupt*: withdraw replicas that served wrong data on the holder's behalf (needs the ``holder``
       role with ``publish_for`` at the Index Service; a 403 is only counted).
+    * *report_failures*: after a transport failure, report the holder to the Index Service in the background
+      (``POST {is}holders/{holder-id}/failures``; it tries the holder last for a while: docs/wire.md, "Dead
+      sources"), once per holder while *failures* remembers it.
     * *assemble*, *allocate*: decoder mode. Default: zero-copy, a layer's K and V are the received chunks'
       views (``k_parts``); ``assemble=True`` copies each container into one buffer from *allocate*.
     """
@@ -409,7 +426,7 @@ class BlockFetcher:
                  sources: Sequence[BlockSource] | None = None, withdraw_corrupt: bool = True,
                  assemble: bool = False, allocate: Callable[[int], Any] | None = None,
                  max_block_bytes: int = 1 << 30, max_lookup_keys: int = DEFAULT_MAX_LOOKUP_KEYS,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, report_failures: bool = True) -> None:
         if lease_ms is not None and (isinstance(lease_ms, bool) or lease_ms <= 0):
             raise ValueError("lease_ms must be a positive number of milliseconds")
         if max_lookup_keys < 1:
@@ -434,6 +451,8 @@ class BlockFetcher:
         self.max_lookup_keys = max_lookup_keys
         self.timeout = timeout
         self._withdraw_denied: set[str] = set()  # holders the Index Service refused withdrawals for
+        self.report_failures = report_failures
+        self._reports: set[asyncio.Task[None]] = set()  # failure reports under way
 
     # -- lookup -------------------------------------------------------------------------------------------------
 
@@ -585,6 +604,21 @@ class BlockFetcher:
                 out.append((record, source))
         return out
 
+    def _warm_alternate(self, candidates: list[tuple[ReplicaRecord, BlockSource]]) -> None:
+        """Have the source of the best candidate at another host and port than the first -- where a failure of the
+        first falls back to -- open its connection in the background (a source with a ``warm(record)`` method:
+        :class:`kvsp_moqt.source.MoqtSource`), so that a source dying mid-load costs the refetch, not a handshake
+        too."""
+        if len(candidates) < 2:
+            return
+        first = endpoint_key(candidates[0][0].holder)
+        for record, source in candidates[1:]:
+            if endpoint_key(record.holder) != first:
+                warm = getattr(source, "warm", None)
+                if warm is not None:
+                    warm(record)
+                return
+
     def _source_for(self, record: ReplicaRecord) -> BlockSource | None:
         return next((s for s in self.sources if s.handles(record)), None)
 
@@ -594,9 +628,28 @@ class BlockFetcher:
         level = logging.WARNING if failure.withdraws else logging.INFO
         log.log(level, "replica of %s at %s: %s", record.block_key.hex(), record.holder, err.detail)
         if failure.remembered:
-            self.failures.note(record.holder)
+            if err.unreachable:
+                self.metrics.unreachable += 1
+            if self.report_failures and failure is Failure.TRANSPORT and not self.failures.recent(record.holder):
+                self._report(record)  # once per holder while it is remembered
+            self.failures.note(record.holder, unreachable=err.unreachable)
         if failure.withdraws and self.withdraw_corrupt:
             await self.withdraw(record)
+
+    def _report(self, record: ReplicaRecord) -> None:
+        """Tell the Index Service, in the background, that *record*'s holder could not be reached, so that other
+        clients of the scope try its replicas last (docs/wire.md, "Holder liveness and failure reports")."""
+        async def report() -> None:
+            try:
+                await self.api.report_failure(self.index_uri, record.holder, record.scope_id, timeout=REPORT_TIMEOUT)
+                self.metrics.failures_reported += 1
+            except (TransportError, Problem) as exc:
+                log.info("reporting %s to the Index Service: %s", record.holder, exc)
+
+        if len(self._reports) < MAX_PENDING_REPORTS:
+            task = asyncio.get_running_loop().create_task(report(), name=f"kvsp-report-{record.holder}")
+            self._reports.add(task)
+            task.add_done_callback(self._reports.discard)
 
     # -- withdrawal on a holder's behalf --------------------------------------------------------------------------
 

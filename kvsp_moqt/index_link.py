@@ -20,6 +20,10 @@ to the relay, and Replica Records for the blocks it caches.
   withdrawn when the block leaves the cache and when the relay stops. The Index Service authorizes these by the
   relay's identity (the holder role and its ``moqt://`` URI in ``publish_for``) and by the namespace's publisher:
   either the relay may publish for it too, or the publisher's own record of the block carries the same digests.
+* **Liveness.** From its first record on, the relay keeps a liveness record of its ``moqt://`` URI fresh at the
+  Index Service (:class:`http3.publisher.LivenessReporter`): a relay that died drops out of lookups within
+  *liveness_ttl_ms* instead of being advertised until its records expire (docs/wire.md, "Holder liveness and
+  failure reports").
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Any
 
 from http3.api import KvspApi, ServiceEndpoints
 from http3.client import KvspClient, TransportError
+from http3.publisher import DEFAULT_LIVENESS_TTL_MS, LivenessReporter
 from kvsp_moqt.tracks import KvspTrack, parse_track
 from kvsp_quic.fields import BlockKey, CompatId, ScopeId
 from kvsp_quic.keys import holder_id
@@ -55,7 +60,8 @@ log = logging.getLogger("kvsp.relay.index")
 class IndexLink:
     def __init__(self, client: KvspClient, index_base: str | Sequence[str] | ServiceEndpoints, pool: MoqtPool, *,
                  moqt_uri: str,
-                 publish: bool = True, ttl_ms: int = 60_000, timeout: float = 10.0) -> None:
+                 publish: bool = True, ttl_ms: int = 60_000, timeout: float = 10.0,
+                 liveness_ttl_ms: int | None = DEFAULT_LIVENESS_TTL_MS) -> None:
         self.client = client
         self.api = KvspApi(client)
         self.index_base = ServiceEndpoints.of(index_base, "index base URI")  # one URI or several (failover)
@@ -71,6 +77,8 @@ class IndexLink:
         self._refresher: asyncio.Task[None] | None = None
         self.failures = 0  # blocks whose layers did not match their records (not cached)
         self.unverified = 0  # blocks without a record to check them against (not cached)
+        self.liveness = LivenessReporter(self.api, self.index_base, self.moqt_uri, ttl_ms=liveness_ttl_ms,
+                                         timeout=timeout) if publish and liveness_ttl_ms is not None else None
 
     # -- upstreams -----------------------------------------------------------------------------------------------
 
@@ -193,6 +201,8 @@ class IndexLink:
     def _ensure_refresher(self) -> None:
         if self._refresher is None or self._refresher.done():
             self._refresher = asyncio.ensure_future(self._refresh())
+        if self.liveness is not None:
+            self.liveness.start()
 
     async def _refresh(self) -> None:
         while self.published:
@@ -213,6 +223,8 @@ class IndexLink:
     async def aclose(self, *, withdraw: bool = True) -> None:
         if self._refresher is not None:
             self._refresher.cancel()
+        if self.liveness is not None:
+            await self.liveness.stop()
         await self.drain()
         if withdraw:
             await asyncio.gather(*(self._withdraw(r.block_key) for r in self.published.values()),

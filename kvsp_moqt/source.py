@@ -15,6 +15,17 @@ container GET and checks as without MOQT) and, if layers already arrived over MO
   anything else ``SERVER_ERROR``;
 * no FETCH_OK within *accept_timeout*, no object piece within *stall_timeout*, a reset data stream, a closed
   session: ``TRANSPORT``;
+
+Timeouts scale with the path (issue 12, point 5): by default (*accept_timeout*, *stall_timeout* None) a wait
+allows a few probe timeouts of the connection's measured RTT (:meth:`quic.connection.KvspQuicConnection.
+path_timeout`: 4 PTOs, at least :data:`MIN_STALL` s) -- and FETCH_OK the time a block takes at a slow rate --
+never more than :data:`MAX_STALL` s; and while nothing arrives the source probes the holder with a QUIC PING every
+two PTOs (30 to 100 ms): a holder that died answers ICMP port unreachable, which ends the connection at once (a
+client's socket is connected), so a dead holder costs milliseconds on loopback and most networks, a frozen one the
+stall timeout.
+A failure that shows nothing listens at the holder's port any more is marked ``unreachable``: the fetcher then
+skips the holder's other records at the same host and port (its ``https`` twin) too. A stall is not (a slow
+holder may still serve HTTP). Every transport failure is reported to the Index Service by the fetcher.
 * objects that are not the layers asked for (group, order, status, length): ``MALFORMED``; a digest mismatch is
   found by the fetcher's decoder: ``CORRUPT``.
 
@@ -29,8 +40,12 @@ no leases (KVSP leases are HTTP resources): ``lease`` returns None.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Iterable, Sequence
+import logging
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
+from typing import TypeVar
 
 from http3.retrieval import Lease, SourceBody
 from kvsp_moqt.tracks import (
@@ -50,6 +65,7 @@ from kvsp_quic.retrieval_plan import AttemptError, DefaultRanking, Failure, Laye
 from moqt.aio import (
     FetchStream,
     MoqtConnectError,
+    MoqtConnection,
     MoqtPool,
     MoqtRequestError,
     MoqtSessionClosed,
@@ -58,6 +74,16 @@ from moqt.aio import (
 )
 from moqt.errors import MoqtUsageError
 from moqt.types import Draft
+from quic.protocol import PEER_UNREACHABLE
+
+T = TypeVar("T")
+log = logging.getLogger("kvsp.moqt.source")
+
+MIN_STALL = 1.0  # s: the shortest wait for a holder's next octets (a busy or frozen holder, not a dead one)
+MAX_STALL = 5.0  # s: the longest, also before any RTT sample
+PROBE_FLOOR = 0.03  # s: the shortest quiet time before a PING probes the holder
+PROBE_CEILING = 0.1  # s: the longest (a PING is one small packet; a busy machine's RTT variance is not the path's)
+WARM_EVERY = 5.0  # s: how often warm() may ask the pool for a connection to one holder
 
 
 class MoqtSource:
@@ -66,11 +92,33 @@ class MoqtSource:
     kind = "moqt"
 
     def __init__(self, pool: MoqtPool, descriptors: Iterable[CompatDescriptor], *,
-                 accept_timeout: float = 5.0, stall_timeout: float = 5.0) -> None:
+                 accept_timeout: float | None = None, stall_timeout: float | None = None) -> None:
         self.pool = pool
         self.descriptors = {bytes(d.compat_id): d for d in descriptors}
         self.accept_timeout = accept_timeout
         self.stall_timeout = stall_timeout
+        self._warm_until: dict[str, float] = {}  # holder -> when warm() may connect again
+        self._warming: set[asyncio.Task[None]] = set()
+
+    def warm(self, record: ReplicaRecord) -> None:
+        """Open (in the background) a connection to *record*'s holder if there is none, at most once every
+        :data:`WARM_EVERY` seconds per holder: :class:`http3.retrieval.BlockFetcher` warms the source it would fall
+        back to, so that a failure of the first costs no handshake."""
+        now = time.monotonic()
+        if not self.handles(record) or now < self._warm_until.get(record.holder, 0.0):
+            return
+        if len(self._warm_until) >= 4096:
+            self._warm_until = {h: t for h, t in self._warm_until.items() if t > now}
+        self._warm_until[record.holder] = now + WARM_EVERY
+        task = asyncio.get_running_loop().create_task(self._warm(record.holder), name=f"kvsp-warm-{record.holder}")
+        self._warming.add(task)
+        task.add_done_callback(self._warming.discard)
+
+    async def _warm(self, holder: str) -> None:
+        try:
+            await self.pool.get(holder)
+        except (MoqtConnectError, OSError, MoqtUsageError, RuntimeError) as exc:  # the fetch will say so too
+            log.debug("warming %s: %s", holder, exc)
 
     def handles(self, record: ReplicaRecord) -> bool:
         return (record.holder.startswith("moqt://") and record.moqt_namespace is not None
@@ -95,25 +143,32 @@ class MoqtSource:
         try:
             conn = await self.pool.get(record.holder)
         except (MoqtConnectError, OSError) as exc:
-            raise AttemptError(Failure.TRANSPORT, f"{where}: {exc}") from None
+            raise _transport(f"{where}: {exc}") from None
         start, end = fetch_range(first, last)
+        section = descriptor.section_length(descriptor.block_tokens)
+        stall = self.stall_timeout if self.stall_timeout is not None else conn.quic.path_timeout(
+            floor=MIN_STALL, ceiling=MAX_STALL)
+        accept = self.accept_timeout if self.accept_timeout is not None else conn.quic.path_timeout(
+            floor=MIN_STALL, ceiling=MAX_STALL, octets=2 * section * (last - first + 1))
         try:
-            fetch = conn.fetch(namespace, name, start, end, stall_timeout=self.stall_timeout)
+            fetch = conn.fetch(namespace, name, start, end, stall_timeout=stall)
         except (MoqtSessionClosed, MoqtUsageError) as exc:  # closed, or going away (GOAWAY) since the pool gave it
             raise AttemptError(Failure.TRANSPORT, f"{where}: {exc}") from None
         try:
-            await fetch.wait_accepted(self.accept_timeout)
+            await _probing(fetch.wait_accepted, conn, accept)
         except MoqtRequestError as exc:
             await fetch.aclose()
             raise AttemptError(_failure_of(conn.draft, exc), f"{where}: FETCH {exc}") from None
-        except (MoqtStalled, MoqtSessionClosed, MoqtStreamError) as exc:
+        except MoqtStalled as exc:
             await fetch.aclose()
             raise AttemptError(Failure.TRANSPORT, f"{where}: FETCH: {exc}") from None
-        section = descriptor.section_length(descriptor.block_tokens)
+        except (MoqtSessionClosed, MoqtStreamError) as exc:
+            await fetch.aclose()
+            raise _transport(f"{where}: FETCH: {exc}") from None
         header = ContainerHeader(codec=record.codec, first_layer=first, token_count=descriptor.block_tokens,
                                  lengths=((section, section),) * (last - first + 1))
-        chunks = _chunks(fetch, header, LayerAssembler(record, first, last, descriptor=descriptor, verify=False),
-                         where)
+        chunks = _chunks(fetch, conn, stall, header,
+                         LayerAssembler(record, first, last, descriptor=descriptor, verify=False), where)
 
         async def close() -> None:
             with contextlib.suppress(Exception):
@@ -123,13 +178,36 @@ class MoqtSource:
         return SourceBody(chunks, None, f"MOQT/{conn.draft.value}", close)
 
 
-async def _chunks(fetch: FetchStream, header: ContainerHeader, assembler: LayerAssembler,
-                  where: str) -> AsyncGenerator[bytes | memoryview, None]:
+def _transport(detail: str) -> AttemptError:
+    """A transport failure; ``unreachable`` when the connection ended because nothing listens at the holder."""
+    return AttemptError(Failure.TRANSPORT, detail, unreachable=PEER_UNREACHABLE in detail)
+
+
+async def _probing(wait: Callable[[float], Awaitable[T]], conn: MoqtConnection, limit: float) -> T:
+    """``wait(timeout)`` for at most *limit* seconds in all, probing the holder with a QUIC PING whenever a PTO or
+    two pass with nothing arriving (a dead holder's ICMP port unreachable then closes the session at once:
+    MoqtSessionClosed). MoqtStalled after *limit*."""
+    probe_every = conn.quic.path_timeout(floor=PROBE_FLOOR, ceiling=min(limit, PROBE_CEILING), multiplier=2.0)
+    waited = 0.0
+    while True:
+        step = min(probe_every, limit - waited)
+        try:
+            return await wait(step)
+        except MoqtStalled:
+            waited += step
+            if waited >= limit - 1e-6:
+                raise MoqtStalled(f"nothing arrived for {limit:.3g} s") from None
+            conn.quic.probe()
+            conn.transport.transmit_soon()
+
+
+async def _chunks(fetch: FetchStream, conn: MoqtConnection, stall: float, header: ContainerHeader,
+                  assembler: LayerAssembler, where: str) -> AsyncGenerator[bytes | memoryview, None]:
     """The container: *header*, then the payload pieces as they arrive (structure checked, digests left to the
-    fetcher's decoder)."""
+    fetcher's decoder); at most *stall* seconds without a piece (probing the holder meanwhile)."""
     yield header.pack()
     try:
-        while (piece := await fetch.next_piece()) is not None:
+        while (piece := await _probing(fetch.next_piece, conn, stall)) is not None:
             assembler.feed(piece)
             if piece.data:
                 yield piece.data if isinstance(piece.data, memoryview) else memoryview(piece.data)
@@ -139,7 +217,7 @@ async def _chunks(fetch: FetchStream, header: ContainerHeader, assembler: LayerA
     except MoqtStalled as exc:
         raise AttemptError(Failure.TRANSPORT, f"{where}: stalled: {exc}") from None
     except (MoqtStreamError, MoqtSessionClosed, MoqtRequestError) as exc:
-        raise AttemptError(Failure.TRANSPORT, f"{where}: {exc}") from None
+        raise _transport(f"{where}: {exc}") from None
 
 
 def _failure_of(draft: Draft, exc: MoqtRequestError) -> Failure:

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from kvsp_quic.cost import part_cost
 from kvsp_quic.records import Link, ReplicaRecord
@@ -70,10 +71,11 @@ _REMEMBERED = frozenset({Failure.TRANSPORT, Failure.SERVER_ERROR, Failure.BAD_RE
 class AttemptError(Exception):
     """One attempt at one replica failed; the fetcher moves on to the next replica."""
 
-    def __init__(self, failure: Failure, detail: str) -> None:
+    def __init__(self, failure: Failure, detail: str, *, unreachable: bool = False) -> None:
         super().__init__(f"{failure.value}: {detail}")
         self.failure = failure
         self.detail = detail
+        self.unreachable = unreachable  # the holder is gone (nothing listens at its port, or it went silent)
 
 
 def failure_for_status(status: int) -> Failure:
@@ -90,9 +92,18 @@ def failure_for_status(status: int) -> Failure:
 # -- what the client remembers --------------------------------------------------------------------------------
 
 
+def endpoint_key(holder: str) -> str:
+    """``host:port`` of a holder URI (``https`` or ``moqt``; port 443 when absent): a holder's ``https`` records and
+    their ``moqt://`` twins share it (one UDP port serves HTTP/3 and MOQT)."""
+    parts = urlsplit(holder)
+    return f"{parts.hostname or ''}:{parts.port or 443}"
+
+
 class FailureMemory:
     """Holders that failed recently (transport errors, server errors, bad or corrupt data) and are skipped
-    until *ttl_s* seconds after their last failure. ``ttl_s = 0`` remembers nothing."""
+    until *ttl_s* seconds after their last failure. ``ttl_s = 0`` remembers nothing. ``note(holder,
+    unreachable=True)`` remembers the holder's endpoint as well (:func:`endpoint_key`): every record at that host
+    and port is skipped (a dead holder's ``https`` twin is not worth a connect)."""
 
     def __init__(self, ttl_s: float = 10.0, *, clock: Callable[[], float] = time.monotonic,
                  max_entries: int = 4096) -> None:
@@ -103,7 +114,12 @@ class FailureMemory:
         self._max = max_entries
         self._until: dict[str, float] = {}
 
-    def note(self, holder: str) -> None:
+    def note(self, holder: str, *, unreachable: bool = False) -> None:
+        if unreachable:
+            self._note(endpoint_key(holder))
+        self._note(holder)
+
+    def _note(self, holder: str) -> None:
         if self.ttl_s == 0:
             return
         now = self._clock()
@@ -115,6 +131,10 @@ class FailureMemory:
         self._until[holder] = now + self.ttl_s
 
     def recent(self, holder: str) -> bool:
+        """Whether *holder*, or its endpoint (after an unreachable failure), failed recently."""
+        return self._recent(holder) or (bool(self._until) and self._recent(endpoint_key(holder)))
+
+    def _recent(self, holder: str) -> bool:
         until = self._until.get(holder)
         if until is None:
             return False
@@ -154,6 +174,8 @@ class RetrievalMetrics:
     digest_failures: int = 0  # Failure.CORRUPT: layer, replica or Repr-Digest mismatch
     malformed: int = 0
     skipped_recent_failures: int = 0  # candidates skipped because their holder failed recently
+    unreachable: int = 0  # failures that showed the holder gone (its endpoint is skipped too)
+    failures_reported: int = 0  # holders reported to the Index Service (POST holders/{id}/failures)
     withdrawals: int = 0  # replicas withdrawn on a holder's behalf (204, or 404: already gone)
     withdrawals_denied: int = 0  # the Index Service answered 403
     withdrawal_errors: int = 0
@@ -249,6 +271,6 @@ class DefaultRanking:
 
 __all__ = [
     "TIER_ORDER", "AttemptError", "DefaultRanking", "Failure", "FailureMemory", "LayerRange", "Ranking",
-    "ReprDigestError", "RetrievalMetrics", "covers", "estimated_us", "failure_for_status", "format_repr_digest",
-    "parse_repr_digest", "tier_rank",
+    "ReprDigestError", "RetrievalMetrics", "covers", "endpoint_key", "estimated_us", "failure_for_status",
+    "format_repr_digest", "parse_repr_digest", "tier_rank",
 ]

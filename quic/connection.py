@@ -32,6 +32,7 @@ The gaps of aioquic 1.7.2 (pinned; FACTS.md) are closed here, and nowhere else:
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import logging
 import ssl
 from typing import Any, cast
@@ -45,13 +46,21 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
+from quic.crl import Revocation
 from quic.tls import check_server_auth
 
 log = logging.getLogger("kvsp.quic")
 
+MIN_PATH_RATE = 50e6  # octets/s: the slowest transfer rate :meth:`KvspQuicConnection.path_timeout` allows for
+_PROBE_UIDS = itertools.count(1 << 62)  # PING uids of probes (aioquic's own pings use id() of a future)
+
 
 class AlertCertificateRequired(tls.Alert):
     description = tls.AlertDescription.certificate_required
+
+
+class AlertCertificateRevoked(tls.Alert):
+    description = tls.AlertDescription.certificate_revoked
 
 
 class MutualTlsContext(tls.Context):
@@ -65,6 +74,7 @@ class MutualTlsContext(tls.Context):
     def _server_handle_certificate_verify(self, input_buf: Buffer) -> None:
         super()._server_handle_certificate_verify(input_buf)  # checks the signature with the certificate's key
         verify_client_certificate(self._peer_certificate, self._peer_certificate_chain, cadata=self._cadata,
+                                  revocation=getattr(self, "_kvsp_revocation", None),
                                   cafile=self._cafile)
 
 
@@ -127,7 +137,7 @@ def check_server_name(cert: x509.Certificate | None, name: str) -> None:
 
 
 def verify_client_certificate(cert: x509.Certificate | None, chain: list[x509.Certificate], *,
-                              cadata: bytes | None, cafile: str | None) -> None:
+                              cadata: bytes | None, cafile: str | None, revocation: Revocation | None = None) -> None:
     if cert is None:
         raise AlertCertificateRequired("a client certificate is required")
     if cadata is None and cafile is None:  # never fall back to a public trust store for client identities
@@ -142,6 +152,9 @@ def verify_client_certificate(cert: x509.Certificate | None, chain: list[x509.Ce
         raise tls.AlertUnsupportedCertificate("certificate is not valid for client authentication")
     # Dates and the chain up to the CA (aioquic's verifier; with no server name it checks no name).
     tls.verify_certificate(certificate=cert, chain=chain, cadata=cadata, cafile=cafile)
+    refusal = revocation.refusal(cert) if revocation is not None else None  # [tls] crl (quic.crl)
+    if refusal is not None:
+        raise AlertCertificateRevoked(refusal)
 
 
 class OctetBurstPacer(QuicPacketPacer):
@@ -208,6 +221,7 @@ class KvspQuicConnection(QuicConnection):
             self.tls.__class__ = OptionalClientCertContext if self._kvsp_client_cert_optional else MutualTlsContext
             self.tls._request_client_certificate = True
             self.tls._verify_mode = ssl.CERT_REQUIRED
+            self.tls._kvsp_revocation = getattr(self._configuration, "revocation", None)  # type: ignore[attr-defined]
 
     @property
     def peer_chain_der(self) -> list[bytes]:
@@ -293,6 +307,26 @@ class KvspQuicConnection(QuicConnection):
         connection is silently closed and its state is discarded". The ConnectionTerminated event follows."""
         if self._close_event is not None and self._state is not QuicConnectionState.TERMINATED:
             self._close_end()
+
+    # -- the path's pace: timeouts that scale with the measured RTT ----------------------------------------------
+
+    def path_timeout(self, *, floor: float, ceiling: float, multiplier: float = 4.0, octets: int = 0,
+                     rate: float = MIN_PATH_RATE) -> float:
+        """*multiplier* probe timeouts of this path (RFC 9002 6.2.1: ``smoothed_rtt + max(4 * rttvar, 1 ms) +
+        max_ack_delay``) plus the time *octets* take at *rate* octets/s, kept within [*floor*, *ceiling*];
+        *ceiling* before the first RTT sample. What a wait for a peer's next octets should allow: a few round
+        trips and the transfer, not a fixed number of seconds."""
+        loss = self._loss
+        if not loss._rtt_initialized:
+            return ceiling
+        pto = loss._rtt_smoothed + max(4 * loss._rtt_variance, 0.001) + loss.max_ack_delay
+        return min(ceiling, max(floor, multiplier * pto + octets / rate))
+
+    def probe(self) -> None:
+        """Queue a PING for the next transmit (the caller transmits): an ack-eliciting packet on a quiet
+        connection. A live peer acknowledges it; at a dead one the kernel answers ICMP port unreachable and the
+        client's connected socket ends the connection (:meth:`quic.protocol.KvspQuicProtocol.error_received`)."""
+        self.send_ping(next(_PROBE_UIDS))
 
     # -- pacing ---------------------------------------------------------------------------------------------------
 

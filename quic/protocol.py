@@ -21,7 +21,9 @@ with
 * :attr:`~KvspQuicProtocol.closed`, :attr:`~KvspQuicProtocol.close_reason` and a graceful
   :meth:`~KvspQuicProtocol.aclose`.
 
-A client connection owns its UDP socket (closed with the connection); a server connection shares its listener's.
+A client connection owns its UDP socket (closed with the connection), connected to the peer so that ICMP port
+unreachable ends the connection at once (:meth:`KvspQuicProtocol.error_received`); a server connection shares
+its listener's.
 :func:`connect_quic` opens a client connection: resolve, bind a tuned socket, handshake, confirmation.
 """
 
@@ -36,10 +38,14 @@ from typing import Any, ClassVar, TypeVar, cast
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.quic import events
+from aioquic.quic.connection import END_STATES
+from aioquic.quic.packet import QuicErrorCode
 
 from quic.connection import KvspQuicConnection
 from quic.tls import TlsFiles, TransportSettings, quic_configuration
-from quic.udp import BatchedUdpTransport, bind_udp
+from quic.udp import BatchedUdpTransport, bind_udp, connect_udp
+
+PEER_UNREACHABLE = "peer unreachable (ICMP port unreachable: nothing listens at its port)"
 
 
 class QuicConnectError(ConnectionError):
@@ -99,6 +105,25 @@ class KvspQuicProtocol(QuicConnectionProtocol):
                 self.confirmed.exception()  # retrieved: whoever waits for it reports close_reason
             if self._quic.configuration.is_client and self._transport is not None:
                 self._loop.call_soon(self._transport.close)  # the socket is of no further use
+
+    def error_received(self, exc: Exception) -> None:
+        """The client's connected socket got ``ECONNREFUSED`` (:mod:`quic.udp`): ICMP port unreachable, nothing
+        listens at the peer's port any more (a crashed or killed process). The connection ends now, as if the idle
+        timeout had fired, with the reason :data:`PEER_UNREACHABLE`: a handshake fails in milliseconds instead of
+        waiting out its timeout, and requests on an established connection fail instead of stalling. A server's
+        socket is unconnected and never reports this."""
+        quic = self.quic
+        if not isinstance(exc, ConnectionRefusedError) or self.closed or not quic.configuration.is_client:
+            return
+        if quic._state in END_STATES:
+            return
+        quic.close(error_code=QuicErrorCode.INTERNAL_ERROR, reason_phrase=PEER_UNREACHABLE)
+        quic.end_now()  # no closing period: the peer is gone, there is nobody to send CONNECTION_CLOSE to
+        self._process_events()
+        if self._timer is not None:  # nothing left to time (aioquic's timer would compare against no close time)
+            self._timer.cancel()
+            self._timer = None
+            self._timer_at = None
 
     def connection_closed_error(self) -> ConnectionError:
         return self.closed_error(f"connection closed ({self.close_reason})")
@@ -249,6 +274,11 @@ async def connect_quic(host: str, port: int, files: TlsFiles, *, alpn: Sequence[
     sock = bind_udp("::" if family == socket.AF_INET6 else "0.0.0.0", 0, settings.socket_buffer)
     protocol = protocol_factory(quic, settings=settings)
     transport = BatchedUdpTransport(loop, sock, protocol)
+    try:
+        connect_udp(sock, addr)  # a dead port answers ICMP port unreachable: the connection fails at once
+    except OSError as exc:  # no route to the peer
+        transport.close()
+        raise error(f"cannot reach {host}:{port}: {exc.strerror or exc}") from None
     try:
         protocol.connect(addr)
         async with asyncio.timeout(timeout):

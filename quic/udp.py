@@ -18,6 +18,11 @@ one datagram per call from then on. Receiving, the socket asks for generic recei
 the kernel has it: a run of datagrams from one sender (on loopback, a GSO send as it was sent) arrives in one
 ``recvmsg`` with its segment size, and is cut back into its datagrams here, in order, before the protocol sees
 them.
+
+A client's socket is connected to its peer (:func:`connect_udp`), so the kernel reports ICMP port unreachable for
+it: the next send or receive fails with ``ECONNREFUSED``, which the transport hands to the protocol's
+``error_received`` (a QUIC client then ends the connection at once: nothing listens at the peer's port). An
+unconnected socket (a server's) never hears of ICMP errors.
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ class BatchedUdpTransport(asyncio.DatagramTransport):
             except OSError:
                 pass
         self.receive_calls = 0
+        self.refusals = 0  # ECONNREFUSED seen on a connected socket (ICMP port unreachable)
         sock.setblocking(False)
         loop.add_reader(sock.fileno(), self._read_ready)
         protocol.connection_made(self)
@@ -88,6 +94,9 @@ class BatchedUdpTransport(asyncio.DatagramTransport):
             try:
                 data, addr = recv(_MAX_DATAGRAM)
             except (BlockingIOError, InterruptedError):
+                break
+            except ConnectionRefusedError as exc:  # a connected socket: ICMP port unreachable from the peer
+                self._refused(exc)
                 break
             except OSError as exc:
                 log.debug("UDP receive error: %s", exc)
@@ -106,6 +115,9 @@ class BatchedUdpTransport(asyncio.DatagramTransport):
             try:
                 data, ancillary, _flags, addr = recv(_MAX_DATAGRAM, _GRO_CMSG_SPACE)
             except (BlockingIOError, InterruptedError):
+                break
+            except ConnectionRefusedError as exc:  # a connected socket: ICMP port unreachable from the peer
+                self._refused(exc)
                 break
             except OSError as exc:
                 log.debug("UDP receive error: %s", exc)
@@ -143,7 +155,10 @@ class BatchedUdpTransport(asyncio.DatagramTransport):
                 return
             except (BlockingIOError, InterruptedError):
                 pass
-            except OSError as exc:  # e.g. ECONNREFUSED from a previous ICMP: QUIC will retransmit
+            except ConnectionRefusedError as exc:  # a connected socket: ICMP port unreachable from the peer
+                self._refused(exc)
+                return
+            except OSError as exc:  # another error: QUIC will retransmit
                 log.debug("UDP send error: %s", exc)
                 return
         if len(self._queue) < _MAX_QUEUED:
@@ -184,6 +199,9 @@ class BatchedUdpTransport(asyncio.DatagramTransport):
             except (BlockingIOError, InterruptedError):
                 for k in range(i, j):  # queued one by one: _write_ready sends them when the socket drains
                     self.sendto(*datagrams[k])
+            except ConnectionRefusedError as exc:
+                self._refused(exc)
+                return
             except OSError as exc:
                 log.info("UDP segmentation offload refused (%s): sending one datagram per system call", exc)
                 self.gso = False
@@ -200,11 +218,21 @@ class BatchedUdpTransport(asyncio.DatagramTransport):
                 self.datagrams_sent += 1
             except (BlockingIOError, InterruptedError):
                 return
+            except ConnectionRefusedError as exc:
+                self._refused(exc)
             except OSError as exc:
                 log.debug("UDP send error: %s", exc)
             self._queue.popleft()
         self._loop.remove_writer(self._sock.fileno())
         self._writing = False
+
+    def _refused(self, exc: ConnectionRefusedError) -> None:
+        """The kernel reported ICMP port unreachable for the peer of a connected socket (only connected UDP sockets
+        hear of it): tell the protocol, outside the call that found it (a transmit may be under way)."""
+        self.refusals += 1
+        handler = getattr(self._protocol, "error_received", None)  # asyncio's DatagramProtocol method; optional
+        if handler is not None and not self._closing:
+            self._loop.call_soon(handler, exc)
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         if name == "socket":
@@ -250,3 +278,10 @@ def bind_udp(host: str, port: int, buffer: int, *, reuse_port: bool = False) -> 
         sock.close()
         raise
     return sock
+
+
+def connect_udp(sock: socket.socket, addr: Any) -> None:
+    """Connect a client's UDP socket to its peer *addr*: datagrams from anyone else are dropped by the kernel, and
+    ICMP port unreachable for the peer comes back as ``ECONNREFUSED`` (a dead port fails in milliseconds instead of
+    waiting out a handshake timeout; on loopback at once). A non-blocking connect of a UDP socket does not wait."""
+    sock.connect(addr)

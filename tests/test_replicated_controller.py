@@ -187,6 +187,28 @@ async def test_two_replicas_share_statuses_sessions_and_failover(tmp_path: Path,
         assert ok.json()["output_offset"] == 4
 
 
+async def test_a_retry_takes_over_a_placement_its_replica_abandoned(tmp_path: Path, redis_url: str) -> None:
+    """kvsp-quic chaos, fault is-kill: replica 2 admitted a session (stored, being placed) and died before it placed
+    it; the client's retry at replica 1 found the stored session and answered it as a repeat, with no instance
+    (the front end: 503 "placed nowhere"). Now replica 1 waits for the placement lease to lapse and places the
+    session itself, at a new epoch (fencing whatever replica 2 may have started)."""
+    async with replicas(tmp_path, redis_url) as r:
+        assert (await r.report("pc1", "ia")).status == 200
+        body = session_body()
+        alice = _policy(r.uris).principal("urn:kvsp:client:alice")
+        assert alice is not None
+        admitted = await r.controllers["pc2"]._admit(alice, SessionRequest.from_json(body))
+        assert isinstance(admitted, Admitted)  # stored as placing; replica 2 "dies" here (no lease, no placement)
+        await r.servers["pc2"].close()
+        retry = await r.call("pc1", "alice", "POST", "sessions", body)
+        assert retry.status == 200, retry.content
+        assert retry.json()["instance"] == r.uris["ia"] and retry.json()["epoch"] == 2
+        start, = r.instances["ia"].of("start")
+        assert start.epoch == 2
+        got = await r.call("pc1", "alice", "GET", f"sessions/{body['session']}")
+        assert got.json()["state"] == "running" and got.json()["instance"] == r.uris["ia"]
+
+
 async def test_two_replicas_migrating_at_once_make_one_epoch(redis_url: str) -> None:
     """The epoch increment is a compare-and-set on the stored session: of two replicas that read the same
     version and both decide to migrate, one writes epoch 2 and the other stands down."""

@@ -152,9 +152,31 @@ def add_commands(sub: Any) -> None:
     demo.add_argument("--prefix-tokens", type=int, default=1536, metavar="N", help="shared prefix length (1536)")
     demo.add_argument("--layers", type=int, default=8, metavar="N", help="model layers (8)")
     demo.add_argument("--hidden", type=int, default=512, metavar="N", help="model hidden size (512)")
+    demo.add_argument("--tenants", type=int, metavar="N",
+                      help="N tenants (>= 2), each with its own scope key, front end and instance, sharing the index, "
+                           "PC, holder and relay: per-tenant cache hits and a cross-tenant leak check (exit 1 on a "
+                           "leak); --requests, --prefix-tokens, --layers and --hidden then default to 3, 512, 4, 256")
     demo.set_defaults(handler=cmd_demo)
+    add_chaos(sub)
     # Parsed by interop.runner itself (kvsp_quic.app.cli.main hands it the arguments); listed here for --help.
     sub.add_parser("interop", help="run the interop matrix (python -m interop; see kvsp-quic interop --help)")
+
+
+def _demo_tenants(args: argparse.Namespace) -> int:
+    from kvsp_quic.app.config import ConfigError
+    from kvsp_quic.app.demo_tenants import TenantsOptions, render_tenants, run_tenants
+
+    if args.tenants < 2:
+        raise ConfigError("--tenants: at least 2")
+    given = {"requests": 4, "prefix_tokens": 1536, "layers": 8, "hidden": 512}  # the single-tenant defaults
+    overrides = {k: getattr(args, k) for k, default in given.items() if getattr(args, k) != default}
+    options = TenantsOptions(tenants=args.tenants, workdir=args.workdir, **overrides)
+    if options.requests < 1 or options.prefix_tokens < 64 or options.layers < 1 or options.hidden < 64 \
+            or options.hidden % 64:
+        raise ConfigError("--requests >= 1, --prefix-tokens >= 64, --layers >= 1, --hidden a multiple of 64")
+    report = asyncio.run(run_tenants(options, lambda line: print(line, file=sys.stderr, flush=True)))
+    print(json.dumps(report, indent=2) if args.json else render_tenants(report))
+    return 0 if report["leaks"] == 0 else 1
 
 
 def add_frontend(sub: Any) -> None:
@@ -178,21 +200,69 @@ def add_frontend(sub: Any) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvsp_quic.app.config import ConfigError
-    from kvsp_quic.app.demo import DemoOptions, render, run
+    from kvsp_quic.app.demo import DemoOptions, demo_ok, render, run
 
     try:
         import torch  # noqa: F401
     except ImportError:
         raise ConfigError("the demo runs inference instances, which need torch: pip install 'kvsp-quic[gpu]'") \
             from None
+    if args.tenants is not None:
+        return _demo_tenants(args)
     if args.requests < 1 or args.prefix_tokens < 64 or args.layers < 1 or args.hidden < 64 or args.hidden % 64:
         raise ConfigError("--requests >= 1, --prefix-tokens >= 64, --layers >= 1, --hidden a multiple of 64")
     options = DemoOptions(workdir=args.workdir, requests=args.requests, prefix_tokens=args.prefix_tokens,
                           layers=args.layers, hidden=args.hidden)
     report = asyncio.run(run(options, lambda line: print(line, file=sys.stderr, flush=True)))
     print(json.dumps(report, indent=2) if args.json else render(report))
-    ok = report["tokens_lost"] == 0 and report["tokens_duplicated"] == 0 and report["tokens_altered"] == 0
-    return 0 if ok else 1
+    return 0 if demo_ok(report) else 1  # the instance kill, and the PC replica kill where Redis runs
+
+
+def add_chaos(sub: Any) -> None:
+    from kvsp_quic.app.chaos import FAULTS
+
+    chaos = sub.add_parser("chaos", help="start a replicated cluster on this machine and inject faults into a workload",
+                           description="Start a redis-server, two IS+PC replicas, two holders, a relay, three CPU "
+                                       "instances and the front end on 127.0.0.1; run greedy and seeded top-p "
+                                       "streams sharing a prefix without a fault (the reference), then once per "
+                                       "fault; report requests completed, tokens lost/duplicated/altered, time to "
+                                       "recover and TTFT penalty per fault. Exit 1 on any loss, 2 without "
+                                       "redis-server (docs/chaos.md).")
+    chaos.add_argument("--json", action="store_true", help="print the report as JSON")
+    chaos.add_argument("--fault", action="append", choices=FAULTS, metavar="NAME",
+                       help=f"a fault to inject (repeatable; default all: {', '.join(FAULTS)})")
+    chaos.add_argument("--rounds", type=int, default=1, metavar="N", help="rounds of every fault (1)")
+    chaos.add_argument("--streams", type=int, default=4, metavar="N", help="concurrent streams per run (4)")
+    chaos.add_argument("--max-tokens", type=int, default=96, metavar="N", help="tokens per stream (96)")
+    chaos.add_argument("--workdir", type=Path, metavar="DIR", help="keep the model, certificates and logs in DIR")
+    chaos.set_defaults(handler=cmd_chaos)
+
+
+def cmd_chaos(args: argparse.Namespace) -> int:
+    import shutil
+
+    from kvsp_quic.app.config import ConfigError
+
+    if shutil.which("redis-server") is None:
+        from kvsp_quic.app.chaos_cluster import REDIS_MISSING
+
+        print(REDIS_MISSING, file=sys.stderr)
+        return 2
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise ConfigError("the chaos suite runs inference instances, which need torch: pip install 'kvsp-quic[gpu]'") \
+            from None
+    from kvsp_quic.app.chaos import ChaosOptions, render, run
+
+    if args.rounds < 1 or args.streams < 1 or args.max_tokens < 24:
+        raise ConfigError("--rounds >= 1, --streams >= 1, --max-tokens >= 24")
+    options = ChaosOptions(faults=tuple(dict.fromkeys(args.fault or ())) or ChaosOptions().faults,
+                           rounds=args.rounds, workdir=args.workdir, streams=args.streams,
+                           max_tokens=args.max_tokens)
+    report = asyncio.run(run(options, lambda line: print(line, file=sys.stderr, flush=True)))
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 0 if report["ok"] else 1
 
 
 def cmd_frontend(args: argparse.Namespace) -> int:
@@ -221,6 +291,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", type=Path, metavar="FILE", help="the authorization policy (TOML)")
     p.add_argument("--tls-dir", type=Path, metavar="DIR", help="take ca.pem, NAME.pem, NAME.key from DIR")
     p.add_argument("--name", metavar="NAME", help="the principal name in --tls-dir")
+    p.add_argument("--crl", type=Path, metavar="FILE",
+                   help="the CA's CRL (PEM or DER): revoked peer certificates are refused; SIGHUP re-reads it")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--event-loop", choices=event_loop.CHOICES,
                    help="the event loop (default auto: uvloop where installed, else asyncio's)")
@@ -247,7 +319,12 @@ def _server_overrides(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
         if not args.name:
             raise ConfigError("--tls-dir needs --name (the principal whose NAME.pem and NAME.key to use)")
         changes["tls"] = TlsSection(args.tls_dir / "ca.pem", args.tls_dir / f"{args.name}.pem",
-                                    args.tls_dir / f"{args.name}.key")
+                                    args.tls_dir / f"{args.name}.key", cfg.tls.crl if cfg.tls else None)
+    if args.crl is not None:
+        tls = changes.get("tls", cfg.tls)
+        if tls is None or args.dev is not None:
+            raise ConfigError("--crl needs [tls] or --tls-dir (the CRL of the CA that issues the peers' certificates)")
+        changes["tls"] = dataclasses.replace(tls, crl=args.crl)
     return changes
 
 
@@ -314,7 +391,7 @@ def cmd_holder(args: argparse.Namespace) -> int:
 
 def cmd_relay(args: argparse.Namespace) -> int:
     from kvsp_quic.app.config import RelayFile, replace
-    from kvsp_quic.app.serve import run_relay
+    from kvsp_quic.app.serve_relay import run_relay
 
     cfg = _file(RelayFile, args)
     section = cfg.relay

@@ -10,6 +10,9 @@ then sends requests through the front end (OpenAI-compatible, streamed, over HTT
 3. a long generation whose instance is killed (SIGKILL) mid-way: the Placement Controller notices the missed
    status report, resumes the session on the other instance at the last checkpoint, and the front end delivers
    every token index exactly once; the output is compared with the same generation run without a failure.
+4. where ``redis-server`` is installed, the Index Service + Placement Controller runs as two replicas on a Redis of
+   its own, and the same generation runs once more while the PC replica receiving its checkpoints is killed
+   (SIGKILL): the session goes on through the other replica, compared with the same reference.
 
 It prints a report (``--json``: as JSON) and stops every process it started.
 """
@@ -17,11 +20,14 @@ It prints a report (``--json``: as JSON) and stops every process it started.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -63,12 +69,63 @@ class DemoOptions:
     timeout: float = 120.0
 
 
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0) as s:
+            s.sendall(b"*1\r\n$4\r\nPING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class Redis:
+    """A redis-server of its own (``redis-server`` on PATH): 127.0.0.1, a free port, no persistence."""
+
+    def __init__(self, root: Path) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise Unavailable("redis-server is not on PATH (Debian/Ubuntu: apt-get install -y redis-server)")
+        self.port = _free_port()
+        log = root / "redis.log"
+        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", str(root), "--logfile", str(log),
+                                      "--protected-mode", "no"],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 15
+        while not _ping(self.port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise Unavailable(f"redis-server did not start (log: {log})")
+            time.sleep(0.02)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
 @dataclass
 class Process:
     name: str
     proc: subprocess.Popen[str]
     ready: dict[str, Any]
     log: Path
+    args: tuple[str, ...] = ()  # what it was started with (kvsp-quic chaos restarts processes)
 
 
 @dataclass
@@ -79,7 +136,7 @@ class Cluster:
 
     def start(self, name: str, *args: str, timeout: float = 120.0) -> dict[str, Any]:
         log = self.root / f"{name}.log"
-        with log.open("w") as err:
+        with log.open("a") as err:
             proc = subprocess.Popen([sys.executable, "-m", "kvsp_quic", *args, "--log-level", "INFO"],
                                     stdout=subprocess.PIPE, stderr=err, text=True, cwd=self.root)
         assert proc.stdout is not None
@@ -101,7 +158,7 @@ class Cluster:
             tail = log.read_text()[-600:].strip().splitlines()
             raise Unavailable(f"{name} did not start: {tail[-1] if tail else 'no output'} (log: {log})")
         ready: dict[str, Any] = json.loads(line)
-        self.procs[name] = Process(name, proc, ready, log)
+        self.procs[name] = Process(name, proc, ready, log, args)
         return ready
 
     def kill(self, name: str) -> None:
@@ -123,10 +180,13 @@ class Cluster:
 
 
 async def _stream(client: Any, url: str, prompt: str, max_tokens: int,
-                  on_token: Callable[[str, int, int, int], Awaitable[None]] | None = None) -> dict[str, Any]:
+                  on_token: Callable[[str, int, int, int], Awaitable[None]] | None = None,
+                  sampling: dict[str, Any] | None = None) -> dict[str, Any]:
     """One streamed completion: time to first token, the (index, epoch, token) triples, the session id."""
-    # greedy (the OpenAI default is temperature 1.0): the run with a failure is compared with one without
-    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0}).encode()
+    # greedy by default (the OpenAI default is temperature 1.0): the run with a failure is compared with one without;
+    # a seeded top-p *sampling* ({"temperature", "top_p", "seed"}) is as reproducible
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                       **(sampling or {"temperature": 0})}).encode()
     start = time.perf_counter()
     ttft: float | None = None
     tokens: list[tuple[int, int, int]] = []
@@ -173,6 +233,80 @@ async def _metrics(client: Any, base: str) -> dict[str, float]:
     return out
 
 
+async def checkpointing_replica(client: Any, replicas: dict[str, str]) -> str:
+    """The name of the PC replica (name -> base URI) receiving checkpoints now: the one whose accepted-checkpoint
+    counter grows (the first one when none does)."""
+    async def counts() -> dict[str, float]:
+        out = {}
+        for name, uri in replicas.items():
+            with contextlib.suppress(Exception):
+                values = await _metrics(client, uri)
+                out[name] = sum(v for k, v in values.items()
+                                if k.startswith("kvsp_checkpoints_total{") and 'outcome="accepted"' in k)
+        return out
+
+    before = await counts()
+    await asyncio.sleep(0.3)
+    after = await counts()
+    return max(replicas, key=lambda n: (after.get(n, 0.0) - before.get(n, 0.0), after.get(n, 0.0)))
+
+
+def compare_tokens(got: list[tuple[int, int, int]], expected: list[int]) -> tuple[int, int, int]:
+    """(lost, duplicated, altered) of the (index, epoch, token) triples *got* against the *expected* tokens."""
+    indices = [i for i, _, _ in got]
+    received = {i: t for i, _, t in got}
+    lost = sum(1 for i in range(len(expected)) if i not in received)
+    altered = sum(1 for i, t in received.items() if i >= len(expected) or expected[i] != t)
+    return lost, len(indices) - len(received), altered
+
+
+def _merged(replicas: list[dict[str, float]]) -> dict[str, float]:
+    """The metrics of the PC replicas as one: counters summed, the controller's hit ratio weighted by lookups."""
+    out: dict[str, float] = {}
+    for values in replicas:
+        for k, v in values.items():
+            out[k] = out.get(k, 0.0) + v
+    ratio, lookups = 'kvsp_lookup_hit_ratio{component="controller"}', 'kvsp_lookups_total{component="controller"}'
+    weights = [values.get(lookups, 0.0) for values in replicas]
+    if sum(weights) > 0:
+        out[ratio] = sum(w * values.get(ratio, 0.0) for w, values in zip(weights, replicas, strict=True)) \
+            / sum(weights)
+    elif replicas:
+        out[ratio] = max(values.get(ratio, 0.0) for values in replicas)
+    return out
+
+
+async def _pc_kill(cluster: Cluster, client: Any, completions: str, prompt: str, replicas: dict[str, str],
+                   options: DemoOptions, reference: list[int], progress: Callable[[str], None]) -> dict[str, Any]:
+    """The generation once more; the PC replica receiving its checkpoints is SIGKILLed after ``kill_after``
+    tokens; the tokens against *reference*, and the longest wait for a token after the kill."""
+    killed: dict[str, Any] = {}
+    arrivals: list[float] = []
+
+    async def on_token(session: str, index_: int, epoch: int, token: int) -> None:
+        del session, epoch, token
+        arrivals.append(time.perf_counter())
+        if index_ + 1 != options.kill_after or "name" in killed:
+            return
+        name = await checkpointing_replica(client, replicas)
+        killed.update(name=name, at=time.perf_counter(), offset=len(arrivals))
+        cluster.kill(name)
+        progress(f"      killed the PC replica {name} (SIGKILL), the one receiving its checkpoints, after token "
+                 f"{options.kill_after}")
+
+    result = await _stream(client, completions, prompt, options.long_tokens, on_token=on_token)
+    lost, duplicated, altered = compare_tokens(result["tokens"], reference)
+    after = [t for t in arrivals if t > killed.get("at", float("inf"))]
+    gaps = [b - a for a, b in itertools.pairwise([killed["at"], *after])] if after else []
+    return {"pc_killed": killed.get("name"), "pc_tokens_after_kill": len(after),
+            "pc_longest_wait_ms": round(max(gaps) * 1e3, 1) if gaps else None,
+            "pc_tokens_lost": lost, "pc_tokens_duplicated": duplicated, "pc_tokens_altered": altered}
+
+
+def demo_ok(report: dict[str, Any]) -> bool:
+    return not any(report.get(f"{p}tokens_{what}") for p in ("", "pc_") for what in ("lost", "duplicated", "altered"))
+
+
 async def run(options: DemoOptions, progress: Callable[[str], None]) -> dict[str, Any]:
     from gpu.modelfiles import ModelConfig, write_random_model
     from http3.api import KvspApi
@@ -183,6 +317,7 @@ async def run(options: DemoOptions, progress: Callable[[str], None]) -> dict[str
     root.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(root, progress)
     steps = 8
+    redis: Redis | None = None
     try:
         progress(f"[1/{steps}] writing a random-weights model ({options.layers} layers, hidden {options.hidden}) "
                  f"in {root}")
@@ -192,19 +327,31 @@ async def run(options: DemoOptions, progress: Callable[[str], None]) -> dict[str
             num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1), vocab_size=512, head_dim=64,
             name="kvsp-demo"), seed=1)
         dev = ["--dev", "dev"]
-        progress(f"[2/{steps}] starting the Index Service with the Placement Controller")
-        index = cluster.start("index", "index", *dev)["base_uri"]
+        replicas: dict[str, str] = {}
+        if shutil.which("redis-server") is not None:
+            progress(f"[2/{steps}] starting the Index Service with the Placement Controller: two replicas on a "
+                     "redis-server of its own")
+            redis = Redis(root)
+            for name in ("index-a", "index-b"):
+                replicas[name] = cluster.start(name, "index", *dev, "--redis", redis.url)["base_uri"]
+        else:
+            progress(f"[2/{steps}] starting the Index Service with the Placement Controller (one: no redis-server "
+                     "for replicas)")
+            replicas["index"] = cluster.start("index", "index", *dev)["base_uri"]
+        index = next(iter(replicas.values()))
+        uris = {"--index": [x for u in replicas.values() for x in ("--index", u)],
+                "--controller": [x for u in replicas.values() for x in ("--controller", u)]}
         progress(f"[3/{steps}] starting a holder and a relay")
-        cluster.start("holder", "holder", *dev, "--index", index)
-        cluster.start("relay", "relay", *dev, "--index", index)
+        cluster.start("holder", "holder", *dev, *uris["--index"])
+        cluster.start("relay", "relay", *dev, *uris["--index"])
         progress(f"[4/{steps}] starting two inference instances (loading the model, warming up)")
         instances = {}
         for name in ("instance-a", "instance-b"):
-            ready = cluster.start(name, "instance", *dev, "--device", "cpu", "--model", "model", "--index", index,
-                                  "--controller", index, "--status-ttl-ms", "1500")
+            ready = cluster.start(name, "instance", *dev, "--device", "cpu", "--model", "model", *uris["--index"],
+                                  *uris["--controller"], "--status-ttl-ms", "1500")
             instances[ready["base_uri"]] = name
         progress(f"[5/{steps}] starting the front end")
-        fe = cluster.start("frontend", "frontend", *dev, "--controller", index, "--model", "model")
+        fe = cluster.start("frontend", "frontend", *dev, *uris["--controller"], "--model", "model")
         completions = fe["completions"]
         files = TlsFiles(root / fe["ca"], root / fe["client_cert"], root / fe["client_key"])
         prefix = (SYSTEM_PROMPT * (options.prefix_tokens // len(SYSTEM_PROMPT) + 1))[:options.prefix_tokens]
@@ -253,13 +400,22 @@ async def run(options: DemoOptions, progress: Callable[[str], None]) -> dict[str
                          f"after the kill")
             progress("      the session finished; running the same generation without a failure for comparison")
             reference = await _stream(client, completions, long_prompt, options.long_tokens)
-            index_metrics = await _metrics(client, index)
+            index_metrics = _merged([await _metrics(client, uri) for uri in replicas.values()])
             survivor = next(base for base, name in instances.items() if name != killed.get("name"))
             after = {instances[survivor]: await _metrics(client, survivor)}
+            pc: dict[str, Any] = {}
+            if len(replicas) > 1:
+                progress("      the same generation again; this time the PC replica receiving its checkpoints is "
+                         f"killed after {options.kill_after} tokens")
+                pc = await _pc_kill(cluster, client, completions, long_prompt, replicas, options,
+                                    [t for _, _, t in reference["tokens"]], progress)
         report = _report(options, cold, warm, result, reference, killed, index_metrics, before, after)
+        report.update(pc)
         return report
     finally:
         cluster.stop()
+        if redis is not None:
+            redis.stop()
         if not options.keep and options.workdir is None:
             shutil.rmtree(root, ignore_errors=True)
 
@@ -269,11 +425,7 @@ def _report(options: DemoOptions, cold: dict[str, Any], warm: list[dict[str, Any
             before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any]:
     got = failing["tokens"]
     indices = [i for i, _, _ in got]
-    expected = [t for _, _, t in reference["tokens"]]
-    received = {i: t for i, _, t in got}
-    lost = sum(1 for i in range(len(expected)) if i not in received)
-    duplicated = len(indices) - len(set(indices))
-    altered = sum(1 for i, t in received.items() if i < len(expected) and expected[i] != t)
+    lost, duplicated, altered = compare_tokens(got, [t for _, _, t in reference["tokens"]])
 
     def instance_sum(metric: str) -> float:
         total = 0.0
@@ -303,6 +455,7 @@ def _report(options: DemoOptions, cold: dict[str, Any], warm: list[dict[str, Any
 
 def render(report: dict[str, Any]) -> str:
     ok = report["tokens_lost"] == 0 and report["tokens_duplicated"] == 0 and report["tokens_altered"] == 0
+    pc_ok = not (report.get("pc_tokens_lost") or report.get("pc_tokens_duplicated") or report.get("pc_tokens_altered"))
     lines = [
         "kvsp-quic demo: report",
         f"  requests through the front end      {report['requests']}",
@@ -317,4 +470,11 @@ def render(report: dict[str, Any]) -> str:
         f"  tokens lost / duplicated / altered  {report['tokens_lost']} / {report['tokens_duplicated']} / "
         f"{report['tokens_altered']}  {'(ok)' if ok else '(NOT OK)'}",
     ]
+    if "pc_killed" in report:
+        lines += [
+            f"  PC replica killed                   {report['pc_killed']}; longest wait for a token after it "
+            f"{report['pc_longest_wait_ms']} ms ({report['pc_tokens_after_kill']} tokens after the kill)",
+            f"  tokens lost / duplicated / altered  {report['pc_tokens_lost']} / {report['pc_tokens_duplicated']} / "
+            f"{report['pc_tokens_altered']}  {'(ok)' if pc_ok else '(NOT OK)'}",
+        ]
     return "\n".join(lines)

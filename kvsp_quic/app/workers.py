@@ -1,7 +1,7 @@
 """Worker processes of a server role (``--workers N``): started, watched, started again, stopped.
 
 A role that serves on every core (the holder: ``kvsp_quic.app.holder_workers``; the relay:
-``kvsp_quic.app.serve.run_relay``) binds its port with ``SO_REUSEPORT`` in the process the command started (the
+``kvsp_quic.app.serve_relay.run_relay``) binds its port with ``SO_REUSEPORT`` in the process the command started (the
 primary) and starts N-1 workers that bind the same port: the kernel hands each new TCP connection, and each QUIC
 connection's datagrams (by address hash), to one of them. Workers are ``multiprocessing`` processes (spawned, so
 they share nothing by accident) running ``target(spec, ready)``; each sets its *ready* event once it serves.

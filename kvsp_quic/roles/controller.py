@@ -26,6 +26,10 @@ process (the spec allows combining them; docs/wire.md, "Placement Controller") a
   checkpoint from another instance than the session's current one 403. When the instance fails (its status
   expired, it reported ``failed``, it restarted with a higher epoch, or a start was not answered) the session's
   epoch is incremented first -- fencing the old instance -- and it is resumed on the next instance by the policy.
+* **Suspect reports** *(extension, docs/wire.md "Suspect reports")*: a front end reports a session whose token
+  stream broke or stalled (:meth:`~PlacementController.suspect`); the adapter probes the instance, the role judges
+  the probe (:meth:`~PlacementController.probe_outcome`): a dead run is held failed as if its status had expired,
+  and the session migrates at once (:meth:`~PlacementController.lost`) instead of at the status expiry.
 * **Resharding**: plans from :func:`~kvsp_quic.roles.controller_reshard.plan_reshard` to every member
   (:meth:`~PlacementController.begin_reshard`), commit after every acknowledgement, abort when one is missing at
   ``deadline_ms`` (:meth:`~PlacementController.decide_reshard`).
@@ -67,7 +71,14 @@ from kvsp_quic.records import (
     SessionCheckpoint,
     ShardMap,
 )
-from kvsp_quic.roles.controller_records import SessionInfo, SessionRequest, SessionResume, SessionStart, SessionState
+from kvsp_quic.roles.controller_records import (
+    SessionInfo,
+    SessionRequest,
+    SessionResume,
+    SessionStart,
+    SessionState,
+    SuspectReport,
+)
 from kvsp_quic.roles.controller_reshard import (
     ReshardMessage,
     ReshardOutcome,
@@ -85,9 +96,13 @@ from kvsp_quic.roles.controller_sessions import (
     PlacementQuery,
     PrefetchOutcome,
     Repeated,
+    RunHealth,
     StartOutcome,
     StatusReport,
+    SuspectStep,
     engines_agree,
+    fail_run,
+    judge_probe,
 )
 from kvsp_quic.roles.index import IndexService
 from kvsp_quic.roles.placement import PLACEMENT_POLICIES, Choice, PlacementInput, placement_policy, rank
@@ -116,6 +131,10 @@ class ControllerConfig:
     max_sessions: int = 100_000
     reshard_deadline_ms: int = 5000  # default deadline_ms of reshard plans
     lease_ms: int = 3000  # with a shared store: a replica placing a session holds it this long, renewed
+    suspect_probe_ms: int = 300  # a suspect report's probe of the instance: no answer within it = the run failed
+    suspect_wait_ms: int = 10_000  # how long a suspect report's answer waits for the session's new instance
+    client_max_sessions: int = 1000  # sessions one principal owns that are not done, per replica (else 429)
+    client_max_in_flight: int = 64  # one principal's POST sessions being placed at once (else 429)
     placement_policy: str = "cost"  # a name in kvsp_quic.roles.placement.PLACEMENT_POLICIES
     sleep: Literal["load", "always", "never"] = "load"  # the policy for requested_state: sleeping (SleepPolicy)
     sleep_min_active: int = 1  # other active instances that must remain
@@ -125,7 +144,8 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         for name in ("prefetch_deadline_ms", "prefetch_lease_ms", "start_timeout_ms", "start_interval_ms",
                      "request_timeout_ms", "tick_ms", "session_ttl_ms", "done_ttl_ms", "max_sessions",
-                     "reshard_deadline_ms", "lease_ms"):
+                     "reshard_deadline_ms", "lease_ms", "suspect_probe_ms", "suspect_wait_ms",
+                     "client_max_sessions", "client_max_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be positive")
         if self.max_cost_us is not None and self.max_cost_us <= 0:
@@ -209,6 +229,10 @@ class PlacementController:
         self.m_migration_seconds = reg.histogram("kvsp_migration_seconds", "From detecting an instance failure to "
                                                  "the session resumed elsewhere",
                                                  buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.m_suspects = reg.counter("kvsp_suspect_reports_total", "Suspect reports of sessions (extension), by "
+                                      "reason", ("reason",))
+        self.m_probes = reg.counter("kvsp_suspect_probes_total", "Probes of suspected instance runs, by outcome",
+                                    ("outcome",))
         reg.gauge("kvsp_sessions", "Sessions the PC holds, by state", ("state",)).collect(self._session_states)
         reg.gauge("kvsp_instances", "Instances by the state the PC holds (failed: expired or reported)",
                   ("state",)).collect(self._instance_states)
@@ -271,10 +295,13 @@ class PlacementController:
             return True
         return False
 
-    def instances(self) -> list[dict[str, Any]]:
-        """Every instance the PC has heard of: its held state, epoch and last reported load."""
+    def instances(self, viewer: Principal | None = None) -> list[dict[str, Any]]:
+        """Every instance the PC has heard of: its held state, epoch and last reported load. With *viewer*, only
+        those it may see (:meth:`visible_to`)."""
         out = []
         for instance in self.known_instances():
+            if viewer is not None and not self.visible_to(viewer, instance):
+                continue
             entry = self.status.get(instance)
             item: dict[str, Any] = {"instance": instance, "epoch": self.status.highest_epoch(instance),
                                     "state": (self.status.state(instance) or InstanceState.FAILED).value}
@@ -284,6 +311,17 @@ class PlacementController:
                             ttl_ms=max(1, int((entry.expires_at - self.clock()) * 1000)))
             out.append(item)
         return out
+
+    def visible_to(self, viewer: Principal, instance: str) -> bool:
+        """Whether *viewer* may see *instance* in ``GET instances`` (issue 13: the list disclosed every tenant's
+        instances and load to any client): a controller (an operator) sees every instance; anyone else those whose
+        reporter holds one of its scopes -- the instances a session of its scopes could be placed on."""
+        if viewer.has_role(Role.CONTROLLER):
+            return True
+        scopes = self.instance_scopes(instance)
+        if scopes is None:
+            return False
+        return scopes is ALL or viewer.scopes is ALL or not frozenset(viewer.scopes).isdisjoint(scopes)
 
     def instance_scopes(self, instance: str) -> Scopes | None:
         """The scopes of the principal that reported *instance*'s status (None: none reported)."""
@@ -598,6 +636,18 @@ class PlacementController:
             session.instance = session.instance_epoch = None
             session.state = SessionState.MIGRATING
 
+    def take_over_placement(self, session: PlacedSession) -> None:
+        """*session* is still being placed, but the replica that admitted it stopped holding its placement lease (it
+        died mid-placement, maybe after it started the session on an instance): this replica places it instead, as
+        a migration -- the epoch is incremented, so a run the dead replica started is fenced."""
+        if session.state is SessionState.PLACING:
+            log.warning("session %s: its placement was abandoned by another replica; epoch %d -> %d", session.id,
+                        session.epoch, session.epoch + 1)
+            session.failed_at = self.clock()
+            session.epoch += 1
+            session.instance = session.instance_epoch = None
+            session.state = SessionState.MIGRATING
+
     def migrated(self, session: PlacedSession) -> None:
         """*session* was placed again after its instance failed: it runs."""
         session.state = SessionState.RUNNING
@@ -608,6 +658,43 @@ class PlacementController:
         session.failed_at = None
         log.info("session %s resumed on %s at epoch %d, output_offset %d", session.id, session.instance,
                  session.epoch, session.output_offset)
+
+    # -- suspect reports (extension: docs/wire.md, "Suspect reports") -------------------------------------------
+
+    def suspect(self, principal: Principal, session_id: uuid.UUID, report: SuspectReport) -> SuspectStep:
+        """``POST sessions/{id}/suspect`` by the session's creator (404 for anyone else, as ``GET``): what verifying
+        the report calls for. The client's word alone never moves a session: a run the PC does not already hold
+        failed is probed first (:meth:`probe_outcome`)."""
+        info = self.session_info(principal, session_id)
+        session = self.sessions[session_id]
+        if report.epoch > session.epoch:
+            raise BadRequest(f"epoch: session {session_id} is at epoch {session.epoch}; {report.epoch} was never "
+                             f"assigned")
+        self.m_suspects.labels(reason=report.reason if report.reason in ("stall", "broken") else "other").inc()
+        if info.epoch > report.epoch or session.state is SessionState.DONE:
+            return SuspectStep.ANSWER
+        if session.state is not SessionState.RUNNING or session.instance is None:
+            return SuspectStep.WAIT
+        return SuspectStep.MIGRATE if self._instance_failed(session) else SuspectStep.PROBE
+
+    def probe_outcome(self, session: PlacedSession, error: Problem | OSError | None, *, last: bool = True
+                      ) -> RunHealth:
+        """Judge the probe of a suspected run (:func:`~kvsp_quic.roles.controller_sessions.judge_probe`; *last*:
+        no other probe follows); a dead run is held failed from now on, as if its status had expired
+        (:func:`fail_run`: every session it serves migrates; a later report of the run brings it back, as after an
+        expiry)."""
+        health = judge_probe(error, last=last)
+        self.m_probes.labels(outcome=health.value).inc()
+        log.log(logging.INFO if health is RunHealth.ALIVE else logging.WARNING, "suspect report of session %s: "
+                "instance %s %s (%s)", session.id, session.instance, health.value,
+                "answered" if error is None else f"{type(error).__name__}: {error}")
+        if health is RunHealth.DEAD and session.instance is not None and session.instance_epoch is not None:
+            fail_run(self.status, session.instance, session.instance_epoch)
+        return health
+
+    def lost(self, session: PlacedSession, epoch: int | None) -> bool:
+        """Whether a verified suspect report of *epoch* moves *session*: it still runs in that epoch."""
+        return epoch is not None and session.state is SessionState.RUNNING and session.epoch == epoch
 
     def tick(self) -> list[PlacedSession]:
         """Forget old sessions; the sessions that need a migration now."""

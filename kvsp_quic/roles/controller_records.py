@@ -11,6 +11,8 @@ Controller and instances agree. Unknown members are ignored, as in every KVSP re
   blocks no replica serves (an instance that knows only the spec's members reads it as a
   :class:`~kvsp_quic.records.ResumeRequest`), and ``owner`` as in the start;
 * :class:`SessionInfo` -- the PC's answer to ``POST sessions`` and ``GET sessions/{id}``;
+* :class:`SuspectReport` / :class:`SuspectAnswer` -- ``POST {pc}sessions/{id}/suspect`` (extension, docs/wire.md
+  "Suspect reports"): the front end says the session's token stream broke or stalled; the PC verifies and answers;
 * :class:`TokenLine` -- one line of ``GET {ii}sessions/{id}/tokens`` (``application/x-ndjson``): an output token
   ``{"index", "epoch", "token"}``, or the final line ``{"index", "epoch", "done": true, "reason"[, "detail"]}``.
 """
@@ -149,6 +151,52 @@ class SessionInfo(Record):
         return out
 
 
+class Verdict(enum.Enum):
+    """What the PC made of a suspect report (the ``"verdict"`` member of :class:`SuspectAnswer`)."""
+
+    HEALTHY = "healthy"  # the instance answered for the session: nothing moved; read it again
+    MOVED = "moved"  # the session is at a newer epoch than the report's: ``instance`` serves it
+    MIGRATING = "migrating"  # the run failed; no instance took the session yet (ask again, or GET the session)
+
+
+def _verdict(value: Any, path: str) -> Verdict:
+    text = f.string(value, path)
+    try:
+        return Verdict(text)
+    except ValueError:
+        raise f.fail(path, f"{text!r} is not a verdict") from None
+
+
+@dataclass(frozen=True)
+class SuspectReport(Record):
+    """*(extension)* ``POST {pc}sessions/{id}/suspect``: the session's owner saw its token stream from the instance
+    of ``epoch`` break or stall (``reason``: ``"broken"`` or ``"stall"``, informative)."""
+
+    epoch: int = wire(f.positive)
+    reason: str = wire(f.string, default="stall")
+
+
+@dataclass(frozen=True)
+class SuspectAnswer(Record):
+    """*(extension)* The answer to a :class:`SuspectReport`: the session's :class:`SessionInfo` members after the
+    PC's verification (and migration, if it came to that) plus ``verdict``."""
+
+    session: uuid.UUID = wire(f.uuid_string)
+    epoch: int = wire(f.positive)
+    output_offset: int = wire(f.uint)
+    state: SessionState = wire(_state)
+    verdict: Verdict = wire(_verdict)
+    instance: str | None = wire(f.https_uri, default=None)
+
+    @classmethod
+    def of(cls, info: SessionInfo, verdict: Verdict) -> SuspectAnswer:
+        return cls(info.session, info.epoch, info.output_offset, info.state, verdict, info.instance)
+
+    @property
+    def info(self) -> SessionInfo:
+        return SessionInfo(self.session, self.epoch, self.output_offset, self.state, self.instance)
+
+
 @dataclass(frozen=True)
 class TokenLine(Record):
     """One NDJSON line of an instance's token stream.
@@ -223,4 +271,5 @@ class TokenLine(Record):
             raise RecordError(f"{exc.detail} (line {text.strip()[:200]!r})") from None
 
 
-__all__ = ["SessionInfo", "SessionRequest", "SessionResume", "SessionStart", "SessionState", "TokenLine"]
+__all__ = ["SessionInfo", "SessionRequest", "SessionResume", "SessionStart", "SessionState", "SuspectAnswer",
+           "SuspectReport", "TokenLine", "Verdict"]

@@ -13,6 +13,11 @@ Parts of a new range that no instance held in version v (the context grew) are i
 computes them. Adjacent ranges are merged (fetches only when they come from the same instance). An instance only
 in version v gets a plan with ``release`` only, so that every member hears of the change and of its outcome.
 
+Plans name token ranges only; an instance names the blocks of the ranges it retains and fetches from the map's
+context (*(extension)* ``"context"``: Compatibility ID, scope and the context's Block Keys, docs/wire.md
+"Resharding"). The PC learns it with the map (``PUT maps/{map}``) and sends it with every plan: a
+:class:`ContextPlan`.
+
 A reshard in progress is a :class:`ReshardRound` (the plans, who must acknowledge by when); what it came to is a
 :class:`ReshardOutcome` with a :class:`ReshardResult`. The fan-out itself is the adapter's
 (``http3.controller_service.ControllerService.reshard``).
@@ -26,9 +31,27 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvsp_quic.problems import PlanConflict
-from kvsp_quic.records import ReshardAbort, ReshardCommit, ReshardFetch, ReshardPlan, ShardMap, TokenRange
+from kvsp_quic.records import ReshardAbort, ReshardCommit, ReshardFetch, ReshardPlan, ShardMap, TokenRange, wire
+from kvsp_quic.roles.instance_reshard import ReshardContext
 
 ReshardMessage = ReshardPlan | ReshardCommit | ReshardAbort
+
+
+@dataclass(frozen=True)
+class ContextPlan(ReshardPlan):
+    """A reshard plan with the extension member ``"context"`` (the map's context, whose Block Keys name the blocks
+    of its token ranges: block i covers tokens [i*B, (i+1)*B)); without it an instance refuses a plan that fetches
+    (400) and cannot find the blocks of the ranges it retains."""
+
+    context: ReshardContext | None = wire(ReshardContext.read, default=None)
+
+
+def with_context(plans: Mapping[str, ReshardPlan], context: ReshardContext | None) -> dict[str, ReshardPlan]:
+    """*plans* carrying *context* (as they are when the PC does not know the map's context)."""
+    if context is None:
+        return dict(plans)
+    return {i: ContextPlan(p.map, p.from_version, p.to_version, p.deadline_ms, p.retain, p.fetch, p.release,
+                           context) for i, p in plans.items()}
 
 
 def owners(shard_map: ShardMap, tokens: TokenRange) -> list[tuple[TokenRange, str | None]]:
@@ -176,5 +199,5 @@ class ReshardOutcome:
         return out
 
 
-__all__ = ["ReshardMessage", "ReshardOutcome", "ReshardResult", "ReshardRound", "members", "merge", "owners",
-           "plan_reshard", "subtract"]
+__all__ = ["ContextPlan", "ReshardContext", "ReshardMessage", "ReshardOutcome", "ReshardResult", "ReshardRound",
+           "members", "merge", "owners", "plan_reshard", "subtract", "with_context"]

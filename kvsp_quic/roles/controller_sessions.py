@@ -14,9 +14,10 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvsp_quic.problems import Problem
 from kvsp_quic.records import LookupRequest, SessionCheckpoint, StateMessage
 from kvsp_quic.roles.controller_records import SessionInfo, SessionRequest, SessionResume, SessionStart, SessionState
-from kvsp_quic.roles.status import InstanceStatus
+from kvsp_quic.roles.status import InstanceStatus, StatusTable
 
 
 @dataclass
@@ -169,6 +170,50 @@ class CapacityStep:
     wait_s: float = 0.0
 
 
+# -- suspect reports (extension: docs/wire.md, "Suspect reports") ----------------------------------------------
+
+
+class SuspectStep(enum.Enum):
+    """What a suspect report of a session's current epoch calls for (the role's first answer)."""
+
+    ANSWER = "answer"  # nothing to verify: the session is at a newer epoch, or done
+    WAIT = "wait"  # the session is being placed or migrated already: wait for its new epoch
+    PROBE = "probe"  # ask the instance for the session (a short timeout) before deciding
+    MIGRATE = "migrate"  # the PC holds the instance run failed already: migrate now
+
+
+class RunHealth(enum.Enum):
+    """What the probe of a suspected run came to (the value is the metric label)."""
+
+    ALIVE = "alive"  # the instance answered for the session: a false alarm, nothing moves
+    GONE = "gone"  # the instance answered that it has no such session: this session's run is lost
+    SILENT = "silent"  # no answer within the first probe's timeout (a loaded instance?): probe once more, longer
+    DEAD = "dead"  # no answer (a refused or closed connection; silence twice): the instance run is failed
+
+
+def judge_probe(error: object | None, *, last: bool = True) -> RunHealth:
+    """The probe of a suspected run is ``GET sessions/{id}`` at its instance; *error* is what it raised (None: 200;
+    a :class:`~kvsp_quic.problems.Problem` for another answer; an ``OSError`` for none). Only no answer fails the
+    instance run; a 404 loses this session's run only; any other answer is an instance alive enough to answer. A
+    timeout of the first probe (not *last*) is :attr:`RunHealth.SILENT`: a loaded instance may answer a second."""
+    if error is None or (isinstance(error, Problem) and error.status != 404):
+        return RunHealth.ALIVE
+    if isinstance(error, Problem):
+        return RunHealth.GONE
+    return RunHealth.SILENT if isinstance(error, TimeoutError) and not last else RunHealth.DEAD
+
+
+def fail_run(table: StatusTable, instance: str, instance_epoch: int) -> bool:
+    """Hold *instance*'s run *instance_epoch* failed in *table*, as if its status had just expired (its highest
+    epoch is kept). False when the table holds no live status of that run."""
+    entry = table.get(instance)
+    if entry is None or entry.record.epoch != instance_epoch:
+        return False
+    epochs = {i: e for i in table.instances() if (e := table.highest_epoch(i)) is not None}
+    table.replace([e for e in table.live() if e.instance != instance], epochs)
+    return True
+
+
 # -- status reports -----------------------------------------------------------------------------------------------
 
 
@@ -184,5 +229,6 @@ class StatusReport:
 
 __all__ = [
     "Admission", "Admitted", "Assignment", "CapacityAction", "CapacityStep", "PlacedSession", "PlacementQuery",
-    "PrefetchOutcome", "Repeated", "StartKind", "StartOutcome", "StatusReport", "engines_agree",
+    "PrefetchOutcome", "Repeated", "RunHealth", "StartKind", "StartOutcome", "StatusReport", "SuspectStep",
+    "engines_agree", "fail_run", "judge_probe",
 ]

@@ -22,14 +22,24 @@ Decisions (docs/wire.md, "Index Service"):
   be one of the principal's (403 ``kvsp-scope-denied``).
 * lookup: more than ``max_lookup_keys`` keys (or ``max_lookup_targets`` targets) is 413; the scope is checked
   before anything is read; replicas are returned with their **remaining** TTL.
+* liveness and failure reports (issue 12, point 5; :mod:`kvsp_quic.roles.liveness`): a lookup leaves out the
+  replicas at a holder or relay whose liveness record lapsed (as those at an instance whose status expired), and
+  moves those at a holder a client of the scope reported failed last, for a while. ``PUT holders/{holder-id}/
+  liveness`` is the holder's (or one that publishes for it); ``POST holders/{holder-id}/failures`` any principal
+  of the scope named.
 * estimates: for each target with an unexpired status that states ``prefill_tokens_per_s``, when the
   compat_id's geometry (``block_tokens``, and ``layers`` if known) is configured; other targets are left out of
-  ``targets`` (which is then present, possibly empty).
+  ``targets`` (which is then present, possibly empty). The geometry comes only from the configured descriptors
+  (``[index] descriptors``, ``--descriptor FILE``): instances report the compat_id they serve (status extension
+  ``"engine"``) but not its block size, and a replica's ``size`` does not give it either (octets per token are
+  unknown). So an instance reporting a compat_id without a descriptor is logged once as a WARNING
+  (:data:`NO_GEOMETRY`): lookups cannot estimate fetch cost for it and placement ignores where its blocks are.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -49,10 +59,16 @@ from kvsp_quic.records import (
     TargetEstimate,
     lookup_answer,
 )
+from kvsp_quic.roles.liveness import FailureReports, LivenessTable, demote
 from kvsp_quic.roles.status import StatusTable, endpoint
 from kvsp_quic.storage.index_store import IndexStore, with_ttl
 
 Clock = Callable[[], float]
+
+log = logging.getLogger("kvsp_quic.index")
+
+NO_GEOMETRY = ("lookups cannot estimate fetch cost; placement ignores where blocks are; pass --descriptor FILE "
+               "(or [index] descriptors) with the Compatibility Descriptor the instances serve")
 
 DEFAULT_MAX_TTL_MS = 600_000  # the spec's example TTL: ten minutes
 DEFAULT_MAX_LOOKUP_KEYS = 8192  # 8192 blocks of 16 tokens: a 131072-token prompt
@@ -148,12 +164,16 @@ def same_octets(a: ReplicaRecord, b: ReplicaRecord) -> bool:
 
 class IndexService:
     def __init__(self, store: IndexStore, *, clock: Clock, config: IndexConfig | None = None,
-                 status: StatusTable | None = None) -> None:
+                 status: StatusTable | None = None, liveness: LivenessTable | None = None,
+                 failures: FailureReports | None = None) -> None:
         self.store = store
         self.clock = clock
         self.config = config or IndexConfig()
         # not `status or ...`: an empty StatusTable is falsy (it has __len__)
         self.status = status if status is not None else StatusTable(clock, max_ttl_ms=self.config.max_status_ttl_ms)
+        self.liveness = liveness if liveness is not None else LivenessTable(clock)
+        self.failures = failures if failures is not None else FailureReports(clock)
+        self.without_geometry: set[bytes] = set()  # compat_ids instances reported that have no descriptor here
 
     # -- replicas -----------------------------------------------------------------------------------------------
 
@@ -219,7 +239,7 @@ class IndexService:
             self.store, "lookup_rendered", None)
         if render is not None and request.targets is None:
             self._admit(principal, request)
-            if not self.status.failed_endpoints():
+            if not self.status.failed_endpoints() and not self._adjusted(request.scope_id):
                 matched, blocks = render(request.scope_id, request.compat_id, request.block_keys, self.clock())
                 return matched, lookup_answer(matched, blocks, None)
         response = await self.lookup(principal, request)
@@ -230,9 +250,12 @@ class IndexService:
         self._admit(principal, request)
         targets = request.targets
         found = await self.store.lookup(request.scope_id, request.compat_id, request.block_keys, self.clock())
-        failed = self.status.failed_endpoints()
-        if failed:  # replicas at an instance the PC saw fail are unreachable: do not send anyone there
+        failed = self.status.failed_endpoints() | self.liveness.lapsed_endpoints()
+        if failed:  # replicas at an instance the PC saw fail, or a holder whose liveness lapsed, are unreachable
             found = _without(found, failed)
+        demoted = self.failures.demoted(request.scope_id)
+        if demoted:  # reported failed by a client of the scope: tried last
+            found = [demote(replicas, demoted) for replicas in found]
         of_store = LookupMatch.of_store
         blocks = tuple([of_store(key, replicas) for key, replicas in zip(request.block_keys, found, strict=False)])
         estimates = None if targets is None else tuple(self.estimates(request.compat_id, targets, found))
@@ -253,6 +276,29 @@ class IndexService:
                 out.append(est)
         return out
 
+    def _adjusted(self, scope_id: bytes) -> bool:
+        """Whether lookups of *scope_id* leave out or reorder replicas now (liveness, failure reports)."""
+        return bool(self.liveness.lapsed_endpoints()) or bool(self.failures and self.failures.demoted(scope_id))
+
+    # -- holder liveness and failure reports (docs/wire.md, "Holder liveness and failure reports") ------------------
+
+    def report_liveness(self, principal: Principal, holder_id: str, holder: str, ttl_ms: int) -> int:
+        """PUT holders/{holder-id}/liveness: the holder (or one that publishes for it) is alive; the TTL granted."""
+        if holder_id != _uri_id(holder):
+            raise BadRequest(f"the path's holder-id {holder_id!r} is not that of holder {holder!r}")
+        if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int) or ttl_ms < 1:
+            raise BadRequest("ttl_ms: a positive integer of milliseconds")
+        require_publish_for(principal, holder)
+        return self.liveness.report(holder, ttl_ms).ttl_ms
+
+    def report_failure(self, principal: Principal, holder_id: str, holder: str, scope_id: bytes) -> None:
+        """POST holders/{holder-id}/failures: a client of the scope could not fetch from *holder*. Nothing is
+        dropped: the holder's replicas are tried last in this scope's lookups for a while."""
+        if holder_id != _uri_id(holder):
+            raise BadRequest(f"the path's holder-id {holder_id!r} is not that of holder {holder!r}")
+        require_scope(principal, scope_id)
+        self.failures.report(scope_id, holder)
+
     # -- instance status ----------------------------------------------------------------------------------------
 
     def report_status(self, principal: Principal, instance_id: str, record: InstanceStatusRecord) -> StateMessage:
@@ -263,14 +309,26 @@ class IndexService:
         if record.instance != principal.identity:
             raise BadRequest(f"instance: {record.instance!r} is not the reporting instance "
                              f"{principal.identity!r}")
-        return StateMessage(self.status.report(record).state)
+        answer = StateMessage(self.status.report(record).state)
+        if record.engine is not None:
+            self._check_geometry(bytes(record.engine.compat_id), record.instance)
+        return answer
+
+    def _check_geometry(self, compat_id: bytes, instance: str) -> None:
+        if compat_id in self.config.geometry or compat_id in self.without_geometry:
+            return
+        self.without_geometry.add(compat_id)
+        log.warning("instance %s serves compat_id %s, for which this Index Service has no Compatibility "
+                    "Descriptor: %s", instance, compat_id.hex(), NO_GEOMETRY)
 
     # -- housekeeping -------------------------------------------------------------------------------------------
 
     async def sweep(self, limit: int = 65536) -> int:
         """Remove expired replicas (up to *limit* keys examined) and expired statuses; the replicas removed."""
         self.status.expire()
+        self.failures.expire()
         return await self.store.expire(self.clock(), limit)
 
 
-__all__ = ["Geometry", "IndexConfig", "IndexService", "PublishResult", "may_publish_for_id", "same_octets"]
+__all__ = ["NO_GEOMETRY", "Geometry", "IndexConfig", "IndexService", "PublishResult", "may_publish_for_id",
+           "same_octets"]

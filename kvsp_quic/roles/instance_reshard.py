@@ -24,6 +24,12 @@ class ReshardContext(Record):
     scope_id: ScopeId = wire(f.scope_id)
     block_keys: tuple[BlockKey, ...] = wire(lambda v, p: f.array(v, p, f.block_key, nonempty=True))
 
+    def extends(self, other: ReshardContext) -> bool:
+        """Whether this is *other*'s context, grown or the same (its Block Keys start with *other*'s)."""
+        n = len(other.block_keys)
+        return ((self.compat_id, self.scope_id) == (other.compat_id, other.scope_id)
+                and len(self.block_keys) >= n and self.block_keys[:n] == other.block_keys)
+
 
 @dataclass
 class MapState:
@@ -72,10 +78,11 @@ class ReshardBook:
         if state is None:
             state = MapState(plan.map, plan.from_version, context)
             self.maps[plan.map] = state
-        if context is not None:
-            if state.context is not None and state.context != context:
-                raise PlanConflict(f"map {plan.map}: the plan names another context than before")
-            state.context = context
+        if context is not None and (state.context is None or context.extends(state.context)):
+            state.context = context  # the first, or the context grew (a longer one is never cut back)
+        elif context is not None and state.context is not None and not state.context.extends(context):
+            raise PlanConflict(f"map {plan.map}: the plan names another context than before (a context may only "
+                               "grow)")
         if state.plan is not None:
             if state.plan == plan:
                 return PlanSteps(state, (), (), False)
@@ -83,9 +90,11 @@ class ReshardBook:
         if state.version != plan.from_version:
             raise PlanConflict(f"map {plan.map}: this instance holds version {state.version}, the plan moves from "
                                f"{plan.from_version}")
-        if plan.fetch and state.context is None:
-            raise BadRequest("fetch: this instance needs the plan's context (extension member 'context': compat_id, "
-                             "scope_id, block_keys) to name the blocks of the ranges it fetches")
+        if (plan.fetch or plan.retain) and state.context is None:
+            what = "fetch" if plan.fetch else "retain"
+            raise BadRequest(f"{what}: this instance needs the plan's context (extension member 'context': "
+                             "compat_id, scope_id, block_keys) to name the blocks of the ranges it retains and "
+                             "fetches")
         retain = tuple(i for r in plan.retain for i in self.blocks_of(r, state.context, "retain"))
         fetch = tuple((i, x.source) for x in plan.fetch for i in self.blocks_of(x.tokens, state.context, "fetch"))
         for r in plan.release:

@@ -146,6 +146,11 @@ class ControlStore(Protocol):
 
     async def statuses(self) -> StatusSnapshot: ...
 
+    async def fail_status(self, instance: str, epoch: int) -> bool:
+        """Drop *instance*'s status if it is of run *epoch* (the PC found it silent): it counts as failed from then
+        on, as if it had expired; its highest epoch is kept. True when one was dropped."""
+        ...
+
     # shard maps
     async def get_map(self, map_id: str) -> ShardMap | None: ...
 

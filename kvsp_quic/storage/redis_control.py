@@ -15,7 +15,7 @@ replica records, which are partitioned by Block Key (:mod:`kvsp_quic.storage.red
 * ``maps`` -- a hash: map id -> the authoritative Shard Map; ``reshard:<map>`` -- the one-reshard-per-map lock.
 
 Writes that must be atomic are Lua scripts: the compare-and-set of a session (with its indexes), the status report
-(the epoch check and the write), the commit of a map version, lease renewal and release.
+(the epoch check and the write), a probed run held failed, the commit of a map version, lease renewal and release.
 """
 
 from __future__ import annotations
@@ -111,6 +111,20 @@ end
 return {redis.call('HGETALL', KEYS[2]), out}
 """
 
+# KEYS: status; ARGV: instance, epoch. Drops the instance's status if it is of that run: held failed from then on, as
+# if it had expired (a probe found it silent). Returns 1 when dropped.
+FAIL_STATUS_SCRIPT = """
+local v = redis.call('HGET', KEYS[1], ARGV[1])
+if not v then return 0 end
+local c = string.find(v, ':', 1, true)
+local ok, obj = pcall(cjson.decode, string.sub(v, c + 1))
+if not ok or type(obj['record']) ~= 'table' or tonumber(obj['record']['epoch']) ~= tonumber(ARGV[2]) then
+  return 0
+end
+redis.call('HDEL', KEYS[1], ARGV[1])
+return 1
+"""
+
 # KEYS: maps; ARGV: map id, expected version, new map. Returns 1 when committed.
 COMMIT_MAP_SCRIPT = """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
@@ -143,7 +157,7 @@ class _Script:
 
 
 _SAVE, _DELETE, _FORGET = _Script(SAVE_SCRIPT), _Script(DELETE_SCRIPT), _Script(FORGET_SCRIPT)
-_STATUS, _STATUSES = _Script(STATUS_SCRIPT), _Script(STATUSES_SCRIPT)
+_STATUS, _STATUSES, _FAIL = _Script(STATUS_SCRIPT), _Script(STATUSES_SCRIPT), _Script(FAIL_STATUS_SCRIPT)
 _COMMIT_MAP, _LEASE, _RELEASE = _Script(COMMIT_MAP_SCRIPT), _Script(LEASE_SCRIPT), _Script(RELEASE_SCRIPT)
 
 
@@ -233,6 +247,9 @@ class RedisControlStore:
         entries = tuple(StoredStatus.from_bytes(bytes(entries_raw[i + 2]), int(entries_raw[i + 1]))
                         for i in range(0, len(entries_raw), 3))
         return StatusSnapshot(entries, epochs)
+
+    async def fail_status(self, instance: str, epoch: int) -> bool:
+        return bool(await self._eval(_FAIL, [self.key("status")], instance, epoch))
 
     # -- shard maps -----------------------------------------------------------------------------------------------
 
