@@ -122,10 +122,11 @@ class Engine:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     async def prefill(self, tokens: Sequence[int], blocks: Sequence[BlockInput] = (), *,
-                      keys: Sequence[bytes] | None = None, load_timeout: float | None = None) -> PrefillResult:
+                      keys: Sequence[bytes] | None = None, load_timeout: float | None = None,
+                      prompt_logprobs: int | None = None) -> PrefillResult:
         trace = PrefillTrace()
         result = await prefill(self.model, self.cache, tokens, blocks, executor=self.executor, trace=trace,
-                               keys=keys, load_timeout=load_timeout)
+                               keys=keys, load_timeout=load_timeout, prompt_logprobs=prompt_logprobs)
         computed = len(tokens) - len(result.loaded_blocks) * self.block_tokens
         busy = 0.0
         started: float | None = None
@@ -203,7 +204,8 @@ async def run_session(engine: Engine, plan: RunPlan[Page], hooks: SessionHooks[P
     cache = engine.cache
     sampler = TokenSampler.from_record(plan.sampler, plan.output)
     b = cache.block_tokens
-    result = await engine.prefill(plan.tokens, plan.blocks, keys=plan.keys, load_timeout=plan.load_timeout)
+    result = await engine.prefill(plan.tokens, plan.blocks, keys=plan.keys, load_timeout=plan.load_timeout,
+                                  prompt_logprobs=plan.prompt_logprobs)
     seq = result.sequence
     try:
         lost = [i for i in result.recomputed_blocks if i < plan.must_load]
@@ -257,11 +259,21 @@ def _after_decode(cache: PagedKVCache, seq: Any, plan: RunPlan[Page], token: int
 # -- the instance as a holder of its own tiers -----------------------------------------------------------------
 
 
-class CacheTier(Tier):
-    """Bookkeeping only: the blocks live in the cache's pages, and the cache evicts (footprint 0, never full)."""
+def _page_header(descriptor: CompatDescriptor, cache: PagedKVCache) -> ContainerHeader:
+    """The header of the container of one complete page (every layer, codec raw)."""
+    section = descriptor.section_length(cache.block_tokens)
+    return ContainerHeader(codec=1, first_layer=0, token_count=cache.block_tokens,
+                           lengths=((section, section),) * cache.layers)
 
-    def __init__(self) -> None:
-        super().__init__(DEVICE, 1, LruPolicy())
+
+class CacheTier(Tier):
+    """Bookkeeping only: the blocks live in the cache's pages, and the cache evicts (footprint 0, never full).
+    Its *capacity* is what the cache's pages hold (the containers of all its pages, device and host tiers): the
+    holder's global lease cap (``max_leased_fraction`` of its capacity, kvsp_quic/roles/leases.py) is taken from it;
+    it was 1 octet, which refused every lease at an instance."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(DEVICE, capacity, LruPolicy())
 
     def footprint(self, meta: BlockMeta) -> int:
         return 0
@@ -287,7 +299,10 @@ class CacheHolder(PageHolder[Page]):
 
     def __init__(self, settings: HolderSettings, cache: PagedKVCache, *, clock: Callable[[], float] = time.monotonic
                  ) -> None:
-        super().__init__(settings, clock=clock, store=TieredStore([CacheTier()]))
+        pages = sum(pool.capacity for pool in cache.tiers.values())
+        header = _page_header(settings.descriptors[0], cache)
+        super().__init__(settings, clock=clock,
+                         store=TieredStore([CacheTier(pages * (header.size + header.data_length))]))
         self.cache = cache
         self._pages: dict[BlockId, Page] = {}
         self._by_key: dict[bytes, BlockId] = {}
@@ -325,9 +340,7 @@ class CacheHolder(PageHolder[Page]):
         if page.dropped or page.key != key or not page.complete or key in self._by_key:
             return None
         descriptor = self.settings.descriptors[0]
-        section = descriptor.section_length(self.cache.block_tokens)
-        header = ContainerHeader(codec=1, first_layer=0, token_count=self.cache.block_tokens,
-                                 lengths=((section, section),) * self.cache.layers)
+        header = _page_header(descriptor, self.cache)
         block = BlockId(bytes(descriptor.compat_id), bytes(scope_id), key)
         meta = BlockMeta(block, header, tuple(layer_digests), header.size + header.data_length)
         now = self.clock()

@@ -38,12 +38,14 @@ import torch
 
 from gpu.kvcache import DEVICE, Page, PagedKVCache, SequenceKV
 from gpu.model import StepModel, chunk_bounds
+from gpu.sampling import position_logprobs
 from kvsp_quic.container import DecodedLayer
 
 log = logging.getLogger("kvsp.gpu.prefill")
 
 LayerSource = AsyncIterable[DecodedLayer]
 BlockInput = Page | LayerSource
+Logprobs = tuple[float, tuple[tuple[int, float], ...]]  # kvsp_quic.engine.Logprobs
 
 
 # -- trace -----------------------------------------------------------------------------------------------------
@@ -140,6 +142,9 @@ class PrefillResult:
     loaded_blocks: list[int]  # blocks whose K and V came from the inputs
     recomputed_blocks: list[int]  # inputs that failed and were computed instead
     trace: PrefillTrace
+    # with prompt_logprobs: per prompt token, its log probability after the tokens before it and the best
+    # alternatives (gpu.sampling.position_logprobs); None for the first token
+    prompt_logprobs: list[Logprobs | None] | None = None
 
 
 class _Loads:
@@ -201,7 +206,8 @@ async def _close(source: Any) -> None:
 async def prefill(model: StepModel, cache: PagedKVCache, tokens: Sequence[int],
                   blocks: Sequence[BlockInput] = (), *, chunk_tokens: int | None = None,
                   executor: Executor | None = None, trace: PrefillTrace | None = None, all_logits: bool = False,
-                  load_timeout: float | None = None, keys: Sequence[bytes] | None = None) -> PrefillResult:
+                  load_timeout: float | None = None, keys: Sequence[bytes] | None = None,
+                  prompt_logprobs: int | None = None) -> PrefillResult:
     """Prefill *tokens*, with the K and V of the first ``len(blocks)`` blocks loaded from *blocks*.
 
     * *chunk_tokens*: the computation's chunk size (default and for exactness: a divisor of the loaded prefix,
@@ -210,6 +216,9 @@ async def prefill(model: StepModel, cache: PagedKVCache, tokens: Sequence[int],
     * *load_timeout*: seconds from the start after which blocks still arriving are given up and recomputed.
     * *keys*: the prompt's Block Keys; its complete pages are named by them in the cache (so later requests,
       and the instance's replica records, find them).
+    * *prompt_logprobs*: also compute every prompt token's log probability and that many alternatives
+      (``result.prompt_logprobs``): every position is computed then, so *blocks* must be empty. The last token's
+      logits are computed as without it (bit for bit): the sampled tokens do not change.
     """
     _check_geometry(model, cache)
     n = len(tokens)
@@ -222,6 +231,8 @@ async def prefill(model: StepModel, cache: PagedKVCache, tokens: Sequence[int],
     trace = trace if trace is not None else PrefillTrace()
     layers = model.num_layers
     usable = min(len(blocks), (n - 1) // b)
+    if prompt_logprobs is not None and usable:
+        raise ValueError("prompt log probabilities need the hidden states of every prompt position: load no block")
     for extra in blocks[usable:]:  # the last prompt token is always computed: these are not needed
         if not isinstance(extra, Page):
             await _close(extra)
@@ -290,12 +301,26 @@ async def prefill(model: StepModel, cache: PagedKVCache, tokens: Sequence[int],
             logits = torch.cat([model.logits(c.hidden) for c in regular])
         else:
             logits = model.logits(chunks[-1].hidden[-1:])[0]
+        per_position: list[Logprobs | None] | None = None
+        if prompt_logprobs is not None:
+            top = prompt_logprobs
+
+            def score() -> list[Logprobs | None]:
+                out: list[Logprobs | None] = [None]  # the first token follows nothing
+                for c in chunks:  # every position, in order (nothing was loaded)
+                    rows = min(c.end, n - 1) - c.start  # the last position's row predicts the first output token
+                    if rows > 0:
+                        out += position_logprobs(model.logits(c.hidden[:rows]), tokens[c.start + 1:c.start + 1 + rows],
+                                                 top)
+                return out
+
+            per_position = await loop.run_in_executor(executor, score)
         loaded = [i for i in range(usable) if not loads.failed[i]]
         if keys is not None:
             for i, page in enumerate(seq.pages[:min(len(keys), n // b)]):
                 if page.key is None and cache.lookup(keys[i]) is None:
                     cache.set_key(page, keys[i])
-        return PrefillResult(seq, logits, suffix, loaded, sorted(converted), trace)
+        return PrefillResult(seq, logits, suffix, loaded, sorted(converted), trace, per_position)
     except BaseException:
         for task in tasks:
             task.cancel()

@@ -21,7 +21,9 @@ one's probability, keeps the ``top_k`` largest logits (ties at the k-th kept), t
 ``prompt_tokens`` (the prompt's distinct token ids, added by the instance when a repetition penalty is asked for)
 and ``stop_token_ids`` are state the checkpoint carries; ``logprobs`` (0..20) asks for each chosen token's log
 probability and that many most likely alternatives: the model's own (log-softmax of the raw logits, before bias,
-penalties and temperature: vLLM's default ``raw_logprobs``).
+penalties and temperature: vLLM's default ``raw_logprobs``). ``prompt_logprobs`` (0..20, vLLM's sampling parameter of
+that name) asks the run for the log probability of every prompt token after the tokens before it, with that many
+alternatives (:func:`position_logprobs`; the first prompt token has none); it does not change sampling.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ _LABEL = b"kvsp-quic sampler\x00"
 MAX_LOGPROBS = 20
 LOGPROB_FLOOR = -9999.0  # a log probability of -inf as JSON carries it (vLLM's)
 _COMMON = frozenset({"logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
-                     "prompt_tokens", "stop_token_ids"})
+                     "prompt_tokens", "stop_token_ids", "prompt_logprobs"})
 _TOP_P = frozenset({"p", "temperature", "top_k", "min_p"})
 
 
@@ -128,6 +130,7 @@ class TokenSampler:
                                      or not 0 <= logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs: an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}")
         self.logprobs: int | None = logprobs
+        self.prompt_logprobs = prompt_logprobs_of(params)
         self.prompt_tokens = frozenset(_ids(params, "prompt_tokens"))
         self.stop_token_ids = frozenset(_ids(params, "stop_token_ids"))
         self.method = method
@@ -225,6 +228,34 @@ class TokenSampler:
 
     def __repr__(self) -> str:
         return f"TokenSampler({self.method!r}, params={self.params!r}, seed={self.seed}, step={self.step})"
+
+
+def prompt_logprobs_of(params: Mapping[str, Any]) -> int | None:
+    """The sampler parameter ``prompt_logprobs`` (alternatives per prompt position, 0..20), None when absent."""
+    value = params.get("prompt_logprobs")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+        raise ValueError(f"prompt_logprobs: an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+    return value
+
+
+def position_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int
+                      ) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+    """For row i of *logits* (positions, vocab), the log probability of ``tokens[i]`` (the token that followed that
+    position) and the *top* most likely tokens, best first: as :meth:`TokenSampler.choose` gives a sampled token's
+    (log-softmax of the raw logits in float64, ties in token order, -inf as :data:`LOGPROB_FLOOR`)."""
+    if logits.dim() != 2 or logits.shape[0] != len(tokens):
+        raise ValueError(f"{len(tokens)} tokens for logits of shape {tuple(logits.shape)}")
+    lp = torch.log_softmax(logits.detach().to("cpu", torch.float64), dim=1)
+    chosen = lp.gather(1, torch.tensor(list(tokens), dtype=torch.long)[:, None])[:, 0].tolist()
+    tops: list[tuple[tuple[int, float], ...]] = [()] * len(tokens)
+    if top:  # what a stable descending sort of each row starts with, without sorting the vocabulary
+        kth = torch.topk(lp, min(top, lp.shape[1]), dim=1).values[:, -1]
+        for i in range(len(tokens)):
+            index = torch.nonzero(lp[i] >= kth[i], as_tuple=True)[0]  # ascending ids: ties stay in id order
+            values = lp[i, index]
+            order = torch.sort(values, descending=True, stable=True).indices[:top].tolist()
+            tops[i] = tuple((int(index[j]), _finite(float(values[j]))) for j in order)
+    return [(_finite(c), tops[i]) for i, c in enumerate(chosen)]
 
 
 def _finite(value: float) -> float:

@@ -11,6 +11,11 @@ part of a character. Every token's chunk carries ``"kvsp"``, its :class:`TokenLi
 even when its text is still empty. With ``stream_options.include_usage`` the last chunk before ``[DONE]`` has
 ``"choices": []`` and the usage.
 
+``echo`` with ``logprobs`` answers the prompt's tokens with their log probabilities before the output's (the first
+prompt token's are null): each session's sampler asks its instance for ``prompt_logprobs``, and once the first event
+is in they are read from ``GET {instance}sessions/{id}`` (:func:`prompt_logprobs_of`; docs/wire.md, "Prompt log
+probabilities"). With ``max_tokens: 0`` (echo only) the one token each session samples is not answered.
+
 A client that goes away (its connection or stream closed: the server's ``http.disconnect``, watched while the
 response is made, or a failed send) stops the reading here, and :func:`cancel_unfinished` asks the PC to end every
 session not finished (``DELETE sessions/{id}``, docs/wire.md "Cancelling a session"), at once.
@@ -30,8 +35,9 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
+from http3.client import TransportError
 from http3.frontend_auth import charge
-from http3.frontend_errors import error_json
+from http3.frontend_errors import Overloaded, error_json
 from http3.frontend_params import Params
 from http3.frontend_session import Completion, Frontend, Logprobs, Tokenizer
 from http3.frontend_text import StopText
@@ -55,6 +61,22 @@ class Choice:
     parts: list[str] = field(default_factory=list)  # the released text (whole answers)
     logprobs: list[Logprobs | None] = field(default_factory=list)  # per output token, when asked for
     chars: int = 0  # streamed completions with logprobs: the length of the tokens' texts so far (text_offset)
+    prompt_lps: list[Logprobs | None] | None = None  # echo with logprobs: per prompt token (the first: None)
+    echo_only: bool = False  # max_tokens 0: the output is not answered
+
+    @property
+    def offset(self) -> int:
+        """``text_offset`` of the first output token: after the prompt's tokens' texts when they are rendered too,
+        else after the echoed prompt."""
+        return self.chars if self.prompt_lps is not None else len(self.prefix) + self.chars
+
+    def render(self, lps: LogprobShape | None) -> dict[str, Any] | None:
+        """The whole answer's log probabilities: the prompt's and the output's (echo), or the output's."""
+        if lps is None:
+            return None
+        if self.prompt_lps is not None:
+            return lps.render([*self.run.prompt, *self.out], [*self.prompt_lps, *self.logprobs], 0)
+        return lps.render(self.out, self.logprobs, len(self.prefix))
 
     @property
     def cumulative(self) -> float:
@@ -63,6 +85,8 @@ class Choice:
 
     @property
     def reason(self) -> str:
+        if self.echo_only:
+            return "length"
         return "stop" if self.text.stopped is not None else self.run.reason or "length"
 
 
@@ -138,6 +162,48 @@ class LogprobShape:
                 "top_logprobs": [] if lp is None else [
                     {"token": (alt := self.text(t)), "logprob": v, "bytes": list(alt.encode())}
                     for t, v in lp[1][:self.top]]}
+
+
+async def prompt_logprobs_of(run: Completion) -> list[Logprobs | None]:
+    """The prompt's log probabilities that *run*'s instance computed (``prompt_logprobs`` of ``GET {instance}sessions/
+    {id}``, docs/wire.md "Prompt log probabilities"), asked again until ``failover_timeout_ms`` while they are not
+    there (a run resumed elsewhere computes them again). 503 when they do not come."""
+    fe = run.frontend
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + fe.options.failover_timeout_s
+    why = "not computed"
+    while True:
+        try:
+            info = await fe.api.session_run(run.instance, run.session, timeout=fe.options.read_timeout_s)
+        except (TransportError, Problem) as exc:  # e.g. the instance failed: the session is resumed elsewhere
+            why = str(exc)
+        else:
+            values = info.get("prompt_logprobs")
+            if values is not None:
+                return parse_prompt_logprobs(values, len(run.prompt))
+            if info.get("state") in ("done", "failed") and info.get("epoch") == run.relay.epoch:
+                why = f"the run ended without them (state {info.get('state')})"  # a resume that lacked the prompt
+                break
+        if loop.time() >= deadline:
+            break
+        await asyncio.sleep(fe.options.poll_interval_s)
+    log.warning("session %s: no prompt log probabilities from %s: %s", run.session, run.instance, why)
+    raise Overloaded(f"the prompt's log probabilities of session {run.session} are not available; try again")
+
+
+def parse_prompt_logprobs(values: Any, count: int) -> list[Logprobs | None]:
+    """``prompt_logprobs`` of an instance's session: *count* items, null first, then ``[logprob, [[token, logprob],
+    ...]]``."""
+    try:
+        if not isinstance(values, list) or len(values) != count or values[0] is not None:
+            raise ValueError(f"{count} items, the first null")
+        out: list[Logprobs | None] = [None]
+        for value in values[1:]:
+            lp, top = value
+            out.append((float(lp), tuple((int(t), float(v)) for t, v in top)))
+        return out
+    except (TypeError, ValueError) as exc:
+        raise Overloaded(f"the instance's prompt log probabilities do not parse: {exc}") from None
 
 
 def usage(params: Params, choices: Sequence[Choice]) -> dict[str, int]:
@@ -252,7 +318,7 @@ async def generate(request: Request, frontend: Frontend, params: Params, *, chat
     shape = Shape(chat, frontend.model_name, f"{'chatcmpl' if chat else 'cmpl'}-{runs[0].session}")
     choices = [Choice(c.index, run, StopText(frontend.tokenizer, params.stop, params.include_stop),
                       (c.prompt_text if c.prompt_text is not None else frontend.tokenizer.decode(list(c.prompt)))
-                      if params.echo else "")
+                      if params.echo else "", echo_only=params.echo_only)
                for c, run in zip(params.choices, runs, strict=True)]
     merge = Merge(runs)
     gone = asyncio.create_task(disconnected(request))
@@ -260,6 +326,10 @@ async def generate(request: Request, frontend: Frontend, params: Params, *, chat
         first = await merge.next(gone)
         if first is not None and first[0] == "error":
             raise first[2]
+        if params.prompt_logprobs:  # computed before the first token: there now (or soon, at the other choices)
+            found = await asyncio.gather(*(prompt_logprobs_of(c.run) for c in choices))
+            for c, values in zip(choices, found, strict=True):
+                c.prompt_lps = values
     except BaseException as exc:
         gone.cancel()
         await merge.aclose()
@@ -276,7 +346,9 @@ async def generate(request: Request, frontend: Frontend, params: Params, *, chat
         while event is not None:
             kind, i, value = event
             c = choices[i]
-            if kind == "token":
+            if kind == "token" and c.echo_only:
+                pass  # max_tokens 0: the token sampled is not answered
+            elif kind == "token":
                 c.out.append(value[1])
                 c.logprobs.append(value[2])
                 c.parts.append(c.text.add(value[1]))
@@ -301,9 +373,7 @@ async def generate(request: Request, frontend: Frontend, params: Params, *, chat
     body: dict[str, Any] = {
         "id": shape.ident, "object": "chat.completion" if chat else "text_completion", "created": shape.created,
         "model": frontend.model_name,
-        "choices": [shape.whole(c.index, c.prefix + "".join(c.parts), c.reason,
-                                None if lps is None else lps.render(c.out, c.logprobs, len(c.prefix)))
-                    for c in answered],
+        "choices": [shape.whole(c.index, c.prefix + "".join(c.parts), c.reason, c.render(lps)) for c in answered],
         "usage": usage(params, choices),
     }
     if len(answered) == 1:
@@ -324,20 +394,27 @@ async def _stream(request: Request, shape: Shape, params: Params, choices: list[
     lps = None if params.logprobs is None else LogprobShape(choices[0].run.frontend.tokenizer, shape.chat,
                                                             params.logprobs)
     try:
-        for c in choices:  # the role (chat) or the echoed prompt first
-            if shape.chat or c.prefix:
-                yield shape.chunk([shape.delta(c.index, c.prefix if not shape.chat else "", None, role=True)],
-                                  **extra)
+        for c in choices:  # the role (chat) or the echoed prompt first (with its log probabilities)
+            if shape.chat or c.prefix or c.prompt_lps is not None:
+                echoed = None
+                if lps is not None and c.prompt_lps is not None:
+                    echoed = lps.render(c.run.prompt, c.prompt_lps, 0)
+                    c.chars = sum(len(t) for t in echoed["tokens"])
+                yield shape.chunk([shape.delta(c.index, c.prefix if not shape.chat else "", None, role=True,
+                                               logprobs=echoed)], **extra)
         event = first
         while event is not None:
             kind, i, value = event
             c = choices[i]
+            if kind == "token" and c.echo_only:  # max_tokens 0: the token sampled is not answered
+                event = await merge.next(gone)
+                continue
             if kind == "token":
                 index, token, logprobs = value
                 c.out.append(token)
                 c.logprobs.append(logprobs)
                 charge(request, 1)
-                rendered = None if lps is None else lps.render([token], [logprobs], len(c.prefix) + c.chars)
+                rendered = None if lps is None else lps.render([token], [logprobs], c.offset)
                 if rendered is not None and not shape.chat:
                     c.chars += len(rendered["tokens"][0])
                 yield shape.chunk([shape.delta(c.index, c.text.add(token), None, logprobs=rendered)],

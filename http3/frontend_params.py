@@ -10,6 +10,12 @@ with ``top_logprobs``) travel in the session's sampler record to the instance (g
 candidates (at least ``n``, not streamed) are sessions too; the ``n`` with the highest cumulative log probability
 are answered.
 
+``echo`` with ``logprobs`` (completions) also asks for the prompt's log probabilities: the sampler parameter
+``prompt_logprobs`` (vLLM's), which the instance answers in ``GET sessions/{id}`` (docs/wire.md, "Prompt log
+probabilities"); the first prompt token has none (null), as in vLLM and OpenAI's legacy completions. ``max_tokens: 0``
+is allowed with ``echo`` only (the "score this text" call): the session samples one token, which is not answered (as
+vLLM does: KVSP's sessions generate at least one token).
+
 ``stop`` strings are matched in the detokenized text (a match ends the choice with ``finish_reason: "stop"`` and
 cancels its session). ``max_tokens`` absent is 16 (``/v1/completions``) or up to the context (chat); ``null`` is up
 to the context: the model's ``max_position_embeddings`` less the prompt, at most the operator's ``max_tokens``. A
@@ -95,6 +101,8 @@ class Params:
     logprobs: int | None = None  # alternatives per token (completions' logprobs, chat's top_logprobs); None: none
     best_of: int = 1  # candidates per prompt; the n of them with the highest cumulative logprob are answered
     n: int = 1  # choices per prompt
+    echo_only: bool = False  # max_tokens 0 with echo: the prompt is answered, the one token sampled is not
+    prompt_logprobs: bool = False  # echo with logprobs: the prompt tokens' log probabilities are answered too
 
 
 def check_keys(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
@@ -192,8 +200,8 @@ def prompts_of(value: Any, tokenizer: Tokenizer, limits: Limits) -> list[tuple[t
 
 
 def max_tokens_for(body: Mapping[str, Any], name: str, prompt_len: int, default: int | None,
-                   limits: Limits) -> int:
-    """The output limit of one prompt (see the module docstring)."""
+                   limits: Limits, *, minimum: int = 1) -> int:
+    """The output limit of one prompt (see the module docstring); *minimum* 0: ``max_tokens: 0`` (echo only)."""
     room = limits.context - prompt_len
     if room < 1:
         raise InvalidParameter("prompt" if "prompt" in body else "messages",
@@ -205,7 +213,7 @@ def max_tokens_for(body: Mapping[str, Any], name: str, prompt_len: int, default:
             return min(room, limits.max_tokens)
         wanted = default
     else:
-        value = integer(body, name, 1, limits.max_tokens)
+        value = integer(body, name, minimum, limits.max_tokens)
         assert value is not None
         wanted = value
     if prompt_len + wanted > limits.context:
@@ -248,21 +256,23 @@ def common(body: Mapping[str, Any], prompts: Sequence[tuple[tuple[int, ...], str
     if name == "max_completion_tokens" and body.get("max_tokens") is not None:
         raise InvalidParameter("max_tokens", "give max_tokens or max_completion_tokens, not both")
     choices = []
+    echo_only = False
     for p, (tokens, text) in enumerate(prompts):
-        limit = max_tokens_for(body, name, len(tokens), default_max_tokens, limits)
+        limit = max_tokens_for(body, name, len(tokens), default_max_tokens, limits, minimum=0 if echo else 1)
+        if limit == 0:  # echo only: KVSP's sessions generate at least one token; it is not answered (vLLM's way)
+            echo_only, limit = True, 1
         for j in range(best_of):  # candidates j >= n compete for the n choices (their index: p * n + rank)
             choices.append(Choice(p * best_of + j, tokens, text, limit,
                                   None if seed is None else (seed + j) % SEED_MODULUS))
     logprobs = logprobs_of(body, chat=chat)
-    if echo and logprobs is not None:
-        raise InvalidParameter("echo", "echo with logprobs is not supported (the prompt's log probabilities are not "
-                                       "computed)", code="unsupported_parameter")
     extra = sampling(body, limits)
     if logprobs is not None or best_of > n:
         extra["logprobs"] = logprobs or 0
+    if echo and logprobs is not None:  # the echoed prompt's log probabilities (docs/wire.md)
+        extra["prompt_logprobs"] = logprobs
     return Params(tuple(choices), len(prompts), sum(len(t) for t, _ in prompts),
                   1.0 if temperature is None else temperature, top_p, stream, include_usage, echo, user, stop,
-                  include_stop, extra, logprobs, best_of, n)
+                  include_stop, extra, logprobs, best_of, n, echo_only, echo and logprobs is not None)
 
 
 def logprobs_of(body: Mapping[str, Any], *, chat: bool) -> int | None:

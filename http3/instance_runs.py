@@ -85,46 +85,55 @@ class RunPlanner(Generic[P]):
 
     def start(self, session: InstanceSession, prompt: Sequence[int], keyer: BlockKeyer,
               listed: Mapping[bytes, Sequence[str]] | None) -> PlanMaker[P]:
-        """The plan of a start: the prompt's blocks up to the last one found (gaps are recomputed)."""
+        """The plan of a start: the prompt's blocks up to the last one found (gaps are recomputed). A session whose
+        sampler asks for ``prompt_logprobs`` loads nothing: every prompt position is computed (docs/wire.md,
+        "Prompt log probabilities"); the blocks it computes are published as any run's."""
         keys = [bytes(k) for k in session.prompt_blocks]
         tokens = list(prompt)
+        scored = session.prompt_logprobs_asked
 
         async def make(held: list[P]) -> RunPlan[P]:
             b = self.engine.block_tokens
-            usable = min(len(keys), (len(tokens) - 1) // b)
+            usable = 0 if scored is not None else min(len(keys), (len(tokens) - 1) // b)
             inputs = await self.block_inputs(session, keys, usable, listed, held)
             last = max((i for i, x in enumerate(inputs) if x is not None), default=-1)
             blocks = [x if x is not None else nothing() for x in inputs[:last + 1]]
             return RunPlan(tokens=tokens, blocks=blocks, keys=keys, chain=BlockKeyChain(keyer, tokens),
                            chain_first_block=0, sampler=session.sampler(), max_new=session.remaining,
-                           stop=session.stop, load_timeout=self.load_timeout_s, output=list(session.output))
+                           stop=session.stop, load_timeout=self.load_timeout_s, output=list(session.output),
+                           prompt_logprobs=scored)
 
         return make
 
     def resume(self, session: InstanceSession, prompt: Sequence[int] | None, keyer: BlockKeyer) -> PlanMaker[P]:
         """Load the prompt blocks and the generated blocks published before, recompute the rest exactly as the
         first instance computed it (docs/inference.md, "Resume"): the prompt's tail as a prefill chunk, each
-        generated token not covered by a loaded block as a decode step."""
+        generated token not covered by a loaded block as a decode step. A session that asks for
+        ``prompt_logprobs`` and whose resume carries the prompt computes the whole prompt again (and has them
+        again), then decodes its output; without the prompt it goes on without them."""
         async def make(held: list[P]) -> RunPlan[P]:
             b = self.engine.block_tokens
             p = len(session.prompt_blocks)
             tail = list(session.prompt_tail)
             n_prompt = session.prompt_len
+            scored = session.prompt_logprobs_asked if prompt is not None else None
             # without the prompt its complete blocks' tokens are unknown: placeholders, never computed
             seq = (list(prompt) if prompt is not None else [0] * (p * b) + tail) + list(session.output)
             previous = bytes(session.prompt_blocks[-1]) if p else bytes(32)
             generated_keys = BlockKeyChain(keyer, tail + list(session.output), previous=previous).keys
             keys = [bytes(k) for k in session.prompt_blocks] + [bytes(k) for k in generated_keys]
             limit = min(len(keys), (len(seq) - 1) // b)
-            inputs = await self.block_inputs(session, keys, limit, None, held)
+            inputs = await self.block_inputs(session, keys, 0 if scored is not None else limit, None, held)
+            inputs += [None] * (limit - len(inputs))
             for i in range(min(p, limit)):
                 if inputs[i] is None:
                     if prompt is None:
                         await close_all(inputs)
                         raise PrefixUnavailable(f"prompt block {i} is held nowhere and its tokens are unknown "
                                                 f"(the resume carries no prompt)")
-                    inputs[i] = nothing()  # recomputed from the prompt
-            usable = min(p, limit)
+                    if scored is None:
+                        inputs[i] = nothing()  # recomputed from the prompt
+            usable = 0 if scored is not None else min(p, limit)
             while usable < limit and inputs[usable] is not None:
                 usable += 1  # generated blocks up to the first one nobody holds
             await close_all(inputs[usable:])
@@ -135,7 +144,7 @@ class RunPlanner(Generic[P]):
                            chain=chain, chain_first_block=first, replay=seq[end:],
                            must_load=0 if prompt is not None else p, sampler=session.sampler(),
                            max_new=session.remaining, stop=session.stop, load_timeout=self.load_timeout_s,
-                           output=list(session.output))
+                           output=list(session.output), prompt_logprobs=scored)
 
         return make
 
@@ -168,6 +177,8 @@ class RunHooks(Generic[P]):
             where = "resident" if not isinstance(item, AsyncIterable) else \
                 (getattr(item, "transports", None) or ["prefetch"])[0]
             s.block_sources[where] = s.block_sources.get(where, 0) + 1
+        if result.prompt_logprobs is not None:
+            s.prompt_logprobs = list(result.prompt_logprobs)[:s.prompt_len]
         s.phase = Phase.DECODE
         for page in self.held:  # the prefill holds its own references now
             with contextlib.suppress(ValueError):

@@ -95,7 +95,9 @@ class RunPlan(Generic[P]):
     ``replay`` tokens are decoded one by one (a resumed session's generated tokens not covered by loaded blocks:
     decoded as they were first decoded, so their K and V, and the logits after them, are bit-identical), then up to
     ``max_new`` tokens are sampled with ``sampler`` (its state at the first of them). ``chain`` holds the Block Keys
-    of the sequence up to the end of the prefill and names the pages that complete later.
+    of the sequence up to the end of the prefill and names the pages that complete later. With ``prompt_logprobs``
+    the prefill computes every position of ``tokens`` (``blocks`` is empty) and reports each prompt token's log
+    probabilities (:attr:`PrefillOutcome.prompt_logprobs`) before the first token is sampled.
     """
 
     tokens: list[int]
@@ -110,6 +112,7 @@ class RunPlan(Generic[P]):
     load_timeout: float | None = None  # a block still arriving after this long is recomputed
     chain_first_block: int = 0  # the block index of ``chain.keys[0]`` (a resumed session's: after the prompt)
     output: Sequence[int] = ()  # the session's output before the first sampled token (the penalties count it)
+    prompt_logprobs: int | None = None  # compute every prompt token's log probability and this many alternatives
 
 
 Logprobs: TypeAlias = tuple[float, tuple[tuple[int, float], ...]]
@@ -132,6 +135,12 @@ class PrefillOutcome(Protocol):
     @property
     def recomputed_blocks(self) -> Sequence[int]:
         """Inputs that failed and were computed instead."""
+        ...
+
+    @property
+    def prompt_logprobs(self) -> Sequence[Logprobs | None] | None:
+        """When the plan asked for them: per token of the prefill, its :data:`Logprobs` after the tokens before it
+        (None for the first token)."""
         ...
 
 
@@ -220,6 +229,6 @@ class PageHolder(Holder, abc.ABC, Generic[P]):
 
 
 __all__ = [
-    "BlockInput", "InstanceEngine", "LayerSource", "PageCache", "PageHolder", "PrefillOutcome", "PrefixUnavailable",
-    "RunEnd", "RunPlan", "SessionHooks",
+    "BlockInput", "InstanceEngine", "LayerSource", "Logprobs", "PageCache", "PageHolder", "PrefillOutcome",
+    "PrefixUnavailable", "RunEnd", "RunPlan", "SessionHooks",
 ]

@@ -96,7 +96,7 @@ def test_batches_and_n() -> None:
     ({"prompt": "x", "stop_token_ids": 5}, "stop_token_ids", "array"),
     ({"prompt": "x", "stop": [1, 2]}, "stop", "stop_token_ids"),
     ({"prompt": "x", "logprobs": 21}, "logprobs", "[0, 20]"),
-    ({"prompt": "x", "logprobs": 1, "echo": True}, "echo", "echo with logprobs"),
+    ({"prompt": "x", "logprobs": 1, "echo": True, "max_tokens": -1}, "max_tokens", "[0, 40]"),  # 0: echo only
     ({"prompt": "x", "best_of": 2, "n": 3}, "best_of", "at least n"),
     ({"prompt": "x", "best_of": 2, "stream": True}, "best_of", "streamed"),
     ({"prompt": ["a", "b"], "best_of": 5}, "n", "best_of = 10"),

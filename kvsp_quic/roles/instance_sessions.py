@@ -74,6 +74,7 @@ class InstanceSession:
     block_sources: dict[str, int] = field(default_factory=dict)  # loaded blocks by where from ("HTTP/3", ...)
     listeners: list[Callable[[], None]] = field(default_factory=list)
     owner: str | None = None  # the identity that created the session at the PC (None: the PC did not say)
+    prompt_logprobs: list[Logprobs | None] | None = None  # per prompt token, once the prefill computed them
 
     def __post_init__(self) -> None:
         self.acked = self.snapshot_offset = self.base_offset
@@ -92,6 +93,13 @@ class InstanceSession:
     def length(self) -> int:
         """Tokens of the sequence so far (prompt and output)."""
         return self.prompt_len + len(self.output)
+
+    @property
+    def prompt_logprobs_asked(self) -> int | None:
+        """The sampler's ``prompt_logprobs`` (alternatives per prompt token; docs/wire.md, "Prompt log
+        probabilities"), None when it asks for none."""
+        value = self.params.get("prompt_logprobs")
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     @property
     def remaining(self) -> int:
@@ -162,12 +170,17 @@ class InstanceSession:
         self.notify()
 
     def info(self) -> dict[str, Any]:
-        """*(extension)* ``GET sessions/{id}``: where the run stands."""
+        """*(extension)* ``GET sessions/{id}``: where the run stands; with ``prompt_logprobs`` once computed
+        (docs/wire.md, "Prompt log probabilities")."""
         ttft = None if self.first_token_at is None else round((self.first_token_at - self.started_at) * 1000, 3)
-        return {"session": str(self.id), "epoch": self.epoch, "state": self.phase.value, "reason": self.reason,
-                "output_offset": len(self.output), "released": self.releasable(), "prompt_tokens": self.prompt_len,
-                "loaded_blocks": self.loaded_blocks, "computed_tokens": self.recomputed_tokens,
-                "block_sources": dict(self.block_sources), "ttft_ms": ttft}
+        out = {"session": str(self.id), "epoch": self.epoch, "state": self.phase.value, "reason": self.reason,
+               "output_offset": len(self.output), "released": self.releasable(), "prompt_tokens": self.prompt_len,
+               "loaded_blocks": self.loaded_blocks, "computed_tokens": self.recomputed_tokens,
+               "block_sources": dict(self.block_sources), "ttft_ms": ttft}
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = [None if lp is None else [lp[0], [list(pair) for pair in lp[1]]]
+                                      for lp in self.prompt_logprobs]
+        return out
 
     def releasable(self) -> int:
         """Output indices [0, n) may be sent to the front end."""
