@@ -5,8 +5,9 @@ does its I/O: lookups on the Index Service, the requests to instances through an
 hook (a :class:`Starter`; :class:`CommandStarter` runs a command), waiting for an instance to become active, one
 lock per session, the tick loop that starts migrations (at once when a report says an instance failed or
 restarted), suspect reports (a probe of the run, then a migration at once: docs/wire.md, "Suspect reports"), the
-reshard fan-out with its deadline, and the placement timing. It holds no protocol rules: every
-result goes back to the role, which judges it (the outcome types of :mod:`kvsp_quic.roles.controller_sessions`).
+reshard fan-out with its deadline (:mod:`http3.controller_maps`), and the placement timing. It holds no protocol
+rules: every result goes back to the role, which judges it (the outcome types of
+:mod:`kvsp_quic.roles.controller_sessions`).
 
     controller = PlacementController(service, clock=clock, metrics=registry)
     pc = ControllerService(controller, HttpInstanceLink(client), starter=CommandStarter(argv, pc_uri=base_uri))
@@ -25,15 +26,15 @@ import uuid
 from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
 from typing import Any, Protocol
 
+from http3.controller_maps import ShardMaps, why
 from kvsp_quic.auth import Principal
 from kvsp_quic.compat import InstanceState
-from kvsp_quic.problems import BadRequest, NotFound, PlanConflict, Problem, StaleEpoch, Unavailable
+from kvsp_quic.problems import BadRequest, NotFound, Problem, StaleEpoch, Unavailable
 from kvsp_quic.records import (
     CheckpointAck,
     InstanceStatusRecord,
     LookupResponse,
     PrefetchDirective,
-    ReshardCommit,
     SessionCheckpoint,
     ShardMap,
     StateMessage,
@@ -49,7 +50,7 @@ from kvsp_quic.roles.controller_records import (
     SuspectReport,
     Verdict,
 )
-from kvsp_quic.roles.controller_reshard import ReshardContext, ReshardMessage, ReshardOutcome, with_context
+from kvsp_quic.roles.controller_reshard import ReshardContext, ReshardMessage, ReshardOutcome
 from kvsp_quic.roles.controller_sessions import (
     Admitted,
     Assignment,
@@ -143,10 +144,6 @@ class CommandStarter:
 # -- the adapter ----------------------------------------------------------------------------------------------
 
 
-def _why(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
 class Superseded(Exception):
     """With a shared store: the session this replica was placing is gone, or another replica moved it on (a
     higher epoch): this one stands down."""
@@ -173,7 +170,7 @@ class ControllerService:
         self._locks: dict[uuid.UUID, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[bool]] = set()
         self._migrating: set[uuid.UUID] = set()
-        self.map_contexts: dict[str, ReshardContext] = {}  # (extension) per map: what its plans carry as "context"
+        self.maps = ShardMaps(role, link, shared, self.replica)  # the shard maps and their resharding
 
     # -- the shared store (several replicas): read before a decision, write after it ------------------------------
 
@@ -705,7 +702,7 @@ class ControllerService:
                 try:
                     await self.tick_shared()
                 except Exception as exc:  # the store is away: the next tick tries again
-                    log.warning("controller tick failed: %s", _why(exc))
+                    log.warning("controller tick failed: %s", why(exc))
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(interval):
                     await self.kick.wait()
@@ -717,92 +714,20 @@ class ControllerService:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    # -- resharding -----------------------------------------------------------------------------------------------
-
-    async def _pull_map(self, map_id: str) -> None:
-        if self.shared is not None:
-            found = await self.shared.get_map(map_id)
-            if found is not None:
-                self.role.maps[map_id] = found
-            else:
-                self.role.maps.pop(map_id, None)
+    # -- resharding (http3/controller_maps.py) ---------------------------------------------------------------------
 
     async def get_map(self, map_id: str) -> ShardMap:
-        await self._pull_map(map_id)
-        return self.role.shard_map(map_id)
+        return await self.maps.get_map(map_id)
 
     async def has_map(self, map_id: str) -> bool:
-        await self._pull_map(map_id)
-        return map_id in self.role.maps
+        return await self.maps.has_map(map_id)
 
     async def put_map(self, shard_map: ShardMap, context: ReshardContext | None = None) -> ReshardOutcome:
-        if context is not None:
-            self.map_contexts[shard_map.map] = context
-        if self.shared is not None:
-            existing = await self.shared.add_map(shard_map)
-            if existing is not None:
-                self.role.maps[shard_map.map] = existing
-        return self.role.register_map(shard_map)
+        return await self.maps.put_map(shard_map, context)
 
     async def reshard(self, new: ShardMap, deadline_ms: int | None = None,
                       context: ReshardContext | None = None) -> ReshardOutcome:
-        """Move a map from version v to v+1 = ``new.version``: send every member its plan; when all acknowledged
-        (200, after loading their fetch ranges) within the deadline, commit to all members, otherwise abort to
-        all members (the role decides, and keeps the authoritative version). Plans carry the map's *context* (or
-        the one it was registered with at this replica): docs/wire.md "Resharding"."""
-        if context is not None:
-            self.map_contexts[new.map] = context
-        if self.shared is not None:
-            deadline = deadline_ms or self.role.config.reshard_deadline_ms
-            if not await self.shared.lock_map(new.map, self.replica, 3 * deadline + 5000):
-                raise PlanConflict(f"a reshard of map {new.map!r} is in progress")
-            try:
-                await self._pull_map(new.map)
-                return await self._reshard(new, deadline_ms)
-            finally:
-                with contextlib.suppress(Exception):
-                    await self.shared.unlock_map(new.map, self.replica)
-        return await self._reshard(new, deadline_ms)
-
-    async def _reshard(self, new: ShardMap, deadline_ms: int | None) -> ReshardOutcome:
-        round_ = self.role.begin_reshard(new, deadline_ms)
-        everyone = round_.members
-        acknowledged: list[str] = []
-        failed: dict[str, str] = {}
-        undelivered: dict[str, str] = {}
-        try:
-            deadline = round_.deadline_s
-            plans = with_context(round_.plans, self.map_contexts.get(new.map))
-            tasks = {asyncio.create_task(self.link.reshard(i, plans[i], deadline)): i for i in everyone}
-            done, pending = await asyncio.wait(tasks, timeout=deadline, return_when=asyncio.FIRST_EXCEPTION)
-            for task in pending:
-                task.cancel()
-                failed[tasks[task]] = f"no acknowledgement within {round_.deadline_ms} ms"
-            for task in done:
-                exc = task.exception()
-                if exc is None:
-                    acknowledged.append(tasks[task])
-                else:
-                    failed[tasks[task]] = _why(exc)
-            if pending:
-                await asyncio.wait(pending)
-                for task in pending:
-                    if not task.cancelled():
-                        task.exception()  # retrieved: it is reported in failed already
-            message = self.role.decide_reshard(round_, failed)
-            if (self.shared is not None and isinstance(message, ReshardCommit)
-                    and not await self.shared.commit_map(round_.old.version, round_.new)):
-                failed["controller"] = "the map changed at another replica of the PC"
-                self.role.maps[new.map] = round_.old
-                message = self.role.decide_reshard(round_, failed)
-            results = await asyncio.gather(*(self.link.reshard(i, message) for i in everyone),
-                                           return_exceptions=True)
-            for instance, result in zip(everyone, results, strict=True):
-                if isinstance(result, BaseException):
-                    undelivered[instance] = _why(result)
-        finally:
-            self.role.end_reshard(round_)
-        return self.role.reshard_outcome(round_, acknowledged, failed, undelivered)
+        return await self.maps.reshard(new, deadline_ms, context)
 
 
 __all__ = ["CommandStarter", "ControllerService", "InstanceLink", "Starter"]
