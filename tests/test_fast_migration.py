@@ -19,7 +19,6 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,6 @@ from kvsp_quic.problems import BadRequest
 from kvsp_quic.roles.controller_records import SuspectReport, Verdict
 from quic.tls import TlsFiles
 from tests.helpers import Process
-from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
 
 pytest.importorskip("torch", reason="the gpu extra (torch) is not installed")
 
@@ -50,23 +48,6 @@ class Bytes:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(ids).decode("latin-1")
-
-
-@pytest.fixture
-def redis_url(tmp_path: Path) -> Iterator[str]:
-    if REDIS_SERVER is None:
-        pytest.skip(SKIP_REASON)
-    with RedisServer.start(tmp_path / "redis") as server:
-        yield server.url
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Process]]:
-    started: list[Process] = []
-    yield started
-    for proc in reversed(started):
-        err = proc.stop()
-        assert "Traceback" not in err, err
 
 
 def files_of(ready: dict[str, Any]) -> TlsFiles:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,16 +22,6 @@ from tests.helpers import Process
 from tests.test_fast_migration import active, files_of, keyer_of, start_instances, tiny_model
 
 pytest.importorskip("torch", reason="the gpu extra (torch) is not installed")
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Process]]:
-    started: list[Process] = []
-    yield started
-    for proc in reversed(started):
-        if proc.proc.poll() is None:
-            err = proc.stop()
-            assert "Traceback" not in err, err
 
 
 async def test_an_index_without_the_instances_descriptor_warns_and_one_with_it_estimates(

@@ -18,7 +18,6 @@ import re
 import signal
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,30 +32,12 @@ from kvsp_quic.keys import BlockKeyer
 from kvsp_quic.records import Sampler, SessionCheckpoint
 from quic.tls import TlsFiles
 from tests.helpers import Process
-from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
 
 GREEDY = Sampler("greedy", 0, 0, True)
 
 
 def files_of(ready: dict[str, Any]) -> TlsFiles:
     return TlsFiles(Path(ready["ca"]), Path(ready["client_cert"]), Path(ready["client_key"]))
-
-
-@pytest.fixture
-def redis_url(tmp_path: Path) -> Iterator[str]:
-    if REDIS_SERVER is None:
-        pytest.skip(SKIP_REASON)
-    with RedisServer.start(tmp_path / "redis") as server:
-        yield server.url
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Process]]:
-    started: list[Process] = []
-    yield started
-    for proc in reversed(started):
-        err = proc.stop()
-        assert "Traceback" not in err, err
 
 
 def text_of(response: Response) -> str:

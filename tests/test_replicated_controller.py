@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,19 +44,13 @@ from kvsp_quic.storage.memory_index import MemoryIndexStore
 from kvsp_quic.storage.redis_control import RedisControlStore
 from kvsp_quic.storage.redis_index import RedisIndexStore
 from tests.pki import make_pki
-from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
+from tests.redis_server import REDIS_SERVER, SKIP_REASON
 from tests.test_controller_app import BLOCK, FakeInstance, checkpoint, session_body
 from tests.test_index import C1, S1
 
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason=SKIP_REASON)
 
 NAMES = ("pc1", "pc2", "ia", "ic", "h1")
-
-
-@pytest.fixture
-def redis_url(tmp_path: Path) -> Iterator[str]:
-    with RedisServer.start(tmp_path / "redis") as server:
-        yield server.url
 
 
 @dataclass

@@ -15,7 +15,6 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +34,6 @@ pytest.importorskip("torch", reason="the gpu extra (torch) is not installed")
 
 PROMPT = [(7 * i + 3) % 256 for i in range(24)]  # 6 blocks of 4 tokens
 B = 4
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Process]]:
-    started: list[Process] = []
-    yield started
-    for proc in reversed(started):
-        err = proc.stop()
-        assert "Traceback" not in err, err
 
 
 async def published_at(api: KvspApi, index: str, keyer: BlockKeyer, keys: list[BlockKey], holder: str) -> None:

@@ -9,7 +9,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,17 +112,6 @@ def dead_uri() -> str:
 
 def files_of(ready: dict[str, Any]) -> TlsFiles:
     return TlsFiles(Path(ready["ca"]), Path(ready["client_cert"]), Path(ready["client_key"]))
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Process]]:
-    started: list[Process] = []
-    yield started
-    for proc in reversed(started):
-        if proc.proc.poll() is None:
-            os.kill(proc.proc.pid, signal.SIGCONT)
-        err = proc.stop()
-        assert "Traceback" not in err, err
 
 
 async def until(check: Callable[[], Awaitable[bool]], timeout: float, what: str) -> float:
