@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import math
 import re
 import struct
 import uuid
@@ -51,8 +52,13 @@ def loads_json(body: bytes | str, path: str = "", *, max_depth: int = MAX_JSON_D
     too_deep = _depth_over(body, max_depth)
     if too_deep:
         raise fail(path, f"not valid JSON here: nested more than {max_depth} arrays or objects deep")
+    text, raw = _unicode(body, path)
+    # Integers of up to 18 digits are in range: only a document with a longer run of digits has its integers checked
+    # one by one (a Python call per integer would triple the cost of a long token list).
+    parse_int = _bounded_int if raw.translate(_DIGITS).find(_LONG_RUN) >= 0 else None
     try:
-        return json.loads(body, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants,
+                          parse_float=_finite_float, parse_int=parse_int)
     except RecordError:
         raise
     except (ValueError, UnicodeDecodeError) as exc:
@@ -80,6 +86,56 @@ def _depth_over(body: bytes | str, max_depth: int) -> bool:
         elif c in b"]}":
             depth -= 1
     return False
+
+
+# Numbers a peer may send: integers our encoder (orjson) can write back, 64-bit signed or unsigned, and finite
+# numbers. Python's parser reads any integer (up to 4300 digits) and turns 1e400 into infinity; either would be
+# accepted and then fail -- a 500 -- when the record is written again (a replica record in a lookup answer).
+JSON_INT_MIN, JSON_INT_MAX = -(1 << 63), (1 << 64) - 1
+_DIGITS = bytes(0x39 if 0x30 <= i <= 0x39 else 0x20 for i in range(256))  # every digit -> "9", the rest -> " "
+_LONG_RUN = b"9" * 19
+
+
+def _bounded_int(text: str) -> int:
+    value = int(text) if len(text) <= 21 else None
+    if value is None or not JSON_INT_MIN <= value <= JSON_INT_MAX:
+        raise fail("", f"the number {text[:24]}{'...' if len(text) > 24 else ''} is out of range "
+                       f"(integers are 64-bit)")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (math.inf, -math.inf):
+        raise fail("", f"the number {text[:24]}{'...' if len(text) > 24 else ''} is out of range")
+    return value
+
+
+# An escaped backslash, a surrogate pair, or one surrogate alone (the only match of six characters).
+_ESCAPE_RE = re.compile(r"\\\\|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+                        r"|\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _unicode(body: bytes | str, path: str) -> tuple[str, bytes]:
+    """The text of *body*: UTF-8 (RFC 8259, 8.1; a leading BOM is ignored) with no lone surrogate, raw or escaped
+    (``"\\ud800"``), and its octets. Python's parser takes both (it decodes octets with ``surrogatepass``, and guesses
+    UTF-16 and UTF-32 too) and makes strings no UTF-8 encoder writes back: a record holding one could not be sent
+    again."""
+    if isinstance(body, str):
+        text = body
+        try:
+            raw = text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise fail(path, "not valid JSON here: a string holds a lone UTF-16 surrogate") from None
+    else:
+        raw = bytes(body)
+        try:
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            raise fail(path, f"not valid JSON here: not UTF-8 ({exc.reason} at octet {exc.start})") from None
+    if "\\u" in text and any(m.end() - m.start() == 6 for m in _ESCAPE_RE.finditer(text)):
+        raise fail(path, "not valid JSON here: a string holds a lone UTF-16 surrogate (RFC 8259, 8.2)")
+    return text, raw
 
 
 def loads_object(body: bytes | str, path: str = "") -> dict[str, Any]:
