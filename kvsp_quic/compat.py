@@ -67,13 +67,39 @@ PRIVATE_CODECS = range(0xFF00, 0x10000)
 
 
 def codec_known(value: int) -> bool:
+    """Whether this implementation can decode codec *value*: a registered codec it implements, or Private Use."""
     return value in Codec._value2member_map_ or value in PRIVATE_CODECS
 
 
+def codec_value(value: int) -> bool:
+    """Whether *value* may appear as a codec in a peer's record: any 16-bit value but 0x0000 (Reserved: never a
+    codec, so a malformed value, as for the holder's ``codec=`` parameter).
+
+    Spec, "KVSP Registries": the registries are extensible (Specification Required), so a peer running a newer
+    registry may name a codec this implementation does not know (issue 13): such a record is kept, never refused;
+    whether its blocks can be used is :func:`codec_known`'s question, asked by whoever decodes them."""
+    return 0 < value <= 0xFFFF
+
+
 STORAGE_TIERS = ("device", "host", "local-storage", "remote-memory", "remote-storage")
+STORAGE_TIER_SET = frozenset(STORAGE_TIERS)
+
+# A name a registry may hold (spec, "KVSP Registries": "names are lowercase ASCII"; the Codecs registry spells the
+# syntax out: lowercase ASCII letters, digits and "-", at most 32 characters). Tiers and codecs names share it;
+# docs/wire.md records that a tier name outside it is refused as malformed, one inside it kept even if unknown.
+REGISTRY_NAME_RE = re.compile(r"[a-z][a-z0-9-]{0,31}")
+
+
+def registry_name(text: str) -> bool:
+    """Whether *text* has the syntax of a KVSP registry name (:data:`REGISTRY_NAME_RE`), known or not."""
+    return REGISTRY_NAME_RE.fullmatch(text) is not None
 
 
 class InstanceState(enum.Enum):
+    """The "KVSP Instance States" registry, kept a closed set on purpose (issue 13): unlike a tier or a codec, a
+    state is acted on (placement, drain, sleep, resume), and guessing what an unknown one means could place
+    sessions on an instance that refuses them, so a record carrying one is refused (400), never half-read."""
+
     ACTIVE = "active"
     DRAINING = "draining"
     SLEEPING = "sleeping"

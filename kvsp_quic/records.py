@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Self
 import orjson
 
 from kvsp_quic import fields as f
-from kvsp_quic.compat import STORAGE_TIERS, InstanceState, codec_known
+from kvsp_quic.compat import STORAGE_TIER_SET, InstanceState, codec_value, registry_name
 from kvsp_quic.fields import BlockKey, CompatId, RecordError, ScopeId
 from kvsp_quic.keys import holder_id
 
@@ -177,17 +177,27 @@ def _any_base_uri(value: Any, path: str) -> str:
 
 
 def _codec(value: Any, path: str) -> int:
+    """A codec value: any of the 16-bit registry's but the Reserved 0x0000, known or not (issue 13: the registry is
+    extensible; :func:`kvsp_quic.compat.codec_known` tells whether this implementation decodes it)."""
     code = f.integer(value, path, minimum=0, maximum=0xFFFF)
-    if not codec_known(code):
-        raise f.fail(path, f"codec {code} is not in the KVSP Codecs registry")
+    if not codec_value(code):
+        raise f.fail(path, "codec 0 is Reserved in the KVSP Codecs registry")
     return code
 
 
 def _tier(value: Any, path: str) -> str:
+    """A tier name: any name of registry syntax (:data:`kvsp_quic.compat.REGISTRY_NAME_RE`), known or not (issue 13:
+    the Storage Tiers registry is extensible; an unknown tier is kept with its layers, and ranks after every known
+    tier: :data:`kvsp_quic.retrieval_plan.TIER_ORDER`)."""
     text = f.string(value, path)
-    if text not in STORAGE_TIERS:
-        raise f.fail(path, f"{text!r} is not in the KVSP Storage Tiers registry ({', '.join(STORAGE_TIERS)})")
+    _check_tier(text, path)
     return text
+
+
+def _check_tier(text: str, path: str) -> None:
+    if text not in STORAGE_TIER_SET and not registry_name(text):
+        raise f.fail(path, f"{text[:40]!r} is not a Storage Tiers name (lowercase ASCII letters, digits and '-', "
+                           f"starting with a letter, at most 32 characters)")
 
 
 def _check_disjoint(ranges: list[tuple[int, int, int]], label: Callable[[int], str], inclusive: bool,
@@ -312,9 +322,21 @@ def decode_moqt_namespace(text: str, path: str = "moqt_namespace") -> tuple[byte
 
 @dataclass(frozen=True)
 class ResidencyEntry(Record):
+    """One entry of a Replica Record's ``residency``. ``tier`` may name a tier outside today's registry (a peer's
+    newer registry): it is kept as written (issue 13; :func:`_tier`)."""
+
     tier: str = wire(_tier)
     layers: TokenRange = wire(_inclusive_range)
     read_mbit_per_s: int | None = wire(f.positive, default=None)
+
+    def check(self) -> None:
+        if self.tier not in STORAGE_TIER_SET:  # built in code with a name the reader did not see
+            _check_tier(self.tier, "tier")
+
+    @property
+    def tier_known(self) -> bool:
+        """Whether ``tier`` is in this implementation's KVSP Storage Tiers registry."""
+        return self.tier in STORAGE_TIER_SET
 
 
 @dataclass(frozen=True)
@@ -332,6 +354,8 @@ class ReplicaRecord(Record):
     moqt_namespace: str | None = wire(f.string, default=None)
 
     def check(self) -> None:
+        if isinstance(self.codec, bool) or not isinstance(self.codec, int) or not codec_value(self.codec):
+            raise RecordError(f"codec: {self.codec!r} is not a codec value (1-65535; 0 is Reserved)")
         if not self.residency:
             raise RecordError("residency: must list at least one tier")
         residency = self.residency

@@ -160,13 +160,14 @@ INVALID = [
     (r.ReplicaRecord, replica_json(), ["holder"], "https://h1.example/kvsp", "must end with '/'"),
     (r.ReplicaRecord, replica_json(), ["holder"], "https:///x/", "no host"),
     (r.ReplicaRecord, replica_json(), ["holder"], "https://h/?q=1", "no query"),
-    (r.ReplicaRecord, replica_json(), ["codec"], 2, "codec: codec 2 is not in the KVSP Codecs"),
+    (r.ReplicaRecord, replica_json(), ["codec"], 0, "codec: codec 0 is Reserved"),  # 2: kept (issue 13)
+    (r.ReplicaRecord, replica_json(), ["codec"], 0x10000, "codec: must be <= 65535"),
     (r.ReplicaRecord, replica_json(), ["size"], -1, "size: must be >= 0"),
     (r.ReplicaRecord, replica_json(), ["ttl_ms"], 0, "ttl_ms: must be >= 1"),
     (r.ReplicaRecord, replica_json(), ["ttl_ms"], 1.5, "ttl_ms: must be an integer"),
     (r.ReplicaRecord, replica_json(), ["digest"], "sha-256:" + "0" * 64, "not the SHA-256 of the concatenated"),
     (r.ReplicaRecord, replica_json(), ["residency"], [], "residency: must not be empty"),
-    (r.ReplicaRecord, replica_json(), ["residency", 0, "tier"], "gpu", "Storage Tiers registry"),
+    (r.ReplicaRecord, replica_json(), ["residency", 0, "tier"], "GPU", "not a Storage Tiers name"),  # "gpu": kept
     (r.ReplicaRecord, replica_json(), ["residency", 0, "layers"], [3, 2], "range [3, 2] is empty"),
     (r.ReplicaRecord, replica_json(), ["residency", 0, "layers"], [0, 1, 2], "two integers"),
     (r.ReplicaRecord, replica_json(), ["residency", 1, "layers"], [15, 31], "overlap"),

@@ -20,7 +20,14 @@ The body encoding (:func:`pack_body` / :func:`unpack_body`) is what both backend
 fields they keep apart (Block Key, scope, compat, holder, expiry): ``<HBBQ`` codec, residency count, flags, size;
 the replica digest (32 octets, only without layer digests -- with them it is their SHA-256 and is recomputed);
 per residency entry ``<BIIQ`` tier index, first layer, last layer, read rate (0 = none); then, by flag, ``<I``
-count + the raw layer digests, and ``<H`` length + the UTF-8 MOQT namespace.
+count + the raw layer digests, ``<H`` length + the UTF-8 MOQT namespace, and the names of unknown tiers.
+
+Extension values (issue 13: the KVSP registries are extensible, so a newer holder may publish values this Index
+Service does not know, and a newer client may use them): any codec fits the ``<H`` as it is; a tier outside
+:data:`~kvsp_quic.compat.STORAGE_TIERS` is stored as the escape index 255 in its residency entry, and its name
+(registry syntax: at most 32 ASCII octets, checked by the record's reader) follows at the end of the body as
+``<B`` length + the name, one per escaped entry in residency order, flagged by ``_FLAG_TIER_NAMES``. Records
+with known tiers only are packed exactly as before the escape existed.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import orjson
 
-from kvsp_quic.compat import STORAGE_TIERS
+from kvsp_quic.compat import STORAGE_TIER_SET, STORAGE_TIERS
 from kvsp_quic.records import ReplicaRecord, ResidencyEntry
 
 
@@ -81,7 +88,9 @@ _U32 = struct.Struct("<I")
 _U16 = struct.Struct("<H")
 _FLAG_LAYER_DIGESTS = 1
 _FLAG_MOQT = 2
+_FLAG_TIER_NAMES = 4  # some residency entry names a tier outside STORAGE_TIERS (index _TIER_ESCAPE)
 _TIER_INDEX = {name: i for i, name in enumerate(STORAGE_TIERS)}
+_TIER_ESCAPE = 255
 _RESIDENCY_CACHE_MAX = 4096
 _residency_cache: dict[bytes, tuple[ResidencyEntry, ...]] = {}
 
@@ -93,12 +102,13 @@ def _digests_struct(n: int) -> struct.Struct:
 
 def pack_body(record: ReplicaRecord) -> bytes:
     """Everything of *record* but block_key, compat_id, scope_id, holder and ttl_ms, packed."""
+    unknown = [r.tier.encode("ascii") for r in record.residency if r.tier not in STORAGE_TIER_SET]
     flags = (_FLAG_LAYER_DIGESTS if record.layer_digests is not None else 0) | (
-        _FLAG_MOQT if record.moqt_namespace is not None else 0)
+        _FLAG_MOQT if record.moqt_namespace is not None else 0) | (_FLAG_TIER_NAMES if unknown else 0)
     parts = [_HEAD.pack(record.codec, len(record.residency), flags, record.size)]
     if record.layer_digests is None:
         parts.append(record.digest)
-    parts.extend(_RES.pack(_TIER_INDEX[r.tier], r.layers[0], r.layers[1], r.read_mbit_per_s or 0)
+    parts.extend(_RES.pack(_TIER_INDEX.get(r.tier, _TIER_ESCAPE), r.layers[0], r.layers[1], r.read_mbit_per_s or 0)
                  for r in record.residency)
     if record.layer_digests is not None:
         parts.append(_U32.pack(len(record.layer_digests)))
@@ -107,7 +117,24 @@ def pack_body(record: ReplicaRecord) -> bytes:
         ns = record.moqt_namespace.encode("utf-8")
         parts.append(_U16.pack(len(ns)))
         parts.append(ns)
+    for name in unknown:  # registry syntax: 1-32 ASCII octets (ResidencyEntry's check)
+        parts.append(bytes((len(name),)))
+        parts.append(name)
     return b"".join(parts)
+
+
+def _tier_names(body: bytes, pos: int, res_raw: bytes) -> list[str]:
+    """Per residency entry of *res_raw*, its tier name: from STORAGE_TIERS, or for the escape index the next name
+    of the section :func:`pack_body` wrote at *pos*."""
+    names: list[str] = []
+    for t, *_rest in _RES.iter_unpack(res_raw):
+        if t == _TIER_ESCAPE:
+            n = body[pos]
+            names.append(body[pos + 1:pos + 1 + n].decode("ascii"))
+            pos += 1 + n
+        else:
+            names.append(STORAGE_TIERS[t])
+    return names
 
 
 def _read_head(body: bytes, offset: int, digest: bytes | None) -> tuple[int, int, int, bytes | None, bytes, int]:
@@ -131,8 +158,9 @@ def unpack_body(body: bytes, block_key: bytes, scope_id: bytes, compat_id: bytes
     and the encoding round-trips exactly (tests/test_index.py checks that against the validated constructor).
     """
     codec, flags, size, digest, res_raw, end = _read_head(body, offset, digest)
-    residency = _residency_cache.get(res_raw)
-    if residency is None:
+    named = flags & _FLAG_TIER_NAMES
+    residency = None if named else _residency_cache.get(res_raw)
+    if residency is None and not named:
         residency = tuple(ResidencyEntry(STORAGE_TIERS[t], (a, b), r or None)
                           for t, a, b, r in _RES.iter_unpack(res_raw))
         if len(_residency_cache) < _RESIDENCY_CACHE_MAX:
@@ -151,6 +179,10 @@ def unpack_body(body: bytes, block_key: bytes, scope_id: bytes, compat_id: bytes
         (n,) = _U16.unpack_from(body, pos)
         pos += 2
         moqt_namespace = body[pos:pos + n].decode("utf-8")
+        pos += n
+    if residency is None:  # unknown tiers: their names follow (never cached: the packed entries do not name them)
+        residency = tuple(ResidencyEntry(name, (a, b), r or None) for name, (_t, a, b, r)
+                          in zip(_tier_names(body, pos, res_raw), _RES.iter_unpack(res_raw), strict=True))
     record = _new(ReplicaRecord)
     _set(record, "block_key", block_key)
     _set(record, "compat_id", compat_id)
@@ -178,11 +210,10 @@ def render_into(parts: list[bytes], body: bytes, head: bytes, ttl_ms: int, offse
     holder (``{"block_key":"..","compat_id":"..","scope_id":"..","holder":".."``), *digest* as for unpack_body.
     In pieces: a lookup joins its whole answer once."""
     codec, flags, size, digest, res_raw, end = _read_head(body, offset, digest)
-    residency = _residency_json_cache.get(res_raw)
-    if residency is None:
-        residency = orjson.dumps([{"tier": STORAGE_TIERS[t], "layers": [a, b]} if not r else
-                                  {"tier": STORAGE_TIERS[t], "layers": [a, b], "read_mbit_per_s": r}
-                                  for t, a, b, r in _RES.iter_unpack(res_raw)])
+    named = flags & _FLAG_TIER_NAMES
+    residency = None if named else _residency_json_cache.get(res_raw)
+    if residency is None and not named:
+        residency = _residency_json(STORAGE_TIERS, res_raw)
         if len(_residency_json_cache) < _RESIDENCY_CACHE_MAX:
             _residency_json_cache[res_raw] = residency
     pos = end
@@ -196,6 +227,13 @@ def render_into(parts: list[bytes], body: bytes, head: bytes, ttl_ms: int, offse
             digest = hashlib.sha256(raw).digest()
         layers = raw.hex(",", 32).replace(",", '","').encode()
     assert digest is not None
+    moqt = None
+    if flags & _FLAG_MOQT:
+        (n,) = _U16.unpack_from(body, pos)
+        moqt = body[pos + 2:pos + 2 + n].decode("utf-8")
+        pos += 2 + n
+    if residency is None:  # unknown tiers: their names follow the namespace (never cached)
+        residency = _residency_json(_tier_names(body, pos, res_raw), res_raw)
     parts.append(head)
     parts.append(b',"codec":%d,"size":%d,"digest":"sha-256:%s","residency":%s,"ttl_ms":%d' % (
         codec, size, digest.hex().encode(), residency, ttl_ms))
@@ -203,10 +241,20 @@ def render_into(parts: list[bytes], body: bytes, head: bytes, ttl_ms: int, offse
         parts.append(b',"layer_digests":["')
         parts.append(layers)
         parts.append(b'"]')
-    if flags & _FLAG_MOQT:
-        (n,) = _U16.unpack_from(body, pos)
-        parts.append(b',"moqt_namespace":' + orjson.dumps(body[pos + 2:pos + 2 + n].decode("utf-8")))
+    if moqt is not None:
+        parts.append(b',"moqt_namespace":' + orjson.dumps(moqt))
     parts.append(b"}")
+
+
+def _residency_json(names: Sequence[str], res_raw: bytes) -> bytes:
+    """The ``residency`` array of packed entries *res_raw*, tier names by index (*names*: STORAGE_TIERS, or one name
+    per entry from :func:`_tier_names`)."""
+    if names is STORAGE_TIERS:
+        rows = [(STORAGE_TIERS[t], a, b, r) for t, a, b, r in _RES.iter_unpack(res_raw)]
+    else:
+        rows = [(name, a, b, r) for name, (_t, a, b, r) in zip(names, _RES.iter_unpack(res_raw), strict=True)]
+    return orjson.dumps([{"tier": name, "layers": [a, b]} if not r else
+                         {"tier": name, "layers": [a, b], "read_mbit_per_s": r} for name, a, b, r in rows])
 
 
 def unchecked_replica(**values: Any) -> ReplicaRecord:
