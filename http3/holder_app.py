@@ -94,14 +94,17 @@ async def serve_block_get(holder: ServedHolder, principal: Principal, path: tupl
 async def serve_block_put(holder: ServedHolder, principal: Principal, path: tuple[str, str, str],
                           headers: list[tuple[bytes, bytes]], receive: Receive, send: Send,
                           query_string: bytes = b"") -> tuple[int, int]:
-    """``PUT blocks/{compat}/{scope}/{block_key}[?chain=<hex32>&position=<i>]``: the body fed chunk by chunk into
-    the holder's incremental decoder; 201 with the Replica Record. Returns (octets received, octets sent); (n, 0)
-    when the client left. ``chain`` and ``position`` declare where the block sits in its token sequence (K[0] and
-    i), for prefix-aware eviction (docs/wire.md, "Holder")."""
+    """``PUT blocks/{compat}/{scope}/{block_key}[?layers=a-b][&chain=<hex32>&position=<i>]``: the body fed chunk by
+    chunk into the holder's incremental decoder; 201 with the Replica Record. Returns (octets received, octets
+    sent); (n, 0) when the client left. The container may hold a layer range of the block (its header names it;
+    ``layers``, optional, must then name the same range). ``chain`` and ``position`` declare where the block sits
+    in its token sequence (K[0] and i), for prefix-aware eviction (docs/wire.md, "Holder")."""
     compat, scope_id, key = _block_ids(path)
-    position = None
+    position = layers = None
     if query_string:
-        position = parse_position(dict(parse_qsl(query_string.decode("latin-1"), keep_blank_values=True)), key)
+        query = dict(parse_qsl(query_string.decode("latin-1"), keep_blank_values=True))
+        position = parse_position(query, key)
+        layers = parse_layers(query["layers"]) if "layers" in query else None
     content_type = declared = if_none_match = None
     for name, value in headers:
         if name == b"content-type" and content_type is None:
@@ -117,6 +120,7 @@ async def serve_block_put(holder: ServedHolder, principal: Principal, path: tupl
         raise ContentTooLarge(f"the request body of {declared} octets exceeds the limit of {limit}")
     upload = holder.begin_store(principal, compat, scope_id, key, if_none_match)
     upload.position = position
+    upload.layers = layers
     received = 0
     while True:
         message = await receive()

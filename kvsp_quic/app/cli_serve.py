@@ -72,6 +72,9 @@ def add_commands(sub: Any) -> None:
     holder.add_argument("--local-capacity", type=size, metavar="SIZE", help="local-storage capacity (default 10GiB)")
     holder.add_argument("--encryption-key-file", type=Path, metavar="FILE",
                         help="AES-256-GCM at rest for local storage: 32 raw octets or 64 hex characters")
+    holder.add_argument("--mac-key-file", type=Path, metavar="FILE",
+                        help="the key authenticating unencrypted local-storage files (HMAC-SHA-256), outside DIR; "
+                             "created 0600 when missing (default: DIR.mac-key)")
     holder.add_argument("--replica-ttl-ms", type=int, metavar="MS", help="TTL of published replicas (default 300000)")
     holder.add_argument("--eviction", metavar="NAME",
                         help="eviction policy: prefix (default: the deepest blocks of the coldest chains first), lru, "
@@ -378,11 +381,14 @@ def cmd_holder(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
     if args.local_storage is not None:
-        overrides["local_storage"] = LocalStorageSection(
-            path=args.local_storage, capacity=args.local_capacity or 10 << 30,
-            encryption_key_file=args.encryption_key_file)
-    elif args.local_capacity is not None or args.encryption_key_file is not None:
-        raise ConfigError("--local-capacity and --encryption-key-file need --local-storage DIR")
+        try:
+            overrides["local_storage"] = LocalStorageSection(
+                path=args.local_storage, capacity=args.local_capacity or 10 << 30,
+                encryption_key_file=args.encryption_key_file, mac_key_file=args.mac_key_file)
+        except ValueError as exc:
+            raise ConfigError(f"--local-storage: {exc}") from None
+    elif args.local_capacity is not None or args.encryption_key_file is not None or args.mac_key_file is not None:
+        raise ConfigError("--local-capacity, --encryption-key-file and --mac-key-file need --local-storage DIR")
     cfg = dataclasses.replace(cfg, holder=replace(section, "holder", **overrides), **_server_overrides(cfg, args))
     _logging(args.log_level)
     event_loop.run(run_holder(cfg, dev_dir=args.dev, policy_path=args.policy), cfg.server.event_loop)

@@ -142,9 +142,23 @@ class IndexFile(ServerFile):
 
 @dataclass(frozen=True)
 class LocalStorageSection(LocalStorageOptions):
-    """``[holder.local_storage]``: the tier's options, and the file of its encryption key."""
+    """``[holder.local_storage]``: the tier's options, and the file of its key: with *encryption_key_file* files
+    are AES-256-GCM sealed; otherwise each carries an HMAC-SHA-256 under the key in *mac_key_file* (created 0600
+    when missing; default: ``<path>.mac-key`` beside the directory), and a file not sealed under it is never
+    adopted or served (``kvsp_quic.storage.file_seal``)."""
 
     encryption_key_file: Path | None = None  # 32 raw octets, or 64 hex characters: AES-256-GCM at rest
+    mac_key_file: Path | None = None  # 32 raw octets, or 64 hex characters: HMAC-SHA-256 of unencrypted files
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.mac_key_file is not None:
+            if self.encryption_key_file is not None:
+                raise ValueError("mac_key_file: not with encryption_key_file (AES-GCM authenticates the files)")
+            key, directory = Path(os.path.abspath(self.mac_key_file)), Path(os.path.abspath(self.path))
+            if key == directory or directory in key.parents:
+                raise ValueError("mac_key_file: must lie outside the storage directory (whoever can drop files "
+                                 "there must not reach the key)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -314,8 +314,9 @@ async def run_holder(cfg: HolderFile, *, dev_dir: Path | None, policy_path: Path
     local = None
     if section.local_storage is not None:
         ls = section.local_storage
-        local = LocalStorageConfig(**options_of(ls, LocalStorageOptions),
-                                   encryption_key=_read_key(ls.encryption_key_file))
+        encryption_key = _read_key(ls.encryption_key_file)
+        local = LocalStorageConfig(**options_of(ls, LocalStorageOptions), encryption_key=encryption_key,
+                                   mac_key=_mac_key(ls) if encryption_key is None else None)
     workers = section.workers or os.cpu_count() or 1
     prepared = prepare("holder", cfg.server, cfg.tls, cfg.transport, dev_dir=dev_dir, policy_path=policy_path,
                        reuse_port=workers > 1)
@@ -617,6 +618,23 @@ def _read_key(path: Path | None) -> bytes | None:
     if len(raw) == 32:
         return raw
     raise ConfigError(f"encryption key {os.fspath(path)!r}: expected 32 raw octets or 64 hex characters")
+
+
+def _mac_key(ls: Any) -> bytes:
+    """The key sealing a holder's unencrypted local-storage files: ``mac_key_file``, by default beside the
+    directory; created 0600 with a random key when missing (``kvsp_quic.storage.file_seal``)."""
+    from kvsp_quic.storage.file_seal import KeyFileError, default_key_file, load_or_create_key
+
+    try:
+        path = ls.mac_key_file or default_key_file(ls.path)
+        key, created = load_or_create_key(path, fsync=ls.fsync)
+    except KeyFileError as exc:
+        raise ConfigError(f"holder.local_storage.mac_key_file: {exc}") from None
+    if created:
+        log.warning(
+            "local-storage: created the MAC key %s%s; block files not sealed under it are refused", path,
+            "" if ls.mac_key_file else " (no mac_key_file configured: beside the directory)")
+    return key
 
 
 # -- helpers -----------------------------------------------------------------------------------------------------

@@ -4,8 +4,10 @@ Plain objects with an injected monotonic clock (seconds); no HTTP, no asyncio. `
 requests into calls on :class:`Holder`; ``http3/publisher.py`` drains the :class:`ReplicaOutbox` to the Index
 Service and drives the holder's timers (:meth:`Holder.tick`). docs/wire.md ("Holder") records the decisions:
 
-* a holder stores **complete blocks** only (layers 0..layers-1 of the descriptor, ``block_tokens`` tokens), so
-  every replica has all its layer digests and a replica digest; any inclusive layer range of it can be served;
+* a holder stores complete blocks and **layer ranges** of blocks (``block_tokens`` tokens; the container's First
+  Layer and Layer Count name the layers, issue 13); a replica's record states the layers it holds in its
+  residency, and lists one layer digest per layer of the block, 32 zero octets for layers it does not hold; any
+  inclusive range of the layers it holds can be served, others are 404 ``kvsp-layers-unavailable``;
 * ``PUT`` requires ``If-None-Match: *`` (else 428); an existing replica gives 412 and is kept;
 * ``GET`` with ``codec=n`` other than the stored codec gives 406: this holder does not transcode;
 * every stored block is a replica, published when stored (and when it moves between tiers, since its residency
@@ -31,14 +33,11 @@ import uuid
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 from kvsp_quic.auth import Principal, require_scope
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.container import (
-    ENTRY,
-    FIXED_HEADER,
-    ContainerDecoder,
     ContainerHeader,
     EncodedContainer,
     GeometryMismatch,
@@ -57,6 +56,7 @@ from kvsp_quic.records import LeaseRenewal, LeaseRequest, LeaseResponse, Replica
 from kvsp_quic.repr_digest import format_repr_digest
 from kvsp_quic.roles.holder_outbox import Intent, IntentKind, ReplicaOutbox
 from kvsp_quic.roles.holder_requests import check_put, descriptor_of, layer_range
+from kvsp_quic.roles.holder_upload import BlockUpload  # (re-exported: imported from here by holder_worker)
 from kvsp_quic.roles.leases import LeaseLimits, LeaseTable
 from kvsp_quic.storage.journal import ReplicaJournal
 from kvsp_quic.storage.tiers import (
@@ -174,81 +174,6 @@ class Fetched:
         return format_repr_digest(self.repr_digest)
 
 
-class BlockUpload:
-    """One PUT body on its way in: fed chunk by chunk into the incremental decoder, which copies each octet
-    once, into the buffer the replica will be served from (the container header is written in front of it)."""
-
-    def __init__(self, holder: Holder | Any, block: BlockId, descriptor: CompatDescriptor, *,
-                 owner: str | None = None, position: ChainPosition | None = None) -> None:
-        self._holder = holder  # a Holder, or a worker's HolderWorker (the same _allocate_upload and _commit)
-        self.block = block
-        self.position = position  # where the block sits in its chain, as the client declared it
-        self.owner = owner  # the principal whose storage quota the upload counts against (None: none)
-        self._release: Callable[[], Any] | None = None  # returns the quota reserved for the upload
-        self._descriptor = descriptor
-        self._head_size = FIXED_HEADER.size + ENTRY.size * descriptor.layers  # a complete block's header
-        self._buffer: memoryview | None = None
-        self._allocation: Any = None  # a shared host tier's Allocation, when the octets go there
-        me = weakref.ref(self)  # not self._allocate: a cycle would keep the buffer exported until a full collection
-        self._decoder = ContainerDecoder(descriptor, allocate=lambda size: cast(BlockUpload, me())._allocate(size),
-                                         max_data=holder.settings.max_block_bytes - self._head_size)
-        self._checked = False
-        self.received = 0
-
-    def _allocate(self, size: int) -> memoryview:
-        reserve = getattr(self._holder, "reserve_upload", None)
-        if reserve is not None and self.owner is not None:  # before a single octet is allocated (507 if over)
-            self._release = reserve(self, self.owner, self._head_size + size)
-        self._buffer, self._allocation = self._holder._allocate_upload(self._descriptor.layers,
-                                                                       self._head_size + size)
-        return self._buffer[self._head_size:]
-
-    def _check_complete(self, header: ContainerHeader) -> None:
-        if header.first_layer != 0 or header.layer_count != self._descriptor.layers:
-            raise GeometryMismatch(f"the container holds layers {header.first_layer}-{header.last_layer}; this "
-                                   f"holder stores complete blocks (layers 0-{self._descriptor.layers - 1})")
-        self._checked = True
-
-    def feed(self, data: Any) -> None:
-        """More body octets; raises ContainerError (400) as soon as they cannot be a valid block."""
-        self.received += len(data)
-        try:
-            self._decoder.feed(data)
-            if not self._checked and self._decoder.header is not None:
-                self._check_complete(self._decoder.header)
-        except BaseException:
-            self.abort()
-            raise
-
-    def abort(self) -> None:
-        """The upload will not complete: give back the quota it reserved now (otherwise, when it is collected)."""
-        if self._release is not None:
-            self._release()
-
-    def finish(self) -> ReplicaRecord:
-        """The body is complete: store the block and return its Replica Record (as published)."""
-        try:
-            header = self._decoder.finish()
-            if not self._checked:
-                self._check_complete(header)
-        except BaseException:
-            self.abort()
-            raise
-        assert self._buffer is not None and header.size == self._head_size
-        self._buffer[:self._head_size] = header.pack()
-        try:
-            if self._release is not None:
-                self._release()  # the replica itself counts from now on
-            extra: dict[str, Any] = {"owner": self.owner} if self.owner is not None else {}
-            if self.position is not None:
-                extra["position"] = self.position
-            return self._holder._commit(self.block, header, tuple(self._decoder.layer_digests), self._buffer,
-                                        self._allocation, **extra)
-        finally:
-            if self._allocation is not None:
-                self._allocation.discard()
-
-
 # -- The role --------------------------------------------------------------------------------------------------------
 
 
@@ -327,8 +252,8 @@ class Holder:
     def _record(self, block: BlockId, rep: Replica, now: float) -> ReplicaRecord:
         tier = self.storage.tier_of(block)
         assert tier is not None
-        layers = len(rep.meta.layer_digests)
-        residency = (ResidencyEntry(tier=tier.name, layers=(0, layers - 1),
+        header = rep.meta.header  # the layers stored: all of the block's, or a range of them
+        residency = (ResidencyEntry(tier=tier.name, layers=(header.first_layer, header.last_layer),
                                     read_mbit_per_s=self._rates.get(tier.name)),)
         return ReplicaRecord(
             block_key=BlockKey(block.block_key), compat_id=CompatId(block.compat_id),
@@ -527,7 +452,7 @@ class Holder:
               layers: tuple[int, int] | None = None, codec: int | None = None) -> Fetched:
         """GET blocks/{compat}/{scope}/{block_key}[?layers=a-b][&codec=n]."""
         rep, tier, container = self._read(principal, compat_id, scope_id, block_key, layers, codec)
-        if container.header.first_layer == 0 and container.header.layer_count == len(rep.meta.layer_digests):
+        if container.header == rep.meta.header:  # the stored container: its digest is computed once
             if rep.repr_digest is None:
                 rep.repr_digest = container.repr_digest()
             digest = rep.repr_digest
@@ -738,8 +663,8 @@ class Holder:
             meta.header.validate(descriptor)
         except GeometryMismatch as exc:
             return f"does not match its descriptor: {exc.detail}"
-        if meta.header.first_layer != 0 or meta.header.layer_count != descriptor.layers:
-            return "not a complete block"
+        if len(meta.layer_digests) != descriptor.layers:  # a complete block or a layer range of one (issue 13)
+            return f"lists {len(meta.layer_digests)} layer digests for a block of {descriptor.layers} layers"
         return None
 
     # -- leases -------------------------------------------------------------------------------------------------

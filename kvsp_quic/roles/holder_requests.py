@@ -1,7 +1,7 @@
 """What a holder checks of a request before it touches its store, shared by the holder
 (:mod:`kvsp_quic.roles.holder`) and its worker processes (:mod:`kvsp_quic.roles.holder_worker`): the PUT
-preconditions, the descriptor of a Compatibility ID, the layer range and codec of a GET, and the query
-parameters (``layers``, ``codec``, ``chain`` / ``position``)."""
+preconditions and the layer range a PUT stores, the descriptor of a Compatibility ID, the layer range and codec of
+a GET, and the query parameters (``layers``, ``codec``, ``chain`` / ``position``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 
 from kvsp_quic.auth import Principal, require_scope
 from kvsp_quic.compat import CompatDescriptor
+from kvsp_quic.container import GeometryMismatch
 from kvsp_quic.problems import BadRequest, Incompatible, LayersUnavailable, NotAcceptable, PreconditionRequired
 from kvsp_quic.storage.tiers import BlockId, BlockMeta, ChainPosition
 
@@ -34,16 +35,28 @@ def check_put(principal: Principal, descriptor_of: Callable[[bytes], CompatDescr
 
 def layer_range(meta: BlockMeta, layers: tuple[int, int] | None, codec: int | None) -> tuple[int, int]:
     """The inclusive layer range a read of the block *meta* serves: the codec must be the stored one (406: no
-        transcoding), the range inside the replica's layers (416)."""
+    transcoding), the range inside the layers the replica holds (404 ``kvsp-layers-unavailable``; spec, "Block
+    Retrieval and Storage": "a holder that does not hold those layers returns 404"). Without *layers*, the
+    stored container: every layer of a complete block, the stored range of a partial replica (it is the
+    replica)."""
     if codec is not None and codec != meta.header.codec:
         raise NotAcceptable(f"the replica is stored with codec {meta.header.codec}; this holder does not transcode")
-    count = len(meta.layer_digests)
-    first, last = layers if layers is not None else (0, count - 1)
+    held = meta.header.first_layer, meta.header.last_layer
+    first, last = layers if layers is not None else held
     if first > last:
         raise BadRequest(f"layers {first}-{last}: the first layer is after the last")
-    if last >= count:
-        raise LayersUnavailable(f"layers {first}-{last} requested; the replica holds layers 0-{count - 1}")
+    if first < held[0] or last > held[1]:
+        raise LayersUnavailable(f"layers {first}-{last} requested; the replica holds layers {held[0]}-{held[1]}")
     return first, last
+
+
+def check_stored_range(held: tuple[int, int], declared: tuple[int, int] | None) -> None:
+    """A PUT stores the inclusive layer range *held* its container's header names (First Layer, Layer Count;
+    checked against the descriptor's layers by the decoder): a complete block or any range of its layers (issue
+    13). A PUT that names the range too (``?layers=a-b``, optional) must name exactly those layers (else 400)."""
+    if declared is not None and declared != held:
+        raise GeometryMismatch(f"layers={declared[0]}-{declared[1]} was declared; the container holds layers "
+                               f"{held[0]}-{held[1]}")
 
 
 def parse_layers(text: str) -> tuple[int, int]:
@@ -85,4 +98,5 @@ def _is_decimal(text: str) -> bool:
     return text.isascii() and text.isdigit() and (text == "0" or not text.startswith("0")) and len(text) <= 10
 
 
-__all__ = ["check_put", "descriptor_of", "layer_range", "parse_codec", "parse_layers", "parse_position"]
+__all__ = ["check_put", "check_stored_range", "descriptor_of", "layer_range", "parse_codec", "parse_layers",
+           "parse_position"]

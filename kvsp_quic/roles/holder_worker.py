@@ -119,7 +119,7 @@ class HolderWorker:
         block, meta, tier, data, stored_at = self._find(principal, compat_id, scope_id, block_key)
         first, last = layer_range(meta, layers, codec)
         container = cut(data, first, last, layer_digests=meta.layer_digests)
-        if first == 0 and last == len(meta.layer_digests) - 1:
+        if (first, last) == (meta.header.first_layer, meta.header.last_layer):  # the stored container
             digest = self._digests.get(block)
             if digest is None:
                 digest = self._digests[block] = container.repr_digest()

@@ -94,7 +94,7 @@ class Allocation:
             _link_unnamed(self.fd, final)
 
     def stage(self, meta: BlockMeta) -> str:
-        """Give the complete block a temporary name for the primary to adopt; returns that name."""
+        """Give the complete upload a temporary name for the primary to adopt; returns that name."""
         self._write_head(meta)
         name = f"{STAGED_PREFIX}{secrets.token_hex(8)}"
         _link_unnamed(self.fd, self.directory / name)
@@ -166,7 +166,8 @@ class SharedHostTier(Tier):
         return self.directory / block_file_name(block)
 
     def allocate(self, layers: int, container_size: int) -> Allocation:
-        """A mapped buffer for an upload of a complete block with *layers* layers (see :class:`Allocation`)."""
+        """A mapped buffer for an upload of a block with *layers* layers (see :class:`Allocation`): the file header
+        lists that many layer digests, the container may hold all of them or a layer range (issue 13)."""
         alloc = Allocation(self.directory, layers, container_size)
         self._pending[id(alloc.map)] = alloc
         return alloc

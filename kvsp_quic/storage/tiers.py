@@ -22,24 +22,23 @@ Local storage writes each block atomically (a temporary file in the same directo
 renamed over the final name) and checks every read: the file's header must name the block, the container must
 parse to the recorded header and every layer must match its recorded digest; anything else is a
 :class:`TierFault` (the caller drops the block). With an AES-256-GCM key the container is encrypted at rest
-with a random 96-bit nonce per file and the file header (block identity and layer digests) as associated data.
-On restart :meth:`LocalStorageTier.scan` verifies every file and returns the blocks that can be served again.
+with a random 96-bit nonce per file and the file header (block identity and layer digests) as associated data;
+without one, every file carries an HMAC-SHA-256 under the holder's MAC key (``kvsp_quic.storage.file_seal``), so
+a file planted in the directory, or copied from another holder, is never adopted or served. On restart
+:meth:`LocalStorageTier.scan` verifies every file and returns the blocks that can be served again.
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
-import hashlib
 import logging
 import os
 import re
 import stat
-import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -57,6 +56,22 @@ from kvsp_quic.storage.eviction import LruPolicy as LruPolicy
 from kvsp_quic.storage.eviction import PrefixPolicy as PrefixPolicy
 from kvsp_quic.storage.eviction import eviction_policy as eviction_policy
 from kvsp_quic.storage.eviction import register_eviction_policy as register_eviction_policy
+from kvsp_quic.storage.file_seal import _FILE_HEADER as _FILE_HEADER
+from kvsp_quic.storage.file_seal import FLAG_ENCRYPTED as FLAG_ENCRYPTED
+from kvsp_quic.storage.file_seal import FLAG_MAC as FLAG_MAC
+from kvsp_quic.storage.file_seal import (
+    FileFormatError,
+    KeyFileError,
+    default_key_file,
+    load_or_create_key,
+    pack_head,
+    seal,
+    seal_holds,
+    unpack_head,
+)
+from kvsp_quic.storage.file_seal import FileHead as FileHead
+from kvsp_quic.storage.file_seal import file_header_size as file_header_size
+from kvsp_quic.storage.file_seal import key_id as key_id
 
 log = logging.getLogger("kvsp.tiers")
 
@@ -64,19 +79,48 @@ HOST = "host"
 LOCAL_STORAGE = "local-storage"
 
 
+UNKNOWN_DIGEST = bytes(32)  # the layer digest of a layer a partial replica does not hold (issue 13)
+
+
+def block_layer_digests(layers: int, first_layer: int, held: Sequence[bytes]) -> tuple[bytes, ...]:
+    """The layer digests of a block of *layers* layers, by absolute layer, as a replica holding *held* (the digests
+    of layers *first_layer*, *first_layer* + 1, ...) knows them: :data:`UNKNOWN_DIGEST` for every other layer."""
+    if first_layer < 0 or first_layer + len(held) > layers:
+        raise ValueError(f"layers {first_layer}-{first_layer + len(held) - 1} are not within 0-{layers - 1}")
+    return (UNKNOWN_DIGEST,) * first_layer + tuple(held) + (UNKNOWN_DIGEST,) * (layers - first_layer - len(held))
+
+
+def digests_fit(header: ContainerHeader, digests: Sequence[bytes]) -> bool:
+    """Whether *digests* (by absolute layer) are those of a replica whose container has *header*: they reach its
+    last layer, and every layer outside it is :data:`UNKNOWN_DIGEST`."""
+    if header.last_layer >= len(digests):
+        return False
+    return all(d == UNKNOWN_DIGEST for i, d in enumerate(digests)
+               if not header.first_layer <= i <= header.last_layer)
+
+
 @dataclass(frozen=True)
 class BlockMeta:
-    """What a tier keeps beside a block's octets."""
+    """What a tier keeps beside a block's octets. A replica of a layer range (``header.first_layer`` /
+    ``layer_count`` not the whole block) keeps the digests of the block's other layers as :data:`UNKNOWN_DIGEST`
+    (:func:`block_layer_digests`), so that ``layer_digests`` is always indexed by absolute layer and lists every
+    layer of the block, as a Replica Record's does."""
 
     id: BlockId
     header: ContainerHeader
-    layer_digests: tuple[bytes, ...]  # raw 32-octet layer digests, by absolute layer (first_layer is 0)
+    layer_digests: tuple[bytes, ...]  # raw 32-octet layer digests, by absolute layer, one per layer of the block
     size: int  # octets of the container
 
     @property
     def digest(self) -> bytes:
-        """The replica digest: SHA-256 over the concatenated layer digests."""
+        """The replica digest: SHA-256 over the concatenated layer digests (for a layer range, with the unknown
+        ones as 32 zero octets: the digest of the replica as stored, docs/wire.md "Holder")."""
         return replica_digest(self.layer_digests)
+
+    @property
+    def complete(self) -> bool:
+        """Whether the container holds every layer of the block."""
+        return self.header.first_layer == 0 and self.header.layer_count == len(self.layer_digests)
 
 
 class TierFault(Exception):
@@ -214,17 +258,13 @@ class HostTier(Tier):
             self.pool.give(buf, self.free)
 
 
-# Local-storage file: fixed header, layer digests, then the container (plain) or nonce || AES-GCM(container).
-FILE_MAGIC = b"KVSPTIER"
-FILE_VERSION = 1
-FLAG_ENCRYPTED = 0x01
-_FILE_HEADER = struct.Struct(">8sBB2x8s32s16s32sI")  # magic, version, flags, key id, compat, scope, key, layers
+# Local-storage file (``kvsp_quic.storage.file_seal``): header (MAC slot included), layer digests, then the
+# container (plain, sealed by the MAC) or nonce || AES-GCM(container).
 NONCE_SIZE = 12
 TAG_SIZE = 16
 SUFFIX = ".kvb"
 _NAME_RE = re.compile(r"([0-9a-f]{64})\.([0-9a-f]{32})\.([0-9a-f]{64})\.kvb")
 _TMP_MARK = ".tmp-"
-_KEY_ID_LABEL = b"KVSP-TIER-KEY-ID\x00"
 
 
 def block_file_name(block: BlockId) -> str:
@@ -233,45 +273,17 @@ def block_file_name(block: BlockId) -> str:
 
 
 def pack_file_header(meta: BlockMeta, flags: int = 0, kid: bytes = bytes(8)) -> bytes:
-    """A block file's header: fixed part, then the layer digests (what follows is the container, or its
-    encryption)."""
-    head = _FILE_HEADER.pack(FILE_MAGIC, FILE_VERSION, flags, kid, meta.id.compat_id, meta.id.scope_id,
-                             meta.id.block_key, len(meta.layer_digests))
-    return head + b"".join(meta.layer_digests)
-
-
-def file_header_size(layers: int) -> int:
-    return _FILE_HEADER.size + 32 * layers
-
-
-class FileHead(NamedTuple):
-    flags: int
-    key_id: bytes
-    block: BlockId
-    layer_digests: tuple[bytes, ...]
-    size: int  # octets of the header with its digests: where the container (or its encryption) starts
+    """A block file's header: fixed part (MAC slot zero), then the layer digests (what follows is the container,
+    or its encryption); ``file_seal.seal`` fills the MAC slot in."""
+    return pack_head(meta.id, meta.layer_digests, flags, kid)
 
 
 def unpack_file_header(view: memoryview, block: BlockId) -> FileHead:
     """The header of a block file expected to hold *block*; :class:`TierFault` when it is not one."""
-    if len(view) < _FILE_HEADER.size:
-        raise TierFault(block, f"file of {len(view)} octets is shorter than its header")
-    magic, version, flags, kid, compat, scope, key, count = _FILE_HEADER.unpack_from(view)
-    if magic != FILE_MAGIC or version != FILE_VERSION:
-        raise TierFault(block, "not a block file (magic or version)")
-    if BlockId(compat, scope, key) != block:
-        raise TierFault(block, "the file names another block")
-    head_len = file_header_size(count)
-    if len(view) < head_len:
-        raise TierFault(block, "file is shorter than its layer digests")
-    digests = tuple(bytes(view[i:i + 32]) for i in range(_FILE_HEADER.size, head_len, 32))
-    return FileHead(flags, bytes(kid), block, digests, head_len)
-
-
-def key_id(key: bytes) -> bytes:
-    """8 octets naming an encryption key in file headers (so a file under another key is recognised, not
-    mistaken for tampering)."""
-    return hashlib.sha256(_KEY_ID_LABEL + key).digest()[:8]
+    try:
+        return unpack_head(view, block)
+    except FileFormatError as exc:
+        raise TierFault(block, exc.reason) from None
 
 
 @dataclass(frozen=True)
@@ -293,14 +305,20 @@ class LocalStorageOptions:
 
 @dataclass(frozen=True)
 class LocalStorageConfig(LocalStorageOptions):
-    """The ``local-storage`` tier of a holder: its options and the key it encrypts with."""
+    """The ``local-storage`` tier of a holder: its options and its key. With an *encryption_key* files are
+    AES-256-GCM sealed; otherwise each file carries an HMAC-SHA-256 under *mac_key* (``file_seal``), and when
+    that is None too, under the key in the file beside the directory (``file_seal.default_key_file``, created
+    0600 on first use): a file that does not verify under the key is never adopted or served."""
 
     encryption_key: bytes | None = field(default=None, repr=False)  # 32 octets: AES-256-GCM at rest
+    mac_key: bytes | None = field(default=None, repr=False)  # 32 octets: HMAC-SHA-256 of unencrypted files
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.encryption_key is not None and len(self.encryption_key) != 32:
             raise ValueError("local-storage encryption_key must be 32 octets (AES-256-GCM)")
+        if self.mac_key is not None and len(self.mac_key) != 32:
+            raise ValueError("local-storage mac_key must be 32 octets (HMAC-SHA-256)")
 
 
 @dataclass(frozen=True)
@@ -325,7 +343,20 @@ class LocalStorageTier(Tier):
         self._random = random
         self._shadows: set[BlockId] = set()  # files of blocks a faster tier holds (write-through), not counted
         self._aead = AESGCM(config.encryption_key) if config.encryption_key is not None else None
-        self._key_id = key_id(config.encryption_key) if config.encryption_key is not None else bytes(8)
+        self._mac_key = None if self._aead is not None else config.mac_key or self._default_mac_key()
+        self._key_id = key_id(config.encryption_key or self._mac_key or b"")
+
+    def _default_mac_key(self) -> bytes:
+        """The key in the file beside the directory, created on first use (no key configured)."""
+        try:
+            path = default_key_file(self.directory)
+            key, created = load_or_create_key(path, fsync=self.config.fsync)
+        except KeyFileError as exc:
+            raise ValueError(f"local-storage: no MAC key configured, and the default one fails: {exc}") from None
+        if created:
+            log.warning("local-storage: no MAC key configured (mac_key_file): created %s; block files are sealed "
+                        "under it, and files not sealed under it are never adopted", path)
+        return key
 
     # -- layout ---------------------------------------------------------------------------------------------------
 
@@ -333,7 +364,7 @@ class LocalStorageTier(Tier):
         return self.directory / block_file_name(block)
 
     def _file_header(self, meta: BlockMeta) -> bytes:
-        return pack_file_header(meta, FLAG_ENCRYPTED if self._aead is not None else 0, self._key_id)
+        return pack_file_header(meta, FLAG_ENCRYPTED if self._aead is not None else FLAG_MAC, self._key_id)
 
     def footprint(self, meta: BlockMeta) -> int:
         extra = NONCE_SIZE + TAG_SIZE if self._aead is not None else 0
@@ -350,6 +381,8 @@ class LocalStorageTier(Tier):
             nonce = self._random(NONCE_SIZE)
             payload: list[bytes | memoryview] = [nonce, self._aead.encrypt(nonce, data, head)]
         else:
+            assert self._mac_key is not None
+            head = seal(self._mac_key, head, data)
             payload = [data]
         self._write_atomically(self.path_of(meta.id), [head, *payload])
 
@@ -432,7 +465,8 @@ class LocalStorageTier(Tier):
                 if not n:
                     raise TierFault(block, f"file ended after {got} of {size} octets")
                 got += n
-        flags, kid, _block, digests, head_len = unpack_file_header(view, block)
+        head = unpack_file_header(view, block)
+        flags, kid, digests, head_len = head.flags, head.key_id, head.layer_digests, head.size
         body = view[head_len:]
         if flags & FLAG_ENCRYPTED:
             if self._aead is None or kid != self._key_id:
@@ -445,10 +479,19 @@ class LocalStorageTier(Tier):
             except InvalidTag:
                 raise TierFault(block, "AES-GCM authentication failed (tampered or corrupted)") from None
             return digests, memoryview(plain)
-        if flags:
+        if flags & ~FLAG_MAC:
             raise TierFault(block, f"unknown flags 0x{flags:02x}")
         if self._aead is not None:
             raise _Foreign("stored in plain text, but encryption at rest is configured")
+        # The MAC covers the headers; the layer digests it covers are checked against the body by _verify, which
+        # every caller runs next (file_seal's docstring: why that is sound).
+        if not flags & FLAG_MAC:
+            raise TierFault(block, "no MAC: not written by this holder (planted, or by another program); refused")
+        if kid != self._key_id:
+            raise _Foreign("sealed under another MAC key (another holder's, or before a key change)")
+        assert self._mac_key is not None
+        if not seal_holds(self._mac_key, view[:head_len], body):
+            raise TierFault(block, "MAC check failed (planted, tampered or corrupted): refused")
         return digests, body
 
     def read_file(self, block: BlockId) -> tuple[BlockMeta, memoryview]:
@@ -467,7 +510,7 @@ class LocalStorageTier(Tier):
             header, _layers = decode(container, expected_layer_digests=digests)
         except (ContainerError, DigestMismatch) as exc:
             raise TierFault(block, f"verification failed: {exc.detail}") from None
-        if header.first_layer != 0 or header.layer_count != len(digests):
+        if not digests_fit(header, digests):  # (a layer range: the other layers' digests are UNKNOWN_DIGEST)
             raise TierFault(block, "the container does not hold the layers its digests list")
         if meta is not None and header != meta.header:
             raise TierFault(block, "the container header differs from the recorded one")
@@ -483,8 +526,10 @@ class LocalStorageTier(Tier):
         eviction policy where each recovered block sits in its chain, when known.
 
         A file is adopted only when it is a regular file owned by this process's user (made 0600 if it was not),
-        its header names the block its file name names, and its container verifies against the layer digests
-        of its header (and, with a key, decrypts: AES-GCM authenticates the header too)."""
+        its header names the block its file name names, it is authenticated under this tier's key (the MAC of
+        ``file_seal``, or AES-GCM, which authenticates the header too), and its container verifies against the
+        layer digests of its header. A file without a MAC, with a wrong one or of format version 1 is deleted
+        (logged at WARNING, listed in *dropped*); one under another key is left alone (logged, *ignored*)."""
         recovered: list[tuple[float, BlockMeta]] = []
         dropped: list[tuple[str, str]] = []
         ignored: list[tuple[str, str]] = []
@@ -518,11 +563,12 @@ class LocalStorageTier(Tier):
                 meta = BlockMeta(block, header, data[0], len(container))
                 mtime = path.stat().st_mtime
             except _Foreign as exc:
+                log.warning("local-storage: not adopting %s (left alone): %s", name, exc)
                 ignored.append((name, str(exc)))
                 continue
             except (TierFault, OSError) as exc:
                 reason = exc.reason if isinstance(exc, TierFault) else str(exc)
-                log.warning("local-storage: dropping %s: %s", name, reason)
+                log.warning("local-storage: dropping %s (deleted): %s", name, reason)
                 with contextlib.suppress(OSError):
                     path.unlink()
                 dropped.append((name, reason))
