@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import weakref
 from collections.abc import AsyncIterator, Sequence
 
 from kvsp_moqt.tracks import (
@@ -40,7 +41,7 @@ from kvsp_quic.problems import Incompatible, LayersUnavailable, NotFound, ScopeD
 from kvsp_quic.records import ReplicaRecord
 from kvsp_quic.roles.holder import Holder
 from moqt import events as ev
-from moqt.aio import MoqtApp, MoqtConnection, MoqtPool, moqt_handlers
+from moqt.aio import MoqtApp, MoqtConnection, MoqtPool, PeerLimits, moqt_handlers
 from moqt.errors import MoqtUsageError
 from moqt.events import FetchRequested
 from moqt.requests import SessionConfig
@@ -62,42 +63,77 @@ class HolderTracks(MoqtApp):
     a reader role (else UNAUTHORIZED) and authorized for the scope in the namespace (UNAUTHORIZED, checked before
     anything about the block is looked at); a track this holder does not publish -- another holder-id, a compat_id,
     block or codec it does not hold, a name that is no KVSP track -- is TRACK_DOES_NOT_EXIST (draft 14) /
-    DOES_NOT_EXIST (draft 18); a range outside the block is INVALID_RANGE. The objects are written from views of
-    the stored container (K then V of each layer; nothing joined), ascending, with send backpressure.
+    DOES_NOT_EXIST (draft 18); a range outside the layers held is INVALID_RANGE (a replica of a layer range -- issue
+    13 -- has the objects of those layers only, with their layer numbers as object ids; its SUBSCRIBE_OK's Largest
+    Location is its last layer, and the End of Group marker is sent only when that is the block's last). The
+    objects are written from views of the stored container (K then V of each layer; nothing joined), ascending,
+    with send backpressure.
+
+    Issue 13: at most *max_in_flight* FETCHes of one principal are served at once (each can hold a send buffer of
+    octets); more are refused with EXCESSIVE_LOAD and a retry hint (:mod:`moqt.aio.limits`). After a reload of
+    the policy, a session whose identity lost the reader role, or every scope it read, is closed (:meth:`recheck`).
     """
 
-    def __init__(self, holder: Holder, policy: Policy, *, readers: Sequence[Role] = READERS) -> None:
+    def __init__(self, holder: Holder, policy: Policy, *, readers: Sequence[Role] = READERS,
+                 max_in_flight: int = 256) -> None:
         self.holder = holder
         self.policy = policy
         self.readers = tuple(readers)
         self.holder_id = uri_holder_id(holder.base_uri)
         self.metrics: collections.Counter[str] = collections.Counter()
+        self.limits = PeerLimits(max_in_flight=max_in_flight)
+        self._scopes: weakref.WeakKeyDictionary[MoqtConnection, set[bytes]] = weakref.WeakKeyDictionary()
+
+    def recheck(self, conn: MoqtConnection) -> str | None:
+        principal = self.policy.principal(conn.peer_identity)
+        if principal is None or not principal.has_role(*self.readers):
+            return f"identity {conn.peer_identity!r} may not read blocks any more"
+        scopes = self._scopes.get(conn)
+        if scopes and not any(principal.has_scope(scope) for scope in scopes):
+            return f"identity {principal.identity!r} lost every scope it read"
+        return None
 
     async def fetch(self, conn: MoqtConnection, request: FetchRequested) -> None:
+        slot = self.limits.acquire(conn)
+        if slot is None:
+            self.metrics["limit_refused"] += 1
+            self.limits.refuse(conn, request.request_id, "FETCH")
+            return
+        try:
+            await self._fetch(conn, request)
+        finally:
+            slot.release()
+
+    async def _fetch(self, conn: MoqtConnection, request: FetchRequested) -> None:
         draft, rid = conn.draft, request.request_id
         target = request.target
-        container = self._replica(conn, rid, request.namespace, request.track_name)
-        if container is None:
+        found = self._replica(conn, rid, request.namespace, request.track_name)
+        if found is None:
             return
-        header = container.header
+        container, block_layers = found
+        header = container.header  # the layers held: the whole block, or a layer range of it (issue 13)
         if isinstance(target, JoiningFetch):
             # A joining FETCH of one of our subscriptions (the session names its track): from its start group to
-            # the Joining Location, the SUBSCRIBE_OK's Largest Location (0, last layer) -- the whole block.
+            # the Joining Location, the SUBSCRIBE_OK's Largest Location (0, last layer held) -- all we hold.
             if target.absolute and target.start > GROUP:
                 self._refuse(conn, rid, invalid_range(draft), "a KVSP track has group 0 only", "invalid_range")
                 return
-            first, last = 0, header.layer_count - 1
+            first, last = header.first_layer, header.last_layer
         else:
             try:
-                first, last = served_range(target, header.layer_count)
+                first, last = served_range(target, block_layers)
+                if first < header.first_layer or last > header.last_layer:  # never a layer not held here
+                    raise InvalidRange(f"this publisher holds layers {header.first_layer}-{header.last_layer} of "
+                                       f"the block; the fetch asks for {first}-{last}")
             except InvalidRange as exc:
                 self._refuse(conn, rid, invalid_range(draft), str(exc), "invalid_range")
                 return
-        served = conn.accept_fetch(rid, Location(0, last + 1), end_of_track=last == header.layer_count - 1)
-        sections = container.sections  # K0, V0, K1, V1, ... of layers 0..n-1
+        served = conn.accept_fetch(rid, Location(0, last + 1), end_of_track=last == block_layers - 1)
+        sections = container.sections  # K, V of each layer held, from header.first_layer on
         try:
             for layer in range(first, last + 1):
-                await served.write_object(layer, (sections[2 * layer], sections[2 * layer + 1]))
+                i = layer - header.first_layer
+                await served.write_object(layer, (sections[2 * i], sections[2 * i + 1]))
             served.finish()
         except BaseException:
             if conn.closed is None:
@@ -124,26 +160,27 @@ class HolderTracks(MoqtApp):
             super().request(conn, request)
             return
         draft, rid = conn.draft, request.request_id
-        container = self._replica(conn, rid, request.namespace, request.track_name)
-        if container is None:
+        found = self._replica(conn, rid, request.namespace, request.track_name)
+        if found is None:
             return
+        container, block_layers = found
         flt = request.filter
         if flt is not None and flt.type is FilterType.ABSOLUTE_RANGE:
             self._refuse(conn, rid, invalid_range(draft), "a KVSP track is one group, published "
                          "entirely: nothing in a range can still arrive (FETCH it)", "invalid_range")
             return
-        layers = container.header.layer_count
-        largest = Location(GROUP, layers - 1) if layers else None
+        last = container.header.last_layer
         try:
-            conn.session.accept_subscribe(rid, largest=largest, group_order=GroupOrder.ASCENDING)
+            conn.session.accept_subscribe(rid, largest=Location(GROUP, last), group_order=GroupOrder.ASCENDING)
         except MoqtUsageError:  # cancelled meanwhile
             return
-        try:  # the End of Group marker: nothing at or past (0, layers) will ever exist in the group
-            marker = conn.session.open_subgroup(rid, GROUP, 0, priority=128)
-            marker.begin_object(layers, 0, status=ObjectStatus.END_OF_GROUP)
-            marker.finish()
-        finally:
-            conn.flush()
+        if last == block_layers - 1:  # (a replica of layers before the block's last: the group has more objects)
+            try:  # the End of Group marker: nothing at or past (0, layers) will ever exist in the group
+                marker = conn.session.open_subgroup(rid, GROUP, 0, priority=128)
+                marker.begin_object(block_layers, 0, status=ObjectStatus.END_OF_GROUP)
+                marker.finish()
+            finally:
+                conn.flush()
         self.metrics["subscriptions"] += 1
 
     def _refuse(self, conn: MoqtConnection, rid: int, code: int, reason: str, counter: str) -> None:
@@ -151,9 +188,10 @@ class HolderTracks(MoqtApp):
         conn.reject(rid, code, reason.encode())
 
     def _replica(self, conn: MoqtConnection, rid: int, namespace: Namespace,
-                 name: bytes) -> EncodedContainer | None:
-        """The stored container a FETCH or SUBSCRIBE of (*namespace*, *name*) by *conn*'s peer reads, or None
-        once the request is refused (see the class docstring)."""
+                 name: bytes) -> tuple[EncodedContainer, int] | None:
+        """The stored container a FETCH or SUBSCRIBE of (*namespace*, *name*) by *conn*'s peer reads (all the
+        layers this holder has of the block) and the block's layer count, or None once the request is refused
+        (see the class docstring)."""
         draft = conn.draft
         principal = self.policy.principal(conn.peer_identity)
         if principal is None or not principal.has_role(*self.readers):
@@ -170,6 +208,7 @@ class HolderTracks(MoqtApp):
             return None
         try:
             container = self.holder.read(principal, track.compat_id, track.scope_id, track.block_key)
+            block_layers = self.holder.descriptor(track.compat_id).layers
         except ScopeDenied as exc:
             self._refuse(conn, rid, unauthorized(draft), exc.detail, "unauthorized")
             return None
@@ -180,7 +219,8 @@ class HolderTracks(MoqtApp):
             self._refuse(conn, rid, does_not_exist(draft), f"the replica is stored with codec "
                                                            f"{container.header.codec}", "not_found")
             return None
-        return container
+        self._scopes.setdefault(conn, set()).add(track.scope_id)
+        return container, block_layers
 
 
 def holder_moqt_handlers(holder: Holder, policy: Policy, *, config: SessionConfig | None = None,

@@ -16,8 +16,9 @@ Where it is checked:
   place every role app's authentication reads the peer's identity -- answers None (unauthenticated, so 401) for a
   certificate that a CRL loaded in this process revokes (:func:`revoked_in_process`). A CRL is the CA's signed
   statement and is accepted only with a valid signature of a CA in the configured CA file, so honouring it for
-  every server of the process that meets a certificate of that CA is right. An established MOQT session is not
-  rechecked (its identity was fixed at its handshake); it ends at the latest with its connection.
+  every server of the process that meets a certificate of that CA is right.
+* Established MOQT sessions: on a reload, :func:`moqt.aio.revocation.recheck_sessions` closes every session whose
+  peer certificate is now revoked (:func:`pem_revoked_in_process`) with the session error UNAUTHORIZED.
 
 The rules follow OpenSSL's, so that both transports answer alike: with a CRL configured, a peer certificate is
 refused when it is revoked, when the file has no CRL of its issuer, or when that CRL is past its ``nextUpdate``.
@@ -168,9 +169,20 @@ def revoked_in_process(cert: x509.Certificate) -> bool:
     return False
 
 
+def pem_revoked_in_process(pem: str) -> bool:
+    """:func:`revoked_in_process` for a PEM certificate (False when no CRL is loaded, or it cannot be read)."""
+    if not any_active():
+        return False
+    try:
+        cert = x509.load_pem_x509_certificate(pem.encode("ascii"))
+    except ValueError:
+        return False
+    return revoked_in_process(cert)
+
+
 def any_active() -> bool:
     return len(_ACTIVE) > 0
 
 
-__all__ = ["CrlError", "CrlSet", "Revocation", "any_active", "revoked_in_process"]
+__all__ = ["CrlError", "CrlSet", "Revocation", "any_active", "pem_revoked_in_process", "revoked_in_process"]
 

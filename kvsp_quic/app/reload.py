@@ -10,7 +10,11 @@ What a reload reaches (docs/security.md):
   the next request on any connection, new or established, is judged by the new policy;
 * the CRL (:class:`quic.crl.Revocation`): new handshakes over TCP and QUIC, and -- through
   :func:`quic.tls.scope_identity` -- the next HTTP request on a connection established before (a revoked
-  certificate is then unauthenticated: 401). Established MOQT sessions are not rechecked;
+  certificate is then unauthenticated: 401);
+* established MOQT sessions (relay, holder and instance MOQT endpoints; :func:`moqt.aio.recheck_sessions`): each
+  one whose peer certificate is now revoked, or whose identity lost every right it used there (the app's
+  ``recheck``), is closed with the session error UNAUTHORIZED and its QUIC connection with it; one INFO line per
+  session (``... closed after the reload: <why>``) and the count in the INFO line of the reload;
 * worker processes (``holder`` and ``relay`` with ``--workers N``): the primary passes the signal on to each, and
   each reloads its own copy.
 """
@@ -54,8 +58,21 @@ def reload_now(policy: Any, policy_file: Path | None, files: Any,
         revocation.install(crl)
     principals = f"{len(policy)} principals" if policy_file is not None else "unchanged: no policy file"
     revoked = f"{crl.count} revoked" if crl is not None else "none configured"
-    log.info("reloaded policy (%s) and CRL (%s)", principals, revoked)
+    closed = _recheck_moqt_sessions()
+    log.info("reloaded policy (%s) and CRL (%s)%s", principals, revoked,
+             f"; {closed} MOQT session(s) closed" if closed else "")
     return True
+
+
+def _recheck_moqt_sessions() -> int:
+    """Close the MOQT sessions of this process that may no longer be served (moqt.aio.revocation)."""
+    from moqt.aio import recheck_sessions
+
+    try:
+        return recheck_sessions()
+    except Exception:  # never let a reload end the server
+        log.exception("re-checking the MOQT sessions failed")
+        return 0
 
 
 def _signal_workers() -> None:

@@ -40,8 +40,10 @@ Priorities (``OpenStream.priority``) are not applied: aioquic has no stream prio
 The modules: :mod:`moqt.aio.errors` (exceptions), :mod:`moqt.aio.fetches` (:class:`FetchStream`,
 :class:`ServedFetch`, :class:`FetchSink`), :mod:`moqt.aio.connection` (:class:`MoqtApp` and
 :class:`MoqtConnection` with its event table), :mod:`moqt.aio.endpoints` (:func:`moqt_handlers`,
-:func:`connect_moqt`, :class:`MoqtPool`). The QUIC mechanisms they rely on (held octets, the data-stream budget,
-the peer's UDP payload limit) are :class:`quic.connection.KvspQuicConnection`'s.
+:func:`connect_moqt`, :class:`MoqtPool`), :mod:`moqt.aio.limits` (per-principal request bounds,
+:class:`PeerLimits`), :mod:`moqt.aio.revocation` (sessions closed after a reload, :func:`recheck_sessions`).
+The QUIC mechanisms they rely on (held octets, the data-stream budget, the peer's UDP payload limit) are
+:class:`quic.connection.KvspQuicConnection`'s.
 """
 
 from moqt.aio.audit import AUDIT, SessionAudit, reason_label
@@ -63,6 +65,8 @@ from moqt.aio.errors import (
     MoqtStreamError,
 )
 from moqt.aio.fetches import FetchSink, FetchStream, MoqtObject, ServedFetch
+from moqt.aio.limits import PeerLimits, Slot, excessive_load_code, principal_of
+from moqt.aio.revocation import recheck_sessions
 
 __all__ = [
     "AUDIT",
@@ -81,12 +85,17 @@ __all__ = [
     "MoqtSessionClosed",
     "MoqtStalled",
     "MoqtStreamError",
+    "PeerLimits",
     "QuicTransport",
     "ServedFetch",
     "SessionAudit",
+    "Slot",
     "connect_moqt",
+    "excessive_load_code",
     "internal_error_code",
     "moqt_handlers",
     "not_supported_code",
+    "principal_of",
     "reason_label",
+    "recheck_sessions",
 ]

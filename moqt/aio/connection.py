@@ -22,6 +22,7 @@ from moqt.actions import CloseSession, ResetStream, SendDatagram, SendStreamData
 from moqt.aio.audit import AUDIT
 from moqt.aio.errors import FetchCancelled, MoqtRequestError, MoqtSessionClosed, MoqtStalled, MoqtStreamError
 from moqt.aio.fetches import FetchSink, FetchStream, ServedFetch
+from moqt.aio.revocation import track
 from moqt.errors import MoqtUsageError, RequestErrorCode14, RequestErrorCode18, SessionErrorCode
 from moqt.requests import Role, SessionConfig
 from moqt.sessions import session_for_alpn
@@ -55,6 +56,14 @@ class MoqtApp:
 
     def session_closed(self, conn: MoqtConnection) -> None:
         """The session is over."""
+
+    def recheck(self, conn: MoqtConnection) -> str | None:
+        """After a reload of the policy (:mod:`moqt.aio.revocation`): why *conn*'s peer may no longer be served
+        (the session is then closed with UNAUTHORIZED), or None. The default keeps every session."""
+        return None
+
+    def session_revoked(self, conn: MoqtConnection, reason: str) -> None:
+        """*conn* was closed after a reload (a revoked certificate, or :meth:`recheck`'s *reason*)."""
 
 
 def not_supported_code(draft: Draft) -> int:
@@ -111,6 +120,7 @@ class MoqtConnection:
         self._idle.set()
         self._replies: dict[int, asyncio.Future[ev.Event]] = {}  # awaited replies to our other requests
         self._ended_uni: set[int] = set()  # peer unidirectional streams that ended but still hold unread octets
+        track(self)  # re-checked after a reload (moqt.aio.revocation)
 
     def __repr__(self) -> str:
         return f"<MoqtConnection {self.role.value} {self.alpn} peer={self.peer_identity or self.peer}>"
@@ -148,6 +158,22 @@ class MoqtConnection:
             self.session.close(error_code, reason)
             self.flush()
             self._on_closed(ev.SessionClosed(int(error_code), reason, local=True))
+
+    def recheck(self) -> str | None:
+        """Why the peer may no longer be served after a reload of the policy (the app's :meth:`MoqtApp.recheck`;
+        server side only: the policy judges the peers that connect to us, not those we connect to)."""
+        return self.app.recheck(self) if self.closed is None and self.role is Role.SERVER else None
+
+    def revoke(self, reason: str) -> None:
+        """Close the session and its QUIC connection with UNAUTHORIZED (the peer's rights are gone: *reason*), and
+        tell the app (:mod:`moqt.aio.revocation`)."""
+        if self.closed is not None:
+            return
+        self.close(SessionErrorCode.UNAUTHORIZED, reason)
+        try:
+            self.app.session_revoked(self, reason)
+        except Exception:
+            log.exception("%r: session_revoked failed", self)
 
     async def aclose(self) -> None:
         self.close()
@@ -206,11 +232,12 @@ class MoqtConnection:
         self.flush()
         return served
 
-    def reject(self, request_id: int, error_code: int, reason: bytes = b"") -> bool:
-        """Refuse a request of the peer with the draft's code; False when it is no longer pending (cancelled,
-        session closed)."""
+    def reject(self, request_id: int, error_code: int, reason: bytes = b"", *, retry_interval: int = 0) -> bool:
+        """Refuse a request of the peer with the draft's code (draft 18: with *retry_interval*, milliseconds plus
+        one; draft 14 has no such field); False when it is no longer pending (cancelled, session closed)."""
         try:
-            self.session.reject(request_id, error_code, reason)
+            self.session.reject(request_id, error_code, reason,
+                                retry_interval=retry_interval if self.draft is Draft.D18 else 0)
         except MoqtUsageError:
             return False
         served = self._served.get(request_id)  # accepted without FETCH_OK: its data stream was reset
@@ -279,7 +306,7 @@ class MoqtConnection:
         finally:
             self._replies.pop(rid, None)
         if isinstance(reply, ev.RequestRejected):
-            raise MoqtRequestError(rid, reply.error_code, reply.reason)
+            raise MoqtRequestError(rid, reply.error_code, reply.reason, retry_interval=reply.retry_interval)
         if isinstance(reply, ev.RequestCancelled):
             raise MoqtRequestError(rid, reply.error_code, cancelled=True)
         return reply
@@ -437,7 +464,8 @@ class MoqtConnection:
         if fetch is None:
             self.app.event(self, event)
         elif isinstance(event, ev.RequestRejected):
-            fetch._fail(MoqtRequestError(event.request_id, event.error_code, event.reason))
+            fetch._fail(MoqtRequestError(event.request_id, event.error_code, event.reason,
+                                         retry_interval=event.retry_interval))
         else:
             fetch._fail(MoqtRequestError(event.request_id, event.error_code, cancelled=True))
 

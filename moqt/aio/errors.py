@@ -22,7 +22,8 @@ class MoqtSessionClosed(ConnectionError):
 class MoqtRequestError(Exception):
     """The peer refused one of our requests (FETCH_ERROR / REQUEST_ERROR ...) or cancelled it."""
 
-    def __init__(self, request_id: int, error_code: int, reason: bytes = b"", *, cancelled: bool = False) -> None:
+    def __init__(self, request_id: int, error_code: int, reason: bytes = b"", *, cancelled: bool = False,
+                 retry_interval: int = 0) -> None:
         what = "cancelled" if cancelled else "refused"
         text = reason.decode("utf-8", "replace")
         super().__init__(f"request {request_id} {what} (code 0x{error_code:x}{': ' + text if text else ''})")
@@ -30,6 +31,8 @@ class MoqtRequestError(Exception):
         self.error_code = error_code
         self.reason = reason
         self.cancelled = cancelled
+        self.retry_interval = retry_interval
+        """Draft 18 REQUEST_ERROR's Retry Interval: milliseconds before a retry, plus one (0: do not retry)."""
 
 
 class MoqtStreamError(ConnectionError):

@@ -28,6 +28,13 @@ port, with the same mutual TLS as every role. docs/moqt.md ("Relay") records the
 * **SUBSCRIBE_NAMESPACE**: published namespaces under the prefix that the subscriber could read are announced
   (draft 14: PUBLISH_NAMESPACE / _DONE; draft 18: NAMESPACE / NAMESPACE_DONE), now and as they come and go.
 
+* **Per-principal limits** (issue 13; :mod:`moqt.aio.limits`): FETCHes and SUBSCRIBEs of one identity that go
+  upstream (``client_max_in_flight`` at once) and the octets of the upstream fetches they started
+  (``client_max_buffered_bytes``) are bounded; the excess is refused with EXCESSIVE_LOAD and a Retry Interval
+  (draft 14: INTERNAL_ERROR, the hint in the reason phrase), counted as ``limit_refused``. Cache hits are not.
+* **Revocation**: after a reload of the policy, a session whose identity lost every right it used here is closed
+  with UNAUTHORIZED (:meth:`Relay.recheck`, :mod:`moqt.aio.revocation`), counted as ``sessions_revoked``.
+
 Not relayed: PUBLISH (publisher-initiated subscriptions: the session answers NOT_SUPPORTED), TRACK_STATUS,
 datagrams, FETCH end-of-range markers.
 """

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -37,10 +38,12 @@ class Relay(MoqtApp):
         self.started = time.monotonic()
         self._tasks: set[asyncio.Task[None]] = set()
         self._connections: set[MoqtConnection] = set()
+        self._reads: weakref.WeakKeyDictionary[MoqtConnection, set[Namespace]] = weakref.WeakKeyDictionary()
         self.namespaces = Namespaces(rules, self.metrics)
         self.fetches = Fetches(rules, config, self.namespaces, self.metrics, self._spawn, tracks=tracks,
                                upstreams=upstreams)
-        self.subscriptions = Subscriptions(rules, config, self.namespaces, self.metrics, self._spawn)
+        self.subscriptions = Subscriptions(rules, config, self.namespaces, self.metrics, self._spawn,
+                                           limits=self.fetches.limits)
         self.complete = CompleteTracks(rules, self.fetches, self.metrics, self._spawn)
         self.published = PublishedTracks(rules, self.subscriptions, self.namespaces, self.metrics)
         self._requests: dict[type, Callable[[MoqtConnection, Any], None]] = {
@@ -92,6 +95,7 @@ class Relay(MoqtApp):
             "inflight": sum(len(v) for v in self.inflight.values()),
             "subscriptions": len(self.subscriptions.subscriptions),
             "published_tracks": sum(not s.finished for s in self.subscriptions.published.values()),
+            "limits": self.fetches.limits.status(),
             "metrics": dict(sorted(self.metrics.items())),
             "uptime_s": round(time.monotonic() - self.started, 1),
         }
@@ -104,10 +108,39 @@ class Relay(MoqtApp):
 
     def session_closed(self, conn: MoqtConnection) -> None:
         self._connections.discard(conn)
+        self._reads.pop(conn, None)
         self.namespaces.session_closed(conn)
         self.subscriptions.session_closed(conn)
         self.complete.session_closed(conn)
         self.published.session_closed(conn)
+
+    def recheck(self, conn: MoqtConnection) -> str | None:
+        """After a reload (:mod:`moqt.aio.revocation`): a session whose identity lost every right it used here --
+        to publish the namespaces it published (PUBLISH_NAMESPACE, PUBLISH), to discover the prefixes it subscribed
+        to, to read the namespaces it read -- is no longer served; one that used none, when the rules would not let
+        it discover anything (KVSP: it is not in the policy any more)."""
+        rules = self.rules
+        who = conn.peer_identity
+        rights = [rules.publish(who, a.namespace) for a in self.namespaces.announcements if a.conn is conn]
+        rights += [rules.publish(who, s.namespace) for s in self.subscriptions.published.values()
+                   if s.conn is conn and not s.finished]
+        rights += [rules.discover(who, s.prefix) for s in self.namespaces.subscribers if s.conn is conn]
+        rights += [rules.read(who, namespace) for namespace in self._reads.get(conn, ())]
+        if not rights:
+            decision = rules.discover(who, ())
+            return None if decision.ok else f"no right left at the relay: {decision.reason}"
+        if any(decision.ok for decision in rights):
+            return None
+        return f"the identity lost every right it used at the relay ({rights[0].reason})"
+
+    def session_revoked(self, conn: MoqtConnection, reason: str) -> None:
+        self.metrics["sessions_revoked"] += 1
+
+    def _read(self, conn: MoqtConnection, namespace: Namespace) -> None:
+        """Remember a namespace *conn* was allowed to read (for :meth:`recheck`)."""
+        reads = self._reads.setdefault(conn, set())
+        if namespace not in reads and len(reads) < 1024 and self.rules.read(conn.peer_identity, namespace).ok:
+            reads.add(namespace)
 
     async def aclose(self) -> None:
         for task in list(self._tasks):
@@ -128,10 +161,12 @@ class Relay(MoqtApp):
                 self.complete.joined(conn, target.request_id)
             await self.fetches.joining_fetch(conn, request, target, joined)
         else:
+            self._read(conn, request.namespace)
             await self.fetches.fetch(conn, request)
 
     def _subscribe(self, conn: MoqtConnection, request: ev.SubscribeRequested) -> None:
         """A track of one immutable group is answered here (:mod:`moqt.relay.complete`); others fan out."""
+        self._read(conn, request.namespace)
         group = self.complete.group(request)
         if group is None:
             self.subscriptions.subscribe(conn, request)

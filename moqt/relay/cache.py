@@ -91,6 +91,7 @@ class TrackFetch:
         self.stream: FetchStream | None = None
         self.upstream = ""  # who serves it, for logs and status
         self.upstream_draft: Draft | None = None
+        self.owner: str | None = None  # the principal whose request started it (its octets count against it)
         self.created = time.monotonic()
         self.last_activity = self.created
         self.first_piece_at: float | None = None

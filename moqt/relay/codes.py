@@ -3,7 +3,7 @@ whatever the draft of the upstream."""
 
 from __future__ import annotations
 
-from moqt.aio import MoqtRequestError
+from moqt.aio import MoqtRequestError, excessive_load_code
 from moqt.errors import FetchErrorCode14, PublishDoneCode14, PublishDoneCode18, RequestErrorCode14, RequestErrorCode18
 from moqt.relay.interfaces import Decision, NoUpstream, Verdict
 from moqt.types import Draft
@@ -23,6 +23,8 @@ def _kind_of(draft: Draft | None, code: int) -> str:
 
 def request_code(draft: Draft, kind: str) -> int:
     """The request error code of *kind* in *draft* (FETCH_ERROR / SUBSCRIBE_ERROR share them in draft 14)."""
+    if kind == "excessive-load":  # draft 18 EXCESSIVE_LOAD; draft 14 has none: INTERNAL_ERROR (moqt.aio.limits)
+        return excessive_load_code(draft)
     if draft is Draft.D14:
         return int({"does-not-exist": FetchErrorCode14.TRACK_DOES_NOT_EXIST, "invalid-range":
                     FetchErrorCode14.INVALID_RANGE, "unauthorized": RequestErrorCode14.UNAUTHORIZED,

@@ -13,6 +13,8 @@ past the last object (draft 14: "Object ID is one greater than the largest Objec
 exist") and no object ever; it stays open until the subscriber ends it, and its Largest Location is the Joining
 Location of a joining FETCH (moq-rs fills the group it subscribed to with one). An AbsoluteRange filter asks for
 a range whose "entire End Group has already been published": INVALID_RANGE (draft 18 "Subscription Filters").
+Such a SUBSCRIBE that the cache cannot answer counts against its principal's limits as a FETCH does
+(:mod:`moqt.relay.fetching`) until it is answered.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from moqt import events as ev
-from moqt.aio import MoqtConnection
+from moqt.aio import MoqtConnection, Slot
 from moqt.errors import MoqtUsageError
 from moqt.relay.cache import WHOLE, TrackFetch
 from moqt.relay.codes import request_code, upstream_error, verdict_code
@@ -62,11 +64,27 @@ class CompleteTracks:
             conn.reject(rid, request_code(draft, "invalid-range"),
                         b"the track is one group, published entirely: nothing in a range can still arrive (FETCH it)")
             return
-        self._spawn(self._answer(conn, request, group))
+        slot = None
+        if self.fetches.misses(request.namespace, request.track_name, (group, 0), (group, WHOLE)):
+            slot = self.fetches.limits.acquire(conn)
+            if slot is None:
+                self.fetches.refuse(conn, rid, "SUBSCRIBE")
+                return
+        self._spawn(self._answer_within(conn, request, group, slot))
 
-    async def _answer(self, conn: MoqtConnection, request: ev.SubscribeRequested, group: int) -> None:
+    async def _answer_within(self, conn: MoqtConnection, request: ev.SubscribeRequested, group: int,
+                             slot: Slot | None) -> None:
+        try:
+            await self._answer(conn, request, group, slot.principal if slot is not None else None)
+        finally:
+            if slot is not None:
+                slot.release()
+
+    async def _answer(self, conn: MoqtConnection, request: ev.SubscribeRequested, group: int,
+                      owner: str | None) -> None:
         rid = request.request_id
-        source = self.fetches.source(request.namespace, request.track_name, (group, 0), (group, WHOLE), group)
+        source = self.fetches.source(request.namespace, request.track_name, (group, 0), (group, WHOLE), group,
+                                     owner)
         while source.error is None and _end_of_group(source, group) is None:
             await source.changed()
         if conn.closed is not None:

@@ -5,6 +5,11 @@ each subgroup stream of the upstream is forwarded object by object as it arrives
 streams have ended. Draft 18's RENDEZVOUS_TIMEOUT makes a SUBSCRIBE for a track nobody publishes yet wait
 (bounded) for its publisher, then fail with TIMEOUT. A joining FETCH resolves against the Joining Location the
 relay gave the subscriber (:meth:`Subscriptions.joined`).
+
+A SUBSCRIBE that makes the relay subscribe upstream (nobody subscribed to the track here yet) takes one of its
+principal's in-flight slots (:mod:`moqt.aio.limits`, ``client_max_in_flight``) for as long as that subscriber stays;
+over the limit it is refused with EXCESSIVE_LOAD (draft 14: INTERNAL_ERROR) and a retry hint. Joining an upstream
+subscription that exists costs the relay nothing upstream and is not counted.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moqt import events as ev
-from moqt.aio import MoqtConnection, MoqtRequestError, MoqtStalled
+from moqt.aio import MoqtConnection, MoqtRequestError, MoqtStalled, PeerLimits, Slot
 from moqt.errors import MoqtUsageError, PublishDoneCode14, StreamResetCode
 from moqt.messages18 import Params18
 from moqt.relay.codes import publish_done_code, request_code, upstream_error, verdict_code
@@ -40,6 +45,7 @@ class Downstream:
     pushed: bool = False  # draft 18: the relay PUBLISHed the track to it (SUBSCRIBE_TRACKS); accepted at PUBLISH_OK
     joined_at: Location | None = None  # the largest location when SUBSCRIBE_OK was sent (its Joining Location)
     writers: dict[int, SubgroupWriter] = field(default_factory=dict)  # by upstream data stream id
+    slot: Slot | None = None  # its principal's in-flight slot, when its SUBSCRIBE started the upstream one
 
 
 @dataclass(eq=False)
@@ -85,9 +91,11 @@ class Subscriptions:
     """SUBSCRIBE at one relay: upstream subscriptions and their downstream subscribers (see the module docstring)."""
 
     def __init__(self, rules: AccessRules, config: RelayConfig, namespaces: Namespaces,
-                 metrics: collections.Counter[str], spawn: Callable[[Coroutine[Any, Any, None]], None]) -> None:
+                 metrics: collections.Counter[str], spawn: Callable[[Coroutine[Any, Any, None]], None], *,
+                 limits: PeerLimits | None = None) -> None:
         self.rules = rules
         self.config = config
+        self.limits = limits or PeerLimits(max_in_flight=config.client_max_in_flight, retry_ms=config.client_retry_ms)
         self.namespaces = namespaces
         self.metrics = metrics
         self._spawn = spawn
@@ -214,6 +222,11 @@ class Subscriptions:
         sub = next((s for s in self.subscriptions.values() if s.conn is publisher.conn and not s.finished
                     and s.namespace == request.namespace and s.track_name == request.track_name), None)
         if sub is None:
+            down.slot = self.limits.acquire(conn)
+            if down.slot is None:
+                self.metrics["limit_refused"] += 1
+                self.limits.refuse(conn, request.request_id, "SUBSCRIBE")
+                return
             upstream = publisher.conn
             try:
                 up_rid = upstream.session.subscribe(
@@ -221,6 +234,7 @@ class Subscriptions:
                     subscriber_priority=request.subscriber_priority, group_order=request.group_order,
                     forward=True)
             except MoqtUsageError as exc:
+                down.slot.release()
                 conn.reject(request.request_id, request_code(conn.draft, "internal"), str(exc).encode())
                 return
             upstream.flush()
@@ -258,9 +272,11 @@ class Subscriptions:
             code, reason = upstream_error(down.conn.draft, error, sub.conn.draft)
             down.conn.reject(down.request_id, code, reason)
             self._downstream.pop((id(down.conn), down.request_id), None)
+            _release(down)
         sub.downstreams.clear()
 
     def _detach(self, sub: Subscription, down: Downstream) -> None:
+        _release(down)
         if down in sub.downstreams:
             sub.downstreams.remove(down)
         self._downstream.pop((id(down.conn), down.request_id), None)
@@ -296,6 +312,7 @@ class Subscriptions:
                     down.conn.reject(down.request_id, request_code(down.conn.draft, "internal"), reason)
                 down.conn.flush()
             self._downstream.pop((id(down.conn), down.request_id), None)
+            _release(down)
         sub.downstreams.clear()
         if sub.alias is not None:
             self._by_alias.pop((id(sub.conn), sub.alias), None)
@@ -449,6 +466,12 @@ class Subscriptions:
             down.writers.clear()
         self._end_subscription(sub, done.status_code, done.reason)
         self.subscriptions.pop((id(sub.conn), sub.request_id), None)
+
+
+def _release(down: Downstream) -> None:
+    if down.slot is not None:
+        down.slot.release()
+        down.slot = None
 
 
 _UPSTREAM_HANDLERS: dict[type, Callable[[Subscriptions, MoqtConnection, Any], None]] = {

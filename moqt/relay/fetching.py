@@ -12,6 +12,12 @@ object leaves before the second has arrived), FETCH_OK as soon as the upstream's
 the drafts allow a relay to send objects before FETCH_OK). Completed upstream fetches enter the LRU cache only
 once the directory admits them (:meth:`~moqt.relay.interfaces.UpstreamDirectory.admit`: for KVSP, the layers
 match the publisher's Replica Record), and the directory hears of them (and of their eviction).
+
+Per principal (issue 13, :mod:`moqt.aio.limits`): a FETCH the cache cannot answer -- it joins or starts an upstream
+FETCH -- takes one of the principal's ``client_max_in_flight`` slots while it is served, and the payload octets of
+the upstream FETCHes it started count against its ``client_max_buffered_bytes`` until they are over (cached or
+failed). A FETCH over either is refused with EXCESSIVE_LOAD (draft 18, with a Retry Interval; draft 14:
+INTERNAL_ERROR) and counted (``limit_refused``); cache hits are never refused, and other principals never wait.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from moqt import events as ev
-from moqt.aio import FetchCancelled, MoqtConnection, MoqtSessionClosed, MoqtStalled, ServedFetch
+from moqt.aio import FetchCancelled, MoqtConnection, MoqtSessionClosed, MoqtStalled, PeerLimits, ServedFetch
 from moqt.errors import FetchErrorCode14, RequestErrorCode18, StreamResetCode
 from moqt.relay.cache import WHOLE, Key, RelayCache, TrackFetch, TrackKey, end_key, end_location, start_key
 from moqt.relay.codes import request_code, upstream_error, verdict_code
@@ -41,7 +47,8 @@ class Fetches:
 
     def __init__(self, rules: AccessRules, config: RelayConfig, namespaces: Namespaces,
                  metrics: collections.Counter[str], spawn: Callable[[Coroutine[Any, Any, None]], None], *,
-                 tracks: TrackShapes | None = None, upstreams: UpstreamDirectory | None = None) -> None:
+                 tracks: TrackShapes | None = None, upstreams: UpstreamDirectory | None = None,
+                 limits: PeerLimits | None = None) -> None:
         self.rules = rules
         self.config = config
         self.namespaces = namespaces
@@ -51,6 +58,20 @@ class Fetches:
         self._spawn = spawn
         self.cache = RelayCache(config.cache_bytes, on_evict=self._evicted)
         self.inflight: dict[TrackKey, list[TrackFetch]] = {}
+        self.limits = limits or PeerLimits(max_in_flight=config.client_max_in_flight,
+                                           max_buffered=config.client_max_buffered_bytes,
+                                           retry_ms=config.client_retry_ms)
+
+    def misses(self, namespace: Namespace, track_name: bytes, start: Key, end: Key) -> bool:
+        """Would ``[start, end)`` of the track go upstream (join or start an upstream FETCH)? Nothing is touched."""
+        cached = self.cache.peek((namespace, track_name))
+        return cached is None or not cached.covers(start, end)
+
+    def refuse(self, conn: MoqtConnection, request_id: int, what: str) -> None:
+        """Refuse a request over its principal's limits (EXCESSIVE_LOAD with a retry hint) and count it."""
+        self.metrics["limit_refused"] += 1
+        log.debug("%s %d of %s refused: over its limits", what, request_id, conn.peer_identity or conn.peer)
+        self.limits.refuse(conn, request_id, what)
 
     async def fetch(self, conn: MoqtConnection, request: ev.FetchRequested) -> None:
         """A standalone FETCH (a joining one: :meth:`joining_fetch`)."""
@@ -103,14 +124,25 @@ class Fetches:
 
     async def _serve_range(self, conn: MoqtConnection, request: ev.FetchRequested, namespace: Namespace,
                            track_name: bytes, start: Key, end: Key, group: int | None) -> None:
-        """Serve [start, end) of a track to *conn* from its (possibly shared) source fetch."""
-        source = self._source(namespace, track_name, start, end, group)
-        source.downstreams += 1
-        source.attach()
+        """Serve [start, end) of a track to *conn* from its (possibly shared) source fetch; a cache miss takes one
+        of the principal's slots (refused when it has none left)."""
+        slot = None
+        if self.misses(namespace, track_name, start, end):
+            slot = self.limits.acquire(conn)
+            if slot is None:
+                self.refuse(conn, request.request_id, "FETCH")
+                return
         try:
-            await self._serve(conn, request, source, start, end)
+            source = self._source(namespace, track_name, start, end, group, slot.principal if slot else None)
+            source.downstreams += 1
+            source.attach()
+            try:
+                await self._serve(conn, request, source, start, end)
+            finally:
+                source.detach()
         finally:
-            source.detach()
+            if slot is not None:
+                slot.release()
 
     async def _watch(self, fetch: TrackFetch) -> None:
         """Until the upstream fetch is complete or failed; nothing from it for ``upstream_timeout_ms`` fails it --
@@ -129,12 +161,14 @@ class Fetches:
                     continue
                 fetch.fetch_failed(MoqtStalled(f"nothing from the upstream for {timeout:.3g} s"))
 
-    def source(self, namespace: Namespace, name: bytes, start: Key, end: Key, group: int | None) -> TrackFetch:
+    def source(self, namespace: Namespace, name: bytes, start: Key, end: Key, group: int | None,
+               owner: str | None = None) -> TrackFetch:
         """The cached fetch, the running upstream fetch, or a new upstream fetch, that covers ``[start, end)`` (a
-        new one runs to its end, into the cache, whoever reads it)."""
-        return self._source(namespace, name, start, end, group)
+        new one runs to its end, into the cache, whoever reads it; its octets count against *owner*)."""
+        return self._source(namespace, name, start, end, group, owner)
 
-    def _source(self, namespace: Namespace, name: bytes, start: Key, end: Key, group: int | None) -> TrackFetch:
+    def _source(self, namespace: Namespace, name: bytes, start: Key, end: Key, group: int | None,
+                owner: str | None = None) -> TrackFetch:
         """The cached fetch, the running upstream fetch, or a new upstream fetch, that covers ``[start, end)``."""
         key = (namespace, name)
         cached = self.cache.get(key, start, end)
@@ -148,6 +182,9 @@ class Fetches:
         # An immutable group: fetch it from the first object asked for to its end, so later requests join it.
         up_end = (group, WHOLE) if group is not None and start[0] == group else end
         fetch = TrackFetch(namespace, name, start, up_end)
+        if owner is not None:
+            fetch.owner = owner
+            self.limits.charge(owner, fetch)
         self.inflight.setdefault(key, []).append(fetch)
         self.metrics["upstream_fetches"] += 1
         self._spawn(self._run_upstream(fetch))
@@ -178,6 +215,8 @@ class Fetches:
                          fetch.error)
             if stream is not None:
                 await stream.aclose()
+            if fetch.owner is not None:
+                self.limits.discharge(fetch.owner, fetch)
             running = self.inflight.get(fetch.key, [])
             if fetch in running:
                 running.remove(fetch)

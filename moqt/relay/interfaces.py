@@ -113,13 +113,22 @@ class RelayOptions:
     upstream_timeout_ms: int = 10_000  # for the upstream's FETCH_OK / next piece, and SUBSCRIBE_OK
     rendezvous_limit_ms: int = 10_000  # the longest a SUBSCRIBE waits for its publisher (draft 18 RENDEZVOUS_TIMEOUT)
     publish_done_grace_ms: int = 2000  # how long PUBLISH_DONE waits for the upstream's data streams to end
+    # Per principal (issue 13; moqt.aio.limits): FETCHes and SUBSCRIBEs the cache cannot answer (they make the
+    # relay fetch or subscribe upstream) at once, and payload octets of the upstream fetches they started still
+    # in flight; over either, a request is refused with EXCESSIVE_LOAD (draft 14: INTERNAL_ERROR) and this hint.
+    client_max_in_flight: int = 64
+    client_max_buffered_bytes: int = 256 << 20
+    client_retry_ms: int = 1000
 
     def __post_init__(self) -> None:
         if self.cache_bytes < 0:
             raise ValueError("cache_bytes: must not be negative")
-        for name in ("upstream_timeout_ms", "rendezvous_limit_ms", "publish_done_grace_ms"):
+        for name in ("upstream_timeout_ms", "rendezvous_limit_ms", "publish_done_grace_ms", "client_max_in_flight",
+                     "client_max_buffered_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")
+        if self.client_retry_ms < 0:
+            raise ValueError("client_retry_ms: must not be negative")
 
     @property
     def upstream_timeout_s(self) -> float:
