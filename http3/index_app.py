@@ -14,6 +14,9 @@ Resources, relative to the base URI's path (docs/wire.md, "Index Service"), with
 * ``PUT holders/{holder_id}/liveness`` (holder) ``{"holder": uri, "ttl_ms": n}``: 200 + ``{"holder", "ttl_ms"}``
   (granted); ``POST holders/{holder_id}/failures`` (controller, instance, client, holder) ``{"holder": uri,
   "scope_id": hex}``: 202 (docs/wire.md, "Holder liveness and failure reports");
+* ``POST producer-digests`` (instance) ``{"digests": [...]}``: 200 + the records as stored; ``POST
+  producer-digests/lookup`` (controller, instance, client, holder) ``{"compat_id", "scope_id", "block_keys"}``: 200 +
+  ``{"digests": [...]}`` (docs/wire.md, "Producer digests"; :mod:`kvsp_quic.roles.producer_digests`);
 * with ``metrics``: ``GET metrics`` (any principal), the Prometheus text format (:mod:`http3.metrics_app`).
 
 The Placement Controller's resources are added to the same app by :func:`http3.controller_app.controller_app`
@@ -48,6 +51,7 @@ from kvsp_quic import fields as f
 from kvsp_quic.auth import Policy, Principal
 from kvsp_quic.metrics import KvspMetrics, Registry
 from kvsp_quic.problems import BadRequest
+from kvsp_quic.producer_digests import ProducerDigestQuery, ProducerDigests
 from kvsp_quic.records import InstanceStatusRecord, LookupRequest, LookupResponse, ReplicaRecord, StateMessage
 from kvsp_quic.roles.index import IndexService
 
@@ -62,6 +66,9 @@ INDEX_RULES: tuple[Rule, ...] = (
     Rule("PUT", "instances/{instance_id}/status", ["instance"]),
     Rule("PUT", "holders/{holder_id}/liveness", ["holder"]),
     Rule("POST", "holders/{holder_id}/failures", ["controller", "instance", "client", "holder"]),
+    # producer digests (extension, issue 13): published by instances only, looked up like replicas
+    Rule("POST", "producer-digests", ["instance"]),
+    Rule("POST", "producer-digests/lookup", ["controller", "instance", "client", "holder"]),
 )
 
 
@@ -163,6 +170,16 @@ def index_routes(service: IndexService, *, max_body_bytes: int = DEFAULT_MAX_BOD
         service.report_failure(principal, holder_id, holder, scope)
         return Response(status_code=202, headers=NO_STORE)
 
+    async def post_producer_digests(request: Request) -> Response:
+        body = ProducerDigests.loads(await read_json_body(request, max_body_bytes))
+        stored = await service.producers.publish(principal_of(request), body)
+        return kvsp_json(stored.to_json())
+
+    async def lookup_producer_digests(request: Request) -> Response:
+        query = ProducerDigestQuery.loads(await read_json_body(request, max_body_bytes))
+        found = await service.producers.lookup(principal_of(request), query)
+        return kvsp_json(found.to_json())
+
     return [
         Route("/replicas/{holder_id}/{block_key}", put_replica, methods=["PUT"]),
         Route("/replicas/{holder_id}/{block_key}", delete_replica, methods=["DELETE"]),
@@ -170,6 +187,8 @@ def index_routes(service: IndexService, *, max_body_bytes: int = DEFAULT_MAX_BOD
         Route("/instances/{instance_id}/status", put_status, methods=["PUT"]),
         Route("/holders/{holder_id}/liveness", put_liveness, methods=["PUT"]),
         Route("/holders/{holder_id}/failures", post_failure, methods=["POST"]),
+        Route("/producer-digests", post_producer_digests, methods=["POST"]),
+        Route("/producer-digests/lookup", lookup_producer_digests, methods=["POST"]),
     ]
 
 

@@ -65,13 +65,14 @@ class BlockFinder:
     """Lookups at the Index Service *index* and the fetchers of an instance. *own*: its own base URIs (never
     fetched from); *https_of*: filled with the ``https`` base URI of every holder-id seen in a lookup (shared with
     the source that leases ``moqt://`` replicas); *ranking*: the order in which a block's replicas are tried
-    (default :class:`~kvsp_quic.retrieval_plan.DefaultRanking`)."""
+    (default :class:`~kvsp_quic.retrieval_plan.DefaultRanking`); *require_producer_digest*: the producer-digest mode
+    (:class:`http3.producer_digests.ProducerCheck`)."""
 
     def __init__(self, client: KvspClient, index: str | Sequence[str] | ServiceEndpoints, *,
                  descriptor: CompatDescriptor, own: Sequence[str],
                  sources: Sequence[BlockSource] | None = None, https_of: dict[str, str] | None = None,
                  ranking: Ranking | None = None, timeout: float = 10.0,
-                 metrics: RetrievalMetrics | None = None) -> None:
+                 metrics: RetrievalMetrics | None = None, require_producer_digest: bool = False) -> None:
         self.client = client
         self.index = ServiceEndpoints.of(index, "index")  # shared by its fetchers: one view of the replicas
         self.descriptor = descriptor
@@ -83,6 +84,9 @@ class BlockFinder:
         self.timeout = timeout
         self.metrics = metrics if metrics is not None else RetrievalMetrics()  # every fetcher's
         self._fetchers: dict[int | None, BlockFetcher] = {}
+        # the producer-digest mode: every fetcher keeps only replicas a producer vouches for (set before the first
+        # fetcher is made: InstanceService sets it from its options)
+        self.require_producer_digest = require_producer_digest
 
     def fetcher(self, lease_ms: int | None) -> BlockFetcher:
         """The fetcher that leases each replica for *lease_ms* before fetching it (None: no leases)."""
@@ -93,7 +97,8 @@ class BlockFinder:
                 self.client, self.index, lease_ms=lease_ms, descriptors=[self.descriptor],
                 exclude_holders=self.own, sources=self.sources, timeout=self.timeout,
                 ranking=self.ranking,
-                metrics=self.metrics, failures=shared.failures if shared is not None else None)
+                metrics=self.metrics, failures=shared.failures if shared is not None else None,
+                require_producer_digest=self.require_producer_digest)
             if len(self._fetchers) >= MAX_FETCHERS:
                 self._fetchers.pop(next(k for k in self._fetchers if k is not None), None)
             self._fetchers[lease_ms] = fetcher

@@ -31,6 +31,7 @@ from http3.client import KvspClient, TransportError
 from http3.instance_blocks import BlockFinder, BlockLoad, BlockLoads, restrict
 from http3.instance_reshard import Resharding
 from http3.instance_runs import PlanMaker, RunHooks, RunPlanner
+from http3.producer_digests import PRODUCER_DIGEST_TTL_MS, ProducerDigestPublisher
 from http3.publisher import ReplicaPublisher
 from http3.retrieval import BlockFetcher
 from kvsp_quic.auth import Principal, Role, require_scope
@@ -39,10 +40,12 @@ from kvsp_quic.engine import InstanceEngine, P, PageHolder, PrefixUnavailable, R
 from kvsp_quic.keys import uri_id
 from kvsp_quic.metrics import KvspMetrics, Registry
 from kvsp_quic.problems import NotFound, Problem, Unavailable
+from kvsp_quic.producer_digests import ProducerDigest
 from kvsp_quic.records import (
     LookupMatch,
     PrefetchDirective,
     PrefetchState,
+    ReplicaRecord,
     ReshardAbort,
     ReshardCommit,
     ReshardPlan,
@@ -129,6 +132,14 @@ class InstanceService(Generic[P]):
         # the PC's URIs, one view of them for status reports and checkpoints (failover: http3.api.ServiceEndpoints)
         self.controller = ServiceEndpoints.of(options.controller, "controller") if options.controller else None
         self.publisher = publisher
+        # the producer-digest mode (docs/wire.md, "Producer digests"): the digests of the blocks this instance computes
+        # go to the Index Service; with require_producer_digest its fetchers keep only replicas a producer vouches for
+        self.producer_digests: ProducerDigestPublisher | None = None
+        if finder is not None:
+            finder.require_producer_digest = options.require_producer_digest
+            if options.publish_producer_digests or options.require_producer_digest:
+                self.producer_digests = ProducerDigestPublisher(client, finder.index,
+                                                                timeout=options.request_timeout_s)
         self.instance_id = uri_id(role.settings.base_uri)
         self.loads: BlockLoads[P] = BlockLoads(engine.cache, on_loaded=self._loaded, on_finished=self._load_finished)
         self.planner = RunPlanner(engine, self.loads, finder, session_lease_ms=options.session_lease_ms,
@@ -154,6 +165,8 @@ class InstanceService(Generic[P]):
         self.holder.attach(loop.call_soon_threadsafe)
         if self.publisher is not None:
             self.publisher.start()
+        if self.producer_digests is not None:
+            self.producer_digests.start()
         self._background.append(loop.create_task(self._timers(), name="instance-timers"))
         if self.controller is not None:
             self._background.append(loop.create_task(self._status_loop(), name="instance-status"))
@@ -163,6 +176,8 @@ class InstanceService(Generic[P]):
             task.cancel()
         await asyncio.gather(*self._runs.values(), *self._tasks, *self._background, return_exceptions=True)
         await self.loads.aclose()
+        if self.producer_digests is not None:
+            await self.producer_digests.stop()
         if self.publisher is not None:
             await self.publisher.stop(withdraw=True)
         self.resharding.release_all()
@@ -205,13 +220,19 @@ class InstanceService(Generic[P]):
             self.role.links.observe(records[0].holder, load.octets, time.perf_counter() - load.first_layer_at,
                                     load.first_layer_at - load.started)
 
-    def _adopt(self, scope_id: bytes, key: bytes, page: P, digests: tuple[bytes, ...] | None = None) -> None:
-        """Publish the named complete *page* (digests computed on the engine thread when not known)."""
+    def _computed(self, scope_id: bytes, key: bytes, page: P) -> None:
+        """A page this instance computed (the run's hooks): published, with its producer digest in the mode."""
+        self._adopt(scope_id, key, page, produced=True)
+
+    def _adopt(self, scope_id: bytes, key: bytes, page: P, digests: tuple[bytes, ...] | None = None, *,
+               produced: bool = False) -> None:
+        """Publish the named complete *page* (digests computed on the engine thread when not known); *produced*:
+        this instance computed it (its producer digest is published too, in the producer-digest mode)."""
         key = bytes(key)
         if self.holder.adopted(key) or key in self._adopting:
             return
         if digests is not None:
-            self.holder.adopt(scope_id, key, page, digests)
+            self._vouch(self.holder.adopt(scope_id, key, page, digests), produced)
             return
         cache = self.engine.cache
         try:
@@ -223,12 +244,16 @@ class InstanceService(Generic[P]):
         async def run() -> None:
             try:
                 layer_digests = await self.engine.digests(page)
-                self.holder.adopt(scope_id, key, page, layer_digests)
+                self._vouch(self.holder.adopt(scope_id, key, page, layer_digests), produced)
             finally:
                 self._adopting.discard(key)
                 cache.release(page)
 
         self._spawn(run(), f"adopt-{key.hex()[:8]}")
+
+    def _vouch(self, record: ReplicaRecord | None, produced: bool) -> None:
+        if produced and record is not None and self.producer_digests is not None:
+            self.producer_digests.add(ProducerDigest.of_replica(record, ttl_ms=PRODUCER_DIGEST_TTL_MS))
 
     def _signal(self, session: InstanceSession) -> Signal:
         signal = self._signals.get(session)
@@ -365,7 +390,7 @@ class InstanceService(Generic[P]):
                     self.role.finish_session(session, Phase.DONE, RunEnd.LENGTH.value)
                     return
                 hooks = RunHooks(session, plan, held, cache=cache, block_tokens=self.block_tokens,
-                                 metrics=self.kvsp, clock=self.role.clock, adopt=self._adopt)
+                                 metrics=self.kvsp, clock=self.role.clock, adopt=self._computed)
                 end = await self.engine.run(plan, hooks)
                 if end is not RunEnd.FENCED:
                     self.role.finish_session(session, Phase.DONE, end.value)

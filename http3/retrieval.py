@@ -23,11 +23,24 @@ ends the container are held back until the body has ended and ``Repr-Digest`` ma
 to check (a record without them, or a transcoded codec) every layer is held back until the end.
 
 When an attempt fails after some layers were delivered, the next replica is asked for the remaining layers
-only (``layers=n-b``), so the caller sees each layer once, in order. A digest mismatch or a malformed container
-withdraws the replica on the holder's behalf (``DELETE {is}replicas/{holder-id}/{key}``; a 403 is only noted).
-A block no replica delivers is reported missing -- a miss is never an exception; only misuse raises. A holder
-that is gone (nothing listens at its port: ``AttemptError.unreachable``) is skipped at its host and port, its
-``https`` and ``moqt://`` records alike, and reported to the Index Service (docs/wire.md, "Dead sources").
+only (``layers=n-b``), so the caller sees each layer once, in order.
+
+Partial replicas (issue 13: a holder may keep a layer range of a block; its record's residency names the range and
+its ``layer_digests`` hold 32 zero octets for the layers it lacks). The wanted range is assembled part by part
+(:func:`~kvsp_quic.retrieval_plan.next_parts`): from ``next_layer`` on, a replica holding every remaining layer is
+preferred; else the fetcher takes the first part of the cheapest chain of ranges (fewest parts), asks its replica
+for ``layers=n-e`` (``e``: the end of what it holds, or of the wanted range), and goes on from ``e + 1``. A part
+that fails is asked of another replica holding that layer on (the same failover as for a whole block); when no
+chain of the remaining replicas covers what is left, nothing more is fetched and the block is missing from
+``next_layer`` on. Each layer is verified against the layer digest of the replica it came from, never against a
+placeholder (a part never reaches past its replica's residency); the replica digest only when one replica gives
+the whole block (spec, "Block Retrieval and Storage"). Over MOQT a part is a FETCH of its objects.
+
+A digest mismatch or a malformed container withdraws the replica on the holder's behalf (``DELETE {is}replicas/
+{holder-id}/{key}``; a 403 is only noted). A block no replica delivers is reported missing -- a miss is never an
+exception; only misuse raises. A holder that is gone (nothing listens at its port: ``AttemptError.unreachable``)
+is skipped at its host and port, its ``https`` and ``moqt://`` records alike, and reported to the Index Service
+(docs/wire.md, "Dead sources").
 
 Source kinds: an attempt talks to a :class:`BlockSource` chosen by the replica's holder URI.
 :class:`HttpSource` serves ``https`` holders through :class:`http3.api.KvspApi`, whose failure classes (miss,
@@ -56,6 +69,7 @@ from typing import Any, Protocol
 
 from http3.api import BadResponse, KvspApi, Lease, Miss, RetryElsewhere, ServiceEndpoints
 from http3.client import KvspClient, TransportError
+from http3.producer_digests import ProducerCheck
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.container import (
     ContainerDecoder,
@@ -77,9 +91,10 @@ from kvsp_quic.retrieval_plan import (
     LayerRange,
     Ranking,
     RetrievalMetrics,
-    covers,
+    decodable,
     endpoint_key,
     failure_for_status,
+    next_parts,
 )
 from quic.protocol import PEER_UNREACHABLE
 
@@ -291,29 +306,41 @@ class LayerStream:
     async def _run(self) -> AsyncGenerator[DecodedLayer, None]:
         fetcher = self._fetcher
         try:
-            candidates = fetcher._candidates(self.match, (self.first, self.last))
-            fetcher._warm_alternate(candidates)
-            for record, source in candidates:
-                if self.complete:
+            usable = fetcher._usable(self.match, (self.first, self.last), self.codec)
+            tried: set[str] = set()  # holders (one replica per key each) that failed in this stream
+            warmed = False
+            while not self.complete:
+                # the next part, from the replicas holding next_layer on (partial replicas assembled: issue 13)
+                parts = fetcher._parts([r for r in usable if r.holder not in tried], (self.next_layer, self.last))
+                if not warmed:
+                    fetcher._warm_alternate(parts)
+                    warmed = True
+                if not parts:
                     break
+                record, source, (_first, end) = parts[0]
                 if fetcher.failures.recent(record.holder):  # failed while this stream was running
                     fetcher.metrics.skipped_recent_failures += 1
+                    tried.add(record.holder)
                     continue
                 fetcher.metrics.attempts += 1
                 lease: Lease | None = None
+                before = self.next_layer
                 try:
                     if fetcher.lease_ms is not None:
                         lease = await source.lease(record, fetcher.lease_ms)
                         if lease is not None:
                             fetcher.metrics.leases_taken += 1
-                    async with contextlib.aclosing(self._attempt(source, record)) as attempt:
+                    async with contextlib.aclosing(self._attempt(source, record, end)) as attempt:
                         async for layer in attempt:
                             yield layer
                 except AttemptError as err:
+                    tried.add(record.holder)
                     await fetcher._failed(record, err)
                 finally:
                     if lease is not None and await source.release(lease):
                         fetcher.metrics.leases_released += 1
+                if self.next_layer == before:  # no progress without an error: never ask it again
+                    tried.add(record.holder)
         finally:
             self.done = True
         if self._count:
@@ -322,11 +349,15 @@ class LayerStream:
             else:
                 fetcher.metrics.misses += 1
 
-    async def _attempt(self, source: BlockSource, record: ReplicaRecord) -> AsyncGenerator[DecodedLayer, None]:
-        """One replica: stream, verify and yield layers from ``next_layer`` to ``last``; AttemptError on failure."""
+    async def _attempt(self, source: BlockSource, record: ReplicaRecord,
+                       end: int) -> AsyncGenerator[DecodedLayer, None]:
+        """One replica: stream, verify and yield layers from ``next_layer`` to *end* (``last``, or the end of the
+        part a partial replica gives); AttemptError on failure. Each layer is checked against *record*'s layer
+        digest for it (a part never reaches past the replica's residency, so never against a placeholder); the
+        replica digest only when this one replica gives the whole block (spec, "Block Retrieval and Storage")."""
         fetcher = self._fetcher
-        first, last = self.next_layer, self.last
-        whole_request = self.whole and first == 0
+        first, last = self.next_layer, end
+        whole_request = self.whole and first == 0 and last == self.last
         transcoded = self.codec is not None and self.codec != record.codec
         expected = None if transcoded else record.layer_digests
         decoder = ContainerDecoder(
@@ -411,6 +442,9 @@ class BlockFetcher:
     * *sources*: the source kinds (default: one :class:`HttpSource` over *client*).
     * *withdraw_corrupt*: withdraw replicas that served wrong data on the holder's behalf (needs the ``holder``
       role with ``publish_for`` at the Index Service; a 403 is only counted).
+    * *require_producer_digest*: the producer-digest mode (docs/wire.md, "Producer digests"): a lookup keeps only
+      replicas whose digests equal those a producing instance published (:class:`http3.producer_digests.
+      ProducerCheck`); the prefix ends at the first block without one, which the caller recomputes.
     * *report_failures*: after a transport failure, report the holder to the Index Service in the background
       (``POST {is}holders/{holder-id}/failures``; it tries the holder last for a while: docs/wire.md, "Dead
       sources"), once per holder while *failures* remembers it.
@@ -426,7 +460,8 @@ class BlockFetcher:
                  sources: Sequence[BlockSource] | None = None, withdraw_corrupt: bool = True,
                  assemble: bool = False, allocate: Callable[[int], Any] | None = None,
                  max_block_bytes: int = 1 << 30, max_lookup_keys: int = DEFAULT_MAX_LOOKUP_KEYS,
-                 timeout: float | None = None, report_failures: bool = True) -> None:
+                 timeout: float | None = None, report_failures: bool = True,
+                 require_producer_digest: bool = False) -> None:
         if lease_ms is not None and (isinstance(lease_ms, bool) or lease_ms <= 0):
             raise ValueError("lease_ms must be a positive number of milliseconds")
         if max_lookup_keys < 1:
@@ -453,6 +488,9 @@ class BlockFetcher:
         self._withdraw_denied: set[str] = set()  # holders the Index Service refused withdrawals for
         self.report_failures = report_failures
         self._reports: set[asyncio.Task[None]] = set()  # failure reports under way
+        # the producer-digest mode (issue 13): only replicas whose digests a producing instance published
+        self.producer_check = ProducerCheck(client, timeout=timeout, max_keys=max_lookup_keys) \
+            if require_producer_digest else None
 
     # -- lookup -------------------------------------------------------------------------------------------------
 
@@ -488,6 +526,8 @@ class BlockFetcher:
             if len(matched) < len(part) or start >= len(keys):
                 break
         self.metrics.lookup_matched += len(blocks)
+        if self.producer_check is not None:
+            blocks = await self.producer_check.vouched(self.index_uri, compat, scope, blocks, self.metrics)
         return LookupResponse(len(blocks), tuple(blocks), estimates)
 
     async def _lookup_part(self, compat: bytes, scope: bytes, keys: list[bytes],
@@ -582,14 +622,22 @@ class BlockFetcher:
         return FetchResult(stream.block_key, layers, tuple(r for r, _ in used), tuple(t for _, t in used),
                            stream.header.codec, stream.header.token_count)
 
-    def _candidates(self, match: LookupMatch, layers: LayerRange) -> list[tuple[ReplicaRecord, BlockSource]]:
-        """The replicas worth trying for *layers*, best first, each with the source that fetches it."""
+    def _usable(self, match: LookupMatch, layers: LayerRange,
+                codec: int | None = None) -> list[ReplicaRecord]:
+        """The replicas of *match* worth trying for some of *layers*: of the match's compat_id and scope, holding a
+        layer of *layers*, fetchable by a source; not those whose codec (or the requested *codec*) this client
+        cannot decode (:func:`~kvsp_quic.retrieval_plan.decodable`), nor those whose holder failed recently."""
         reference = match.replicas[0]
+        first, last = layers
         usable: list[ReplicaRecord] = []
         for record in match.replicas:
             if record.compat_id != reference.compat_id or record.scope_id != reference.scope_id:
                 continue
-            if record.holder in self.exclude_holders or not covers(record, layers):
+            if not decodable(record, codec):
+                self.metrics.skipped_unknown_codec += 1
+                continue
+            if record.holder in self.exclude_holders or \
+                    not any(e.layers[0] <= last and e.layers[1] >= first for e in record.residency):
                 continue
             if self._source_for(record) is None:
                 continue
@@ -597,14 +645,21 @@ class BlockFetcher:
                 self.metrics.skipped_recent_failures += 1
                 continue
             usable.append(record)
-        out: list[tuple[ReplicaRecord, BlockSource]] = []
-        for record in self.ranking(usable, layers):
+        return usable
+
+    def _parts(self, usable: Sequence[ReplicaRecord],
+               layers: LayerRange) -> list[tuple[ReplicaRecord, BlockSource, LayerRange]]:
+        """The replicas to try next for *layers* (:func:`~kvsp_quic.retrieval_plan.next_parts`: one replica
+        holding them all first, else the start of the cheapest chain of partial replicas), best first, each with
+        its source and the part it gives."""
+        out: list[tuple[ReplicaRecord, BlockSource, LayerRange]] = []
+        for record, part in next_parts(usable, layers, self.ranking):
             source = self._source_for(record)
             if source is not None:
-                out.append((record, source))
+                out.append((record, source, part))
         return out
 
-    def _warm_alternate(self, candidates: list[tuple[ReplicaRecord, BlockSource]]) -> None:
+    def _warm_alternate(self, candidates: Sequence[tuple[ReplicaRecord, BlockSource, LayerRange]]) -> None:
         """Have the source of the best candidate at another host and port than the first -- where a failure of the
         first falls back to -- open its connection in the background (a source with a ``warm(record)`` method:
         :class:`kvsp_moqt.source.MoqtSource`), so that a source dying mid-load costs the refetch, not a handshake
@@ -612,7 +667,7 @@ class BlockFetcher:
         if len(candidates) < 2:
             return
         first = endpoint_key(candidates[0][0].holder)
-        for record, source in candidates[1:]:
+        for record, source, _part in candidates[1:]:
             if endpoint_key(record.holder) != first:
                 warm = getattr(source, "warm", None)
                 if warm is not None:

@@ -345,7 +345,10 @@ def retrieval_collectors(registry: Registry, metrics: Any, *, block_tokens: int 
                          component: str = "retrieval") -> None:
     """Expose a retrieval client's :class:`~kvsp_quic.retrieval_plan.RetrievalMetrics`: its lookups, blocks
     fetched (hits) and recomputed (misses) -- as tokens when *block_tokens* is given, always as
-    ``kvsp_retrieval_blocks_total{outcome}`` --, leases refused, digest failures and body octets by transport."""
+    ``kvsp_retrieval_blocks_total{outcome}`` --, leases refused, digest failures, body octets by transport, and the
+    producer-digest mode's counters: ``kvsp_producer_digest_mismatches_total`` (replicas left out),
+    ``kvsp_producer_digest_unverified_blocks_total`` (blocks recomputed for want of a vouched replica) and
+    ``kvsp_producer_digest_lookup_errors_total`` (producer-digest lookups that failed)."""
     kvsp = KvspMetrics(registry)
     label = {"component": component}
     kvsp.lookups.collect(lambda: [(label, metrics.lookups)])
@@ -359,6 +362,16 @@ def retrieval_collectors(registry: Registry, metrics: Any, *, block_tokens: int 
                      "recompute (miss)", ("component", "outcome")).collect(
         lambda: [({"component": component, "outcome": "hit"}, metrics.hits),
                  ({"component": component, "outcome": "miss"}, metrics.misses)])
+    # the producer-digest mode (issue 13; docs/wire.md, "Producer digests"): what it left out, and why
+    registry.counter("kvsp_producer_digest_mismatches_total", "Replicas left out of lookups because no producer "
+                     "digest vouches for them", ("component",)).collect(
+        lambda: [(label, metrics.producer_mismatches)])
+    registry.counter("kvsp_producer_digest_unverified_blocks_total", "Matched blocks recomputed for want of a "
+                     "replica a producer digest vouches for", ("component",)).collect(
+        lambda: [(label, metrics.producer_unverified)])
+    registry.counter("kvsp_producer_digest_lookup_errors_total", "Producer-digest lookups that failed (every "
+                     "matched block of the lookup recomputed)", ("component",)).collect(
+        lambda: [(label, metrics.producer_lookup_errors)])
     if block_tokens is not None:
         kvsp.fetched_tokens.collect(lambda: [(label, metrics.hits * block_tokens)])
         kvsp.recomputed_tokens.collect(lambda: [(label, metrics.misses * block_tokens)])

@@ -15,25 +15,39 @@ Replica order (:class:`DefaultRanking`, docs/wire.md "Retrieval"):
 2. then the others, by the slowest tier holding a wanted layer (device, host, remote-memory, local-storage,
    remote-storage), then ``https`` holders before other schemes; ties keep the Index Service's order.
 
-Replicas whose residency does not cover the wanted layers are not candidates (the holder would answer 404).
+A replica is asked only for layers its residency holds (the holder would answer 404 for others). A block kept
+as partial replicas (issue 13) is assembled from several (:func:`next_parts`): one replica holding every wanted
+layer first, else the cheapest chain of ranges.
+
+Extension values (issue 13; spec, "KVSP Registries": the registries are extensible, so a lookup answer may carry
+values of a newer registry than this client's). Every record of the answer is kept as the Index Service sent it;
+the answer is never refused for them. A residency entry with an unknown tier keeps its layers (it covers them)
+and ranks after every known tier (:data:`TIER_ORDER`); cost estimates use its ``read_mbit_per_s`` like any
+other entry's, so the tier name itself plays no part. A replica whose codec this client cannot decode
+(:func:`decodable`) is not a candidate unless the client asks for a codec it can decode (``codec=n``: the
+holder transcodes, or answers 406, a miss): fetching it would deliver a container the decoder refuses, counted
+as MALFORMED and withdrawn on the holder's behalf -- wrong for a replica that is only newer than this client.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+from kvsp_quic.compat import codec_known
 from kvsp_quic.cost import part_cost
 from kvsp_quic.records import Link, ReplicaRecord
 from kvsp_quic.repr_digest import ReprDigestError, format_repr_digest, parse_repr_digest
 
 LayerRange = tuple[int, int]  # inclusive
+UNKNOWN_LAYER_DIGEST = bytes(32)  # a partial replica's layer digest for a layer it does not hold (issue 13)
 
-# Fastest first; a tier outside the registry sorts last.
+# Fastest first; a tier outside the registry (a newer registry's, issue 13) sorts last.
 TIER_ORDER: Mapping[str, int] = {"device": 0, "host": 1, "remote-memory": 2, "local-storage": 3,
                                  "remote-storage": 4}
 
@@ -174,8 +188,14 @@ class RetrievalMetrics:
     digest_failures: int = 0  # Failure.CORRUPT: layer, replica or Repr-Digest mismatch
     malformed: int = 0
     skipped_recent_failures: int = 0  # candidates skipped because their holder failed recently
+    skipped_unknown_codec: int = 0  # candidates skipped because this client cannot decode what they would send
     unreachable: int = 0  # failures that showed the holder gone (its endpoint is skipped too)
     failures_reported: int = 0  # holders reported to the Index Service (POST holders/{id}/failures)
+    # producer-digest mode (require_producer_digest; kvsp_quic/producer_digests.py): replicas left out because no
+    # producer vouches for their digests, and matched blocks recomputed for want of a vouched replica
+    producer_mismatches: int = 0
+    producer_unverified: int = 0  # blocks (the one that ended the usable prefix and every later matched one)
+    producer_lookup_errors: int = 0  # producer-digest lookups that failed (every matched block is recomputed)
     withdrawals: int = 0  # replicas withdrawn on a holder's behalf (204, or 404: already gone)
     withdrawals_denied: int = 0  # the Index Service answered 403
     withdrawal_errors: int = 0
@@ -227,6 +247,87 @@ def covers(record: ReplicaRecord, layers: LayerRange) -> bool:
     return have == need  # residency ranges never overlap (ReplicaRecord.check)
 
 
+def held_runs(record: ReplicaRecord) -> list[LayerRange]:
+    """The unbroken runs of layers *record* holds, ascending: adjacent residency entries join (a complete replica
+    split over two tiers is one run), and a layer whose layer digest is the zero placeholder of a partial replica
+    (issue 13: 32 zero octets for a layer not held) is left out whatever the residency says, so that no layer is
+    ever asked of a replica, or checked, against a placeholder."""
+    runs: list[LayerRange] = []
+    for first, last in sorted(e.layers for e in record.residency):
+        if runs and first == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], last)
+        else:
+            runs.append((first, last))
+    digests = record.layer_digests
+    if digests is None or UNKNOWN_LAYER_DIGEST not in digests:
+        return runs
+    out: list[LayerRange] = []
+    for first, last in runs:
+        start = None
+        for i in range(first, last + 1):
+            held = i < len(digests) and digests[i] != UNKNOWN_LAYER_DIGEST
+            if held and start is None:
+                start = i
+            elif not held and start is not None:
+                out.append((start, i - 1))
+                start = None
+        if start is not None:
+            out.append((start, last))
+    return out
+
+
+def held_through(record: ReplicaRecord, layer: int) -> int | None:
+    """The last layer of the run of layers *record* holds from *layer* on (:func:`held_runs`), or None when it
+    lacks *layer*."""
+    return next((last for first, last in held_runs(record) if first <= layer <= last), None)
+
+
+def next_parts(replicas: Sequence[ReplicaRecord], layers: LayerRange,
+               ranking: Ranking) -> list[tuple[ReplicaRecord, LayerRange]]:
+    """The replicas to try next for the inclusive range *layers*, best first, each with the part of the range it
+    would give (from ``layers[0]`` to the end of its run, at most ``layers[1]``): partial replicas (issue 13) are
+    assembled into the range. The order (docs/wire.md, "Retrieval", layer ranges from several replicas):
+
+    1. replicas that give the whole range (one request), in *ranking*'s order;
+    2. else replicas that start the cheapest chain of parts: the fewest parts (one request and round trip each;
+       the octets are the same whichever replicas give them), then the longest first part, each group in
+       *ranking*'s order for its part.
+
+    Empty when no chain of *replicas* covers the range: nothing is fetched for a block that cannot be completed.
+    The caller fetches the first part, and asks again from the layer after the last one delivered (after a
+    failure, without the replica that failed: the failover to another replica of the same range).
+    """
+    first, last = layers
+    runs = [(record, held_runs(record)) for record in replicas]
+    whole = [record for record, spans in runs if any(a <= first and last <= b for a, b in spans)]
+    if whole:
+        return [(record, layers) for record in ranking(whole, layers)]
+    ends: dict[int, list[tuple[ReplicaRecord, int]]] = {}  # position -> (replica, end of its part from there)
+    for record, spans in runs:
+        for a, b in spans:
+            for layer in range(max(a, first), min(b, last) + 1):
+                ends.setdefault(layer, []).append((record, min(b, last)))
+    hops: dict[int, float] = {last + 1: 0}  # fewest parts to cover position..last
+    for layer in range(last, first - 1, -1):
+        hops[layer] = min((1 + hops[end + 1] for _r, end in ends.get(layer, ())), default=math.inf)
+    if math.isinf(hops[first]):
+        return []
+    groups: dict[int, list[ReplicaRecord]] = {}
+    for record, end in ends.get(first, ()):
+        if 1 + hops[end + 1] == hops[first]:  # on a cheapest chain
+            groups.setdefault(end, []).append(record)
+    out: list[tuple[ReplicaRecord, LayerRange]] = []
+    for end in sorted(groups, reverse=True):
+        out += [(record, (first, end)) for record in ranking(groups[end], (first, end))]
+    return out
+
+
+def decodable(record: ReplicaRecord, codec: int | None = None) -> bool:
+    """Whether this client can decode what *record*'s holder would send: the stored codec when *codec* (the
+    codec the client asks for) is None, else *codec* (the holder transcodes, or refuses with 406)."""
+    return codec_known(record.codec if codec is None else codec)
+
+
 def tier_rank(record: ReplicaRecord, layers: LayerRange) -> int:
     """The rank (:data:`TIER_ORDER`) of the slowest tier holding a layer of *layers*."""
     first, last = layers
@@ -270,7 +371,8 @@ class DefaultRanking:
 
 
 __all__ = [
-    "TIER_ORDER", "AttemptError", "DefaultRanking", "Failure", "FailureMemory", "LayerRange", "Ranking",
-    "ReprDigestError", "RetrievalMetrics", "covers", "endpoint_key", "estimated_us", "failure_for_status",
-    "format_repr_digest", "parse_repr_digest", "tier_rank",
+    "TIER_ORDER", "UNKNOWN_LAYER_DIGEST", "AttemptError", "DefaultRanking", "Failure", "FailureMemory", "LayerRange",
+    "Ranking", "ReprDigestError", "RetrievalMetrics", "covers", "decodable", "endpoint_key", "estimated_us",
+    "failure_for_status", "format_repr_digest", "held_runs", "held_through", "next_parts", "parse_repr_digest",
+    "tier_rank",
 ]

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import inspect
 import json
 import os
@@ -58,6 +59,7 @@ from kvsp_quic.auth import ALL, Policy, Principal, Role
 from kvsp_quic.compat import Codec, InstanceState
 from kvsp_quic.fields import BlockKey, CompatId, ScopeId
 from kvsp_quic.keys import scope_id, uri_id
+from kvsp_quic.producer_digests import ProducerDigest, ProducerDigestQuery, ProducerDigests
 from kvsp_quic.records import (
     InstanceStatusRecord,
     LeaseRequest,
@@ -249,6 +251,12 @@ def _body(app: str, rule: Rule, *, compat: CompatId, scope: ScopeId, subject: st
         layers = example_descriptor().layers
         obj = ReplicaRecord(BLOCK_KEY, compat, scope, subject, Codec.RAW, 100, bytes(32),
                             (ResidencyEntry("host", (0, layers - 1)),), 60_000).to_json()
+    elif key == ("POST", "producer-digests"):  # one Producer Digest record of the scope (issue 13)
+        layer_digests = tuple(hashlib.sha256(b"layer %d" % i).digest() for i in range(example_descriptor().layers))
+        digest = hashlib.sha256(b"".join(layer_digests)).digest()
+        obj = ProducerDigests((ProducerDigest(BLOCK_KEY, compat, scope, digest, layer_digests, 60_000),)).to_json()
+    elif key == ("POST", "producer-digests/lookup"):
+        obj = ProducerDigestQuery(compat, scope, (BLOCK_KEY,)).to_json()
     elif key == ("PUT", "instances/{instance_id}/status"):  # draining: never a placement candidate
         obj = InstanceStatusRecord(subject, 1, InstanceState.DRAINING, 1000).to_json()
         return json.dumps(obj).encode(), False

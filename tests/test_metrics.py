@@ -219,6 +219,20 @@ def test_holder_and_retrieval_collectors() -> None:
     assert check_format(reg.render())['kvsp_retrieval_blocks_total{component="retrieval",outcome="hit"}'] == 6
 
 
+def test_retrieval_collectors_export_the_producer_digest_counters() -> None:
+    reg = Registry()
+    m = RetrievalMetrics(producer_mismatches=3, producer_unverified=5, producer_lookup_errors=1)
+    retrieval_collectors(reg, m, component="instance")
+    text = reg.render()
+    samples = check_format(text)
+    assert samples['kvsp_producer_digest_mismatches_total{component="instance"}'] == 3
+    assert samples['kvsp_producer_digest_unverified_blocks_total{component="instance"}'] == 5
+    assert samples['kvsp_producer_digest_lookup_errors_total{component="instance"}'] == 1
+    assert "# TYPE kvsp_producer_digest_mismatches_total counter" in text
+    m.producer_mismatches += 2  # read at scrape time
+    assert check_format(reg.render())['kvsp_producer_digest_mismatches_total{component="instance"}'] == 5
+
+
 @pytest.mark.parametrize(("accept", "openmetrics"), [
     (None, False),
     ("*/*", False),

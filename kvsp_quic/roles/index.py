@@ -60,8 +60,10 @@ from kvsp_quic.records import (
     lookup_answer,
 )
 from kvsp_quic.roles.liveness import FailureReports, LivenessTable, demote
+from kvsp_quic.roles.producer_digests import ProducerDigestService
 from kvsp_quic.roles.status import StatusTable, endpoint
 from kvsp_quic.storage.index_store import IndexStore, with_ttl
+from kvsp_quic.storage.producer_digests import store_for
 
 Clock = Callable[[], float]
 
@@ -174,6 +176,9 @@ class IndexService:
         self.liveness = liveness if liveness is not None else LivenessTable(clock)
         self.failures = failures if failures is not None else FailureReports(clock)
         self.without_geometry: set[bytes] = set()  # compat_ids instances reported that have no descriptor here
+        # producer digests (issue 13; docs/wire.md, "Producer digests"), kept beside the replicas (the same Redis)
+        self.producers = ProducerDigestService(store_for(store), clock=clock, max_ttl_ms=self.config.max_ttl_ms,
+                                               max_lookup_keys=self.config.max_lookup_keys)
 
     # -- replicas -----------------------------------------------------------------------------------------------
 
@@ -327,6 +332,7 @@ class IndexService:
         """Remove expired replicas (up to *limit* keys examined) and expired statuses; the replicas removed."""
         self.status.expire()
         self.failures.expire()
+        await self.producers.sweep(limit)
         return await self.store.expire(self.clock(), limit)
 
 

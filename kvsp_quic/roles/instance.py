@@ -166,6 +166,11 @@ class ServiceOptions:
     # QUIC connections per holder that block loads are spread over (HTTP/3: a holder with several workers on one
     # port gets one connection on each of up to this many); the HTTP/1.1 path opens one per concurrent load anyway.
     block_connections: int = 4
+    # The producer-digest mode (issue 13; docs/wire.md, "Producer digests"): publish the digests of the blocks this
+    # instance computes to the Index Service, and (require) load only replicas whose digests equal a producer's --
+    # a block without one is recomputed. require_producer_digest implies publishing.
+    publish_producer_digests: bool = False
+    require_producer_digest: bool = False
 
     def __post_init__(self) -> None:
         if self.block_connections < 1:

@@ -150,6 +150,12 @@ class RedisIndexStore:
     def key(self, block_key: bytes) -> bytes:
         return self.prefix + b"r:{" + bytes(block_key).hex().encode("ascii") + b"}"
 
+    def producer_digest_store(self) -> Any:
+        """Producer digests beside these replicas: same client, same prefix (kvsp_quic.storage.producer_digests)."""
+        from kvsp_quic.storage.redis_producer_digests import RedisProducerDigests
+
+        return RedisProducerDigests(self.client, prefix=self.prefix)
+
     async def _eval(self, script: _Script, keys: Sequence[bytes], *args: bytes | int) -> Any:
         try:
             return await self.client.evalsha(script.sha, len(keys), *keys, *args)
