@@ -50,6 +50,8 @@ def problem_response(problem: Problem, headers: HeaderItems = ()) -> Response:
     status, body = to_problem_json(problem)
     response = Response(body, status_code=status, media_type=PROBLEM_MEDIA_TYPE)
     response.headers["cache-control"] = "no-store"
+    if problem.retry_after_s is not None and not any(_raw(name).lower() == b"retry-after" for name, _ in headers):
+        response.headers["retry-after"] = str(problem.retry_after_s)
     for name, value in headers:
         response.headers.append(_raw(name).decode("latin-1"), _raw(value).decode("latin-1"))
     return response

@@ -10,6 +10,13 @@ unread request body (and while a pipelined request waits), and every response wr
 drain below its high-water mark. Malformed requests get a 400 problem response and the connection is closed. A
 response finished before its request body was read makes the server read and discard the rest (keeping the
 connection when the rest is small, closing it otherwise), so that the client sees the response, not a reset.
+
+Deadlines (one timer): an idle connection is closed after ``settings.idle_timeout``; a request head, once its
+first octet is in, must be complete within ``settings.header_timeout`` (a slowloris peer sending a header octet
+every few seconds is closed then); a stalled request body is cut after ``idle_timeout`` without an octet.
+Memory: between requests and while a head is read, reads go into a :data:`HEAD_READ_SIZE` buffer; the
+:data:`READ_SIZE` one is allocated when a connection first receives a request body (an idle or slow connection
+holds 16 KiB, not 256 KiB).
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ PIPELINE_HIGH_WATER = 64 << 10  # pause reading while this much of a next (pipel
 DISCARD_LIMIT = 8 << 20  # an unread request body rest larger than this closes the connection instead
 LINGER = 1.0  # seconds to keep reading (and discarding) before closing after an early response
 FLUSH_AT = 1 << 20  # corked response octets are written once this many are waiting
-READ_SIZE = 256 << 10  # the most one read takes off the connection
+READ_SIZE = 256 << 10  # the most one read takes off the connection (while a request body comes in)
+HEAD_READ_SIZE = 16 << 10  # the most one read takes otherwise: one TLS record
 _CONTINUE = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
 
 
@@ -60,7 +68,10 @@ class H1Connection(WriteFlow, asyncio.BufferedProtocol):
         self._discarding = False  # the response is out, the rest of the request body is read and dropped
         self._discarded = 0
         self._reading_paused = False
-        self._rx_view = memoryview(bytearray(READ_SIZE))
+        self._head_view = memoryview(bytearray(HEAD_READ_SIZE))
+        self._body_view: memoryview | None = None  # READ_SIZE octets, allocated for the first request body
+        self._rx_view = self._head_view  # the buffer get_buffer() handed out last
+        self._head_begun = False  # octets of a request head are in: the header deadline runs
         self._out: list[Buffer] = []  # response octets corked until the response ends, FLUSH_AT, or the next turn
         self._out_size = 0
         self._flush_handle: asyncio.Handle | None = None
@@ -72,8 +83,16 @@ class H1Connection(WriteFlow, asyncio.BufferedProtocol):
     # -- asyncio.BufferedProtocol ---------------------------------------------------------------------------
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        """TLS decrypts into one reused buffer, up to :data:`READ_SIZE` octets per read (asyncio's copying path
-        allocates a 256 KiB object per 16 KiB TLS record instead); each read becomes one ``bytes`` object."""
+        """TLS decrypts into a reused buffer, up to :data:`READ_SIZE` octets per read while a request body comes
+        in and :data:`HEAD_READ_SIZE` otherwise (asyncio's copying path allocates a 256 KiB object per 16 KiB TLS
+        record instead); each read becomes one ``bytes`` object."""
+        exchange = self.exchange
+        if self._body_left is None and (exchange is None or exchange.body.complete):
+            self._rx_view = self._head_view
+        else:
+            if self._body_view is None:
+                self._body_view = memoryview(bytearray(READ_SIZE))
+            self._rx_view = self._body_view
         return self._rx_view
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -87,6 +106,9 @@ class H1Connection(WriteFlow, asyncio.BufferedProtocol):
             self._pending += data  # a pipelined request waits for the response to the counted one
             self._update_reading()
         else:
+            if self.exchange is None and data and not self._head_begun:
+                self._head_begun = True  # the first octet of a request head: it has header_timeout to finish
+                self._arm_timer(self.settings.header_timeout)
             try:
                 self.h11.receive_data(data)
             except RuntimeError:  # data after the peer closed: ignore
@@ -157,6 +179,7 @@ class H1Connection(WriteFlow, asyncio.BufferedProtocol):
     def _on_request(self, event: h11.Request) -> bool:
         """Start the exchange; True when the body is counted off the connection rather than parsed by h11."""
         self._cancel_timer()
+        self._head_begun = False
         self._discarding = False
         self._discarded = 0
         headers: Headers = list(event.headers)  # h11 lowercases names
@@ -272,10 +295,12 @@ class H1Connection(WriteFlow, asyncio.BufferedProtocol):
             self.h11.start_next_cycle()
         else:  # the body was counted here, not by h11: the next request gets a fresh state machine
             self.h11 = self._new_h11()
+        pipelined = bool(self._pending) or bool(self.h11.trailing_data[0])
         if self._pending:
             self.h11.receive_data(bytes(self._pending))
             self._pending.clear()
-        self._arm_timer(self.settings.idle_timeout)
+        self._head_begun = pipelined  # the next request's head, begun already, has header_timeout to finish
+        self._arm_timer(self.settings.header_timeout if pipelined else self.settings.idle_timeout)
         self._update_reading()
         if self.h11.trailing_data[0]:
             self.loop.call_soon(self._process)
@@ -341,7 +366,10 @@ class H1Connection(WriteFlow, asyncio.BufferedProtocol):
         self._timer = None
         exchange = self.exchange
         if exchange is None or self._discarding:
-            self._close()  # idle keep-alive connection, or the linger after an early response is over
+            if exchange is None and self._head_begun:
+                log.debug("HTTP/1.1 peer %s did not finish a request head in %gs: closing", self.info["client"],
+                          self.settings.header_timeout)
+            self._close()  # idle keep-alive connection, a head too slow, or the linger after an early response
             return
         body = exchange.body
         if body.complete or body.disconnected:

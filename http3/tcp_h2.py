@@ -5,6 +5,12 @@ a stream never holds more unread body than its receive window and a connection n
 window; responses wait for the peer's send window and for the transport to drain. Large windows and frames
 (our SETTINGS) keep a single stream fast on fat pipes. Graceful shutdown lets the streams in flight finish, refuses
 new ones, and says GOAWAY when the last one is done.
+
+Slow peers (issue 13): a header block (the connection preface, a HEADERS frame and its CONTINUATIONs up to
+END_HEADERS, any frame header) begun and not finished within ``settings.header_timeout`` ends the connection
+with GOAWAY ENHANCE_YOUR_CALM (RFC 9113, 7: the peer "might be generating excessive load"; a header block cannot
+be abandoned alone, its field compression state is the connection's, RFC 9113, 4.3); a connection without
+streams is closed after ``settings.idle_timeout``, whatever it sends.
 """
 
 from __future__ import annotations
@@ -182,6 +188,7 @@ class H2Connection(WriteFlow, asyncio.Protocol):
         if extra > 0:
             conn.increment_flow_control_window(extra)
         self.h2 = conn
+        self._head_timer: asyncio.TimerHandle | None = None  # a header block is under way (header_timeout)
         self.flush()
         self._arm_timer(settings.idle_timeout)
 
@@ -212,6 +219,7 @@ class H2Connection(WriteFlow, asyncio.Protocol):
             elif isinstance(event, h2.events.ConnectionTerminated):
                 self._on_goaway(event)
         self.flush()
+        self._watch_head()
 
     def eof_received(self) -> bool | None:
         for stream in list(self.streams.values()):
@@ -221,6 +229,9 @@ class H2Connection(WriteFlow, asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._cancel_timer()
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
         for stream in list(self.streams.values()):
             stream.lost()
         self.streams.clear()
@@ -364,6 +375,37 @@ class H2Connection(WriteFlow, asyncio.Protocol):
             self.quiet.set_result(None)
 
     # -- timers --------------------------------------------------------------------------------------------
+
+    def _head_pending(self) -> bool:
+        """The peer has begun a header block (or the preface, or any frame header) and not finished it."""
+        frames = self.h2.incoming_buffer
+        partial = frames._data
+        preface_left = frames._preamble_len
+        return bool(frames._headers_buffer or 0 < preface_left < 24
+                    or (partial and (len(partial) < 9 or partial[3] in (0x1, 0x5, 0x9))))
+
+    def _watch_head(self) -> None:
+        if self.closed:
+            return
+        if not self._head_pending():
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+        elif self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.settings.header_timeout, self._head_too_slow)
+
+    def _head_too_slow(self) -> None:
+        self._head_timer = None
+        if self.closed or self.transport.is_closing():
+            return
+        log.debug("HTTP/2 peer %s did not finish a header block in %gs: closing", self.info["client"],
+                  self.settings.header_timeout)
+        with contextlib.suppress(h2.exceptions.ProtocolError):
+            self.h2.close_connection(error_code=ErrorCodes.ENHANCE_YOUR_CALM)
+        self.flush()
+        self.transport.close()
+        if not self.quiet.done():
+            self.quiet.set_result(None)
 
     def _on_timer(self) -> None:
         self._timer = None

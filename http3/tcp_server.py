@@ -11,6 +11,12 @@ never reaches the app. ALPN picks the protocol: ``h2`` runs :class:`http3.tcp_h2
 :class:`http3.tcp_h1.H1Connection`. Every request scope carries the ASGI TLS extension with the client's
 certificate, so :func:`quic.tls.scope_identity` names the peer; every response advertises HTTP/3 with
 ``alt-svc: h3=":PORT"``. The app's lifespan protocol runs around the server's life when the app supports it.
+
+Slow and idle peers (issue 13): the TLS handshake must finish within :data:`HANDSHAKE_TIMEOUT`; a request head
+must finish within ``settings.header_timeout`` once begun (slowloris; the protocols enforce it); an idle
+connection is closed after ``settings.idle_timeout``. A handshaken connection beyond ``settings.max_connections``
+(all peers) or ``settings.max_connections_per_address`` (one peer IP address) is closed at once (TLS
+close_notify, then FIN), counted in :attr:`TcpServer.refused`: the TLS handshake is the only work it costs.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections import Counter
 from typing import Any, cast
 
 from http3.asgi_bridge import AsgiContext, Lifespan, address, alt_svc_h3, tls_cipher_code
@@ -39,6 +46,7 @@ class TcpServer:
     *alt_svc_port*: the UDP port advertised for HTTP/3 (default: this server's own TCP port). *lifespan*: run the
     app's lifespan protocol (pass False when another server, e.g. the HTTP/3 one, runs it for the same app).
     ``ctx.peak_body_buffered`` is the most request body any one request ever held unread (for tests and metrics).
+    :attr:`refused` counts connections closed because a connection limit was reached.
     """
 
     def __init__(self, app: ASGIApp, files: TlsFiles, *, settings: TransportSettings = TransportSettings(),
@@ -52,6 +60,8 @@ class TcpServer:
         self._lifespan = Lifespan(app) if lifespan else None
         self._server: asyncio.Server | None = None
         self._connections: set[Connection] = set()
+        self._per_address: Counter[str] = Counter()  # open connections per peer IP address
+        self.refused = 0
         self._port: int | None = None
 
     @property
@@ -91,7 +101,14 @@ class TcpServer:
     def _connection_made(self) -> asyncio.Protocol:
         return _Handshake(self)
 
-    def _accept(self, transport: asyncio.Transport) -> Connection:
+    def _accept(self, transport: asyncio.Transport) -> Connection | _Refused:
+        peer = transport.get_extra_info("peername")
+        host = str(peer[0]) if peer else ""
+        if (len(self._connections) >= self.settings.max_connections
+                or self._per_address[host] >= self.settings.max_connections_per_address):
+            self.refused += 1
+            log.debug("connection limit reached: closing a new connection from %s", host or "-")
+            return _Refused(transport)
         ssl_object = transport.get_extra_info("ssl_object")
         leaf = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
         cipher = ssl_object.cipher() if ssl_object is not None else None
@@ -104,10 +121,18 @@ class TcpServer:
         alpn = ssl_object.selected_alpn_protocol() if ssl_object is not None else None
         conn: Connection = (H2Connection if alpn == "h2" else H1Connection)(self.ctx, transport, info)
         self._connections.add(conn)
-        conn.done.add_done_callback(lambda _: self._connections.discard(conn))
+        self._per_address[host] += 1
+        conn.done.add_done_callback(lambda _: self._forget(conn, host))
         if self._server is None or not self._server.is_serving():
             conn.shutdown()
         return conn
+
+    def _forget(self, conn: Connection, host: str) -> None:
+        if conn in self._connections:
+            self._connections.discard(conn)
+            self._per_address[host] -= 1
+            if not self._per_address[host]:
+                del self._per_address[host]
 
     async def close(self) -> None:
         """Stop accepting; let requests in flight finish within ``settings.shutdown_grace``; close everything.
@@ -155,6 +180,22 @@ def _unsent(transport: asyncio.Transport) -> int:
     if isinstance(inner, asyncio.WriteTransport):
         size += inner.get_write_buffer_size()
     return size
+
+
+class _Refused(asyncio.Protocol):
+    """A connection over a connection limit: closed as it is accepted, whatever it sends dropped."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+    def eof_received(self) -> bool | None:
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        pass
 
 
 class _Handshake(asyncio.Protocol):

@@ -27,9 +27,11 @@ class Problem(Exception):
     suffix: ClassVar[str | None] = None  # KVSP type suffix; None for about:blank problems
     status: ClassVar[int] = 500
 
-    def __init__(self, detail: str = "", *, status: int | None = None, type_uri: str | None = None) -> None:
+    def __init__(self, detail: str = "", *, status: int | None = None, type_uri: str | None = None,
+                 retry_after_s: int | None = None) -> None:
         super().__init__(detail)
         self.detail = detail
+        self.retry_after_s = retry_after_s  # sent as Retry-After by the HTTP edge (http3/problem_response.py)
         if status is not None:
             self.status = status  # type: ignore[misc]  # instance override for generic problems
         self._type_uri = type_uri

@@ -180,6 +180,7 @@ class KvspQuicConnection(QuicConnection):
     _kvsp_uni_budget: int | None
     _kvsp_uni_done: int
     _kvsp_client_cert_optional: bool = False
+    queued_since_count: int = 0  # stream octets queued since quic.protocol last counted what is buffered
 
     def __init__(self, *args: Any, stream_window: int | None = None, connection_window: int | None = None,
                  max_streams: int | None = None, uni_streams: int | None = None, **kwargs: Any) -> None:
@@ -208,8 +209,14 @@ class KvspQuicConnection(QuicConnection):
         self._kvsp_unread_total = 0
         self._kvsp_uni_budget = None
         self._kvsp_uni_done = 0
+        self.queued_since_count = 0
         if max_streams is not None:
             self._local_max_streams_bidi.value = self._local_max_streams_bidi.sent = max_streams
+
+    def send_stream_data(self, stream_id: int, data: bytes, end_stream: bool = False) -> None:
+        """aioquic's, counting the octets queued (the connection's send budget, :mod:`quic.protocol`)."""
+        super().send_stream_data(stream_id, data, end_stream)
+        self.queued_since_count += len(data)
 
     # -- mutual TLS -------------------------------------------------------------------------------------------
 

@@ -8,6 +8,14 @@ A handler is created once the handshake has completed (so the client certificate
 :class:`QuicConnectionContext`: the connection, the peer's TLS extension for ASGI scopes, addresses, settings,
 and ``wait_writable`` for send-side backpressure. Receiving in batches, transmits and backpressure are
 :class:`~quic.protocol.KvspQuicProtocol`'s, shared with the clients.
+
+Connection limits (issue 13): at most ``settings.max_connections`` connections (handshakes included) and
+``settings.max_connections_per_address`` from one peer IP address. An Initial packet that would open one more is
+answered, statelessly, by an Initial packet carrying CONNECTION_CLOSE with CONNECTION_REFUSED (RFC 9000, 20.1:
+"The server refused to accept a new connection"; 10.2.3: a server may close in an Initial packet before the
+handshake) and no connection state is created: the client fails at once rather than after its handshake timeout,
+and the reply is smaller than the 1200-octet datagram that asked (no amplification, RFC 9000, 8). Idle
+connections end after ``settings.idle_timeout`` (QUIC's max_idle_timeout).
 """
 
 from __future__ import annotations
@@ -15,13 +23,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from aioquic.asyncio.server import QuicServer as AioquicServer
+from aioquic.buffer import Buffer  # type: ignore[attr-defined]  # re-exported from aioquic._buffer
 from aioquic.quic import events
-from aioquic.quic.connection import QuicConnection
+from aioquic.quic.configuration import SMALLEST_MAX_DATAGRAM_SIZE
+from aioquic.quic.connection import TRANSPORT_CLOSE_FRAME_CAPACITY, QuicConnection
+from aioquic.quic.crypto import CryptoPair
+from aioquic.quic.packet import QuicErrorCode, QuicFrameType, QuicPacketType, pull_quic_header
+from aioquic.quic.packet_builder import QuicPacketBuilder
 
 from quic.connection import KvspQuicConnection
 from quic.protocol import KvspQuicProtocol
@@ -141,6 +155,9 @@ class QuicListener:
         self._server: AioquicServer | None = None
         self._transport: BatchedUdpTransport | None = None
         self._connections: set[ServerConnectionProtocol] = set()
+        self._per_address: Counter[str] = Counter()  # connections per peer IP address
+        self._arriving: tuple[str, int] | None = None  # the sender of the datagram being handed to aioquic
+        self.refused_over_limit = 0  # Initials answered with CONNECTION_REFUSED (connection limits)
         self.dirty: set[ServerConnectionProtocol] = set()  # connections that received datagrams in this batch
         self._closing = False
         self.address: tuple[str, int] | None = None
@@ -169,6 +186,9 @@ class QuicListener:
             quic.close(error_code=0x0, reason_phrase="server shutting down")  # NO_ERROR: refuse politely
         else:
             self._connections.add(protocol)
+            if self._arriving is not None:
+                protocol.peer_addr = self._arriving
+                self._per_address[self._arriving[0]] += 1
         return protocol
 
     # the BatchedUdpTransport's protocol: datagrams go to aioquic's server, which routes them by connection ID
@@ -178,8 +198,34 @@ class QuicListener:
         self._server.connection_made(transport)
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
-        if self._server is not None:
+        if self._server is None:
+            return
+        if ((len(self._connections) >= self.settings.max_connections
+             or self._per_address[addr[0]] >= self.settings.max_connections_per_address)
+                and self._refuse_new(data, addr)):
+            return
+        self._arriving = (addr[0], addr[1])
+        try:
             self._server.datagram_received(data, addr)
+        finally:
+            self._arriving = None
+
+    def _refuse_new(self, data: bytes, addr: Any) -> bool:
+        """At a limit: a datagram that would open a connection is answered with CONNECTION_REFUSED (True); any
+        other is left to aioquic (False)."""
+        assert self._server is not None and self._transport is not None
+        try:
+            header = pull_quic_header(Buffer(data=data), host_cid_length=self._configuration.connection_id_length)
+        except ValueError:
+            return False
+        if (header.packet_type != QuicPacketType.INITIAL or len(data) < SMALLEST_MAX_DATAGRAM_SIZE
+                or header.version not in self._configuration.supported_versions
+                or header.destination_cid in self._server._protocols):
+            return False
+        self.refused_over_limit += 1
+        log.debug("QUIC connection limit reached: refusing a connection from %s", addr[0])
+        self._transport.sendto(refusal(header.version, header.destination_cid, header.source_cid), addr)
+        return True
 
     def datagrams_done(self) -> None:
         dirty, self.dirty = self.dirty, set()
@@ -187,7 +233,13 @@ class QuicListener:
             protocol.datagrams_done()
 
     def forget(self, protocol: ServerConnectionProtocol) -> None:
-        self._connections.discard(protocol)
+        if protocol in self._connections:
+            self._connections.discard(protocol)
+            if protocol.peer_addr is not None:
+                host = protocol.peer_addr[0]
+                self._per_address[host] -= 1
+                if self._per_address[host] <= 0:
+                    del self._per_address[host]
 
     @property
     def closing(self) -> bool:
@@ -229,3 +281,21 @@ class QuicListener:
         self._server.close()  # closes the transport too
         self._server = None
         self._connections.clear()
+        self._per_address.clear()
+
+
+def refusal(version: int, client_dcid: bytes, client_scid: bytes) -> bytes:
+    """A server Initial packet closing a connection attempt with CONNECTION_REFUSED (0x2), protected with the
+    Initial keys derived from the client's Destination Connection ID (RFC 9001, 5.2), as aioquic's own stateless
+    INVALID_TOKEN close is built."""
+    crypto = CryptoPair()
+    crypto.setup_initial(cid=client_dcid, is_client=False, version=version)
+    builder = QuicPacketBuilder(host_cid=client_dcid, is_client=False, max_datagram_size=SMALLEST_MAX_DATAGRAM_SIZE,
+                                peer_cid=client_scid, version=version)
+    builder.start_packet(QuicPacketType.INITIAL, crypto)
+    buf = builder.start_frame(QuicFrameType.TRANSPORT_CLOSE, capacity=TRANSPORT_CLOSE_FRAME_CAPACITY)
+    buf.push_uint_var(QuicErrorCode.CONNECTION_REFUSED)
+    buf.push_uint_var(QuicFrameType.PADDING)  # the frame type that caused it: none
+    buf.push_uint_var(0)  # no reason phrase
+    datagrams, _ = builder.flush()
+    return datagrams[0]

@@ -13,8 +13,14 @@ with
   are counted in octets (``TransportSettings.pacing_burst``);
 * :meth:`~KvspQuicProtocol.transmit_soon`: one transmit per event-loop iteration however many callers ask;
 * send backpressure: :meth:`~KvspQuicProtocol.wait_writable` waits while QUIC's unsent + unacknowledged octets of
-  a stream (:meth:`~KvspQuicProtocol.buffered`) exceed ``TransportSettings.send_buffer``; a waiting writer is
-  woken after a transmit once the stream is down to half of it, and fails when the connection ends;
+  a stream (:meth:`~KvspQuicProtocol.buffered`) exceed ``TransportSettings.send_buffer``, or those of all the
+  connection's streams (:meth:`~KvspQuicProtocol.connection_buffered`) exceed
+  ``TransportSettings.connection_send_buffer`` -- else a peer that opens many streams and reads none (a MOQT
+  FETCH flood, issue 13) makes the sender hold a send buffer per stream. A stream the peer has granted credit
+  beyond what is queued on it (it reads it) is not held back by the connection's limit, so a peer that reads
+  one stream at a time is not deadlocked by streams it reads later. A waiting writer is woken after a transmit
+  once its stream, and the connection (or that credit), are down to half of their limit; it fails when the
+  connection ends;
 * :attr:`~KvspQuicProtocol.confirmed`, resolved on HANDSHAKE_DONE: TLS 1.3 lets a client finish its side of the
   handshake before the server has judged the client's certificate, so a client knows it was accepted only then.
   It fails with the close reason if the connection ends first;
@@ -70,6 +76,7 @@ class KvspQuicProtocol(QuicConnectionProtocol):
         self.close_reason = ""
         self.confirmed: asyncio.Future[None] = self._loop.create_future()
         self._writers: dict[int, asyncio.Future[None]] = {}
+        self._buffered_total = 0  # every stream's buffered octets as of the last transmit
         self._transmit_pending = False
         self._batch = 0  # datagrams received in this batch
 
@@ -159,8 +166,18 @@ class KvspQuicProtocol(QuicConnectionProtocol):
         if self._timer is None and timer_at is not None:
             self._timer = self._loop.call_at(timer_at, self._handle_timer)
         self._timer_at = timer_at
+        self._count_buffered()
         if self._writers:
             self._wake_writers()
+
+    def _count_buffered(self) -> None:
+        self._buffered_total = sum(len(s.sender._buffer) for s in self._quic._streams.values())
+        self.quic.queued_since_count = 0
+
+    def connection_buffered(self) -> int:
+        """Octets of every stream queued in QUIC and not yet acknowledged (as of the last transmit, plus what
+        was queued since)."""
+        return self._buffered_total + self.quic.queued_since_count
 
     def buffered(self, stream_id: int) -> int:
         """Octets of *stream_id* queued in QUIC and not yet acknowledged by the peer."""
@@ -168,20 +185,28 @@ class KvspQuicProtocol(QuicConnectionProtocol):
         return len(stream.sender._buffer) if stream is not None else 0
 
     async def wait_writable(self, stream_id: int) -> None:
-        """Wait until the stream's send buffer is below the high-water mark (or the stream is gone)."""
+        """Wait until the stream's send buffer is below the high-water mark (or the stream is gone), and the
+        connection's below its own."""
         if self.closed:
             raise self.connection_closed_error()
         limit = self.settings.send_buffer
-        while self.buffered(stream_id) > limit:
+        total = self.settings.connection_send_buffer
+        while self.buffered(stream_id) > limit or (self.connection_buffered() > total and not self._wanted(stream_id)):
             waiter = self._writers.get(stream_id)
             if waiter is None or waiter.done():
                 waiter = self._writers[stream_id] = self._loop.create_future()
             await waiter
 
+    def _wanted(self, stream_id: int) -> bool:
+        """The peer's credit for *stream_id* goes beyond what is queued on it: the peer is reading it."""
+        stream = self._quic._streams.get(stream_id)
+        return stream is not None and stream.sender._buffer_stop < stream.max_stream_data_remote
+
     def _wake_writers(self) -> None:
         low = self.settings.send_buffer // 2
+        roomy = self.connection_buffered() <= self.settings.connection_send_buffer // 2
         for stream_id, waiter in list(self._writers.items()):
-            if self.buffered(stream_id) <= low:
+            if self.buffered(stream_id) <= low and (roomy or self._wanted(stream_id)):
                 del self._writers[stream_id]
                 if not waiter.done():
                     waiter.set_result(None)

@@ -84,7 +84,15 @@ class TransportSettings:
     connection_window: int = 64 << 20  # per-connection receive window
     socket_buffer: int = 4 << 20  # SO_RCVBUF / SO_SNDBUF of UDP sockets
     send_buffer: int = 4 << 20  # per-stream unsent + unacknowledged octets before a writer waits
+    connection_send_buffer: int = 16 << 20  # the same over all the streams of a connection (issue 13)
     idle_timeout: float = 60.0
+    # Slow and idle peers (issue 13, "resource tests"): a TCP peer that has begun a request head (HTTP/1.1) or a
+    # header block (HTTP/2) has this long to finish it, or the connection is closed (slowloris).
+    header_timeout: float = 10.0
+    # Connections per listener (TCP and QUIC each), all peers together and per peer IP address; beyond them a
+    # TCP connection is closed once accepted and a QUIC Initial is answered with CONNECTION_REFUSED.
+    max_connections: int = 8192
+    max_connections_per_address: int = 1024
     max_streams: int = 128  # concurrent request streams per connection
     max_header_bytes: int = 64 << 10
     max_body_bytes: int = 1 << 30  # request bodies larger than this get 413

@@ -175,6 +175,21 @@ async def test_leases_never_pin_more_than_the_global_fraction(certs, d: CompatDe
             assert (await s.put(n)).status == 201
 
 
+async def test_one_client_leases_at_most_its_share_of_the_global_cap(certs, d: CompatDescriptor) -> None:  # type: ignore[no-untyped-def]
+    size = len(body(d, 1))
+    limits = LeaseLimits(max_ttl_ms=10_000, max_leased_fraction=1.0, max_client_share=0.5)
+    async for s in holder_server(certs, d, host_capacity=4 * size, leases=limits):
+        for n in (1, 2, 3, 4):
+            assert (await s.put(n)).status == 201
+        assert (await lease_of(s, s.alice, 1, 2))[0] == 201  # half the holder: alice's share
+        got = await s.alice.request("POST", s.url("leases"), headers={"content-type": JSON},
+                                    content=lease_body(s.d, (3,), 10_000))
+        assert got.status == 429 and problem_type(got) == "kvsp-lease-quota"
+        # retry once alice's soonest lease has expired (10 s from now, in whole seconds)
+        assert 1 <= int(got.headers["retry-after"]) <= 10
+        assert (await lease_of(s, s.bob, 3, 4))[0] == 201  # bob is not starved
+
+
 async def test_renewals_are_limited(certs, d: CompatDescriptor) -> None:  # type: ignore[no-untyped-def]
     limits = LeaseLimits(max_ttl_ms=10_000, max_renewals=2, max_lifetime_ms=60_000)
     async for s in holder_server(certs, d, leases=limits):

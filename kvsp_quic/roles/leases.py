@@ -10,9 +10,10 @@ before it evicts anything. docs/wire.md ("Holder") records the decisions:
   ``kvsp-lease-quota`` (429) -- nothing is clamped;
 * quotas protect capacity (spec, Security Considerations: "Leases reserve holder memory. Quotas on leased octets,
   lease TTL ... are REQUIRED"): given the holder's *capacity*, every client's leases together cover at most
-  ``max_leased_fraction`` of it, and no client's quota is above that global cap; a lease can be renewed at most
-  ``max_renewals`` times and never past ``max_lifetime_ms`` after it was created (429 beyond), so a replica is
-  pinned for a bounded time whatever its client does;
+  ``max_leased_fraction`` of it, and no client's quota is above ``max_client_share`` of that global cap (below 1.0,
+  one client cannot starve the others); a refusal a later expiry would lift carries ``Retry-After``; a lease can
+  be renewed at most ``max_renewals`` times and never past ``max_lifetime_ms`` after it was created (429 beyond),
+  so a replica is pinned for a bounded time whatever its client does;
 * only the owner may renew or release a lease; anyone else gets 404 ``kvsp-not-found``, like an unknown or
   expired lease, so lease ids reveal nothing to other clients;
 * a lease whose replica the holder had to drop after a fault is *broken*: it still protects its other
@@ -21,6 +22,7 @@ before it evicts anything. docs/wire.md ("Holder") records the decisions:
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -40,6 +42,7 @@ class LeaseLimits:
     max_leases_per_client: int = 1024
     max_keys_per_lease: int = 1024
     max_leased_fraction: float = 1.0  # of the holder's capacity leased by all clients together (global cap)
+    max_client_share: float = 1.0  # of the global cap one client may lease (below 1.0 no client starves the others)
     max_renewals: int = 30  # renewals of one lease
     max_lifetime_ms: int = 600_000  # a lease is never renewed past this long after its creation
 
@@ -52,6 +55,8 @@ class LeaseLimits:
             raise ValueError("max_renewals: must not be negative")
         if not 0.0 < self.max_leased_fraction <= 1.0:
             raise ValueError("max_leased_fraction: must be in (0, 1]")
+        if not 0.0 < self.max_client_share <= 1.0:
+            raise ValueError("max_client_share: must be in (0, 1]")
 
 
 @dataclass
@@ -119,16 +124,15 @@ class LeaseTable:
         octets = sum(sizes)
         used, count = self.usage(owner)
         if count + 1 > self.limits.max_leases_per_client:
-            raise LeaseQuota(f"the client already holds {count} leases, the maximum")
-        quota = self.limits.max_octets_per_client
-        if self.global_cap is not None:
-            quota = min(quota, self.global_cap)
+            raise LeaseQuota(f"the client already holds {count} leases, the maximum",
+                             retry_after_s=self._retry_after(owner))
+        quota = self.client_quota
         if used + octets > quota:
             raise LeaseQuota(f"the lease would cover {octets} octets; the client holds {used} of its quota of "
-                             f"{quota}")
+                             f"{quota}", retry_after_s=self._retry_after(owner) if used else None)
         if self.global_cap is not None and self.leased + octets > self.global_cap:
             raise LeaseQuota(f"the lease would cover {octets} octets; {self.leased} of the {self.global_cap} this "
-                             f"holder leases to all clients together are taken")
+                             f"holder leases to all clients together are taken", retry_after_s=self._retry_after())
         lease_id = self._new_id()
         while lease_id in self._leases:  # an injected id source might repeat; uuid4 does not in practice
             lease_id = self._new_id()
@@ -142,6 +146,23 @@ class LeaseTable:
         usage.octets += octets
         usage.leases.add(lease_id)
         return lease
+
+    @property
+    def client_quota(self) -> int:
+        """The octets one client may have leased: ``max_octets_per_client``, and at most ``max_client_share`` of the
+        global cap when the capacity is known."""
+        quota = self.limits.max_octets_per_client
+        if self.global_cap is not None:
+            quota = min(quota, max(1, int(self.global_cap * self.limits.max_client_share)))
+        return quota
+
+    def _retry_after(self, owner: str | None = None) -> int:
+        """Whole seconds until the soonest unexpired lease (of *owner*, or of anyone) expires: the earliest moment a
+        refused request can succeed without a release (``Retry-After`` of the 429)."""
+        now = self._clock()
+        ids = self._usage[owner].leases if owner is not None and owner in self._usage else self._leases.keys()
+        soonest = min((self._leases[i].expires_at for i in ids), default=now + 1)
+        return max(1, math.ceil(soonest - now))
 
     def _owned(self, owner: str, lease_id: uuid.UUID) -> Lease:
         lease = self.get(lease_id)
