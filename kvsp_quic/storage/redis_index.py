@@ -39,13 +39,11 @@ from redis.exceptions import NoScriptError
 from kvsp_quic import keys as k
 from kvsp_quic.records import ReplicaRecord
 from kvsp_quic.storage.index_store import pack_body, unpack_body
+from kvsp_quic.storage.redis_scripts import NOW, PUT_SCRIPT
 
 _U16 = struct.Struct("<H")
 
-_NOW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-"""
+_NOW = NOW
 
 # KEYS: block hashes in prefix order; ARGV[1]: scope_id || compat_id.
 # Returns, per leading key with a live replica of that scope and compat: {ttl1, value1, ttl2, value2, ...}
@@ -76,19 +74,9 @@ end
 return out
 """
 
-# KEYS[1]: block hash; ARGV: holder-id, ttl ms, scope_id || compat_id || holder || body. Returns 1 created, 0 refreshed.
-PUT_SCRIPT = _NOW + """
-local ttl = tonumber(ARGV[2])
-local created = 1
-local old = redis.call('HGET', KEYS[1], ARGV[1])
-if old then
-  local c = string.find(old, ':', 1, true)
-  if tonumber(string.sub(old, 1, c - 1)) > now then created = 0 end
-end
-redis.call('HSET', KEYS[1], ARGV[1], string.format('%d:', now + ttl) .. ARGV[3])
-if redis.call('PTTL', KEYS[1]) < ttl then redis.call('PEXPIRE', KEYS[1], ttl) end
-return created
-"""
+# PUT_SCRIPT (kvsp_quic.storage.redis_scripts): KEYS[1]: block hash; ARGV: holder-id, ttl ms, scope_id || compat_id ||
+# holder || body. Returns 1 created, 0 refreshed.
+
 
 # KEYS[1]: block hash; ARGV[1]: holder-id. Returns {ttl, value-after-expiry} or nil.
 GET_SCRIPT = _NOW + """

@@ -20,25 +20,11 @@ from redis.exceptions import NoScriptError
 
 from kvsp_quic import keys as k
 from kvsp_quic.producer_digests import ProducerDigest
+from kvsp_quic.storage.redis_scripts import NOW as _NOW
+from kvsp_quic.storage.redis_scripts import PUT_SCRIPT
 
-_NOW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-"""
-
-# KEYS[1]: block hash; ARGV: instance-id, ttl ms, JSON. Returns 1 created, 0 replaced an unexpired record.
-PUT_SCRIPT = _NOW + """
-local ttl = tonumber(ARGV[2])
-local created = 1
-local old = redis.call('HGET', KEYS[1], ARGV[1])
-if old then
-  local c = string.find(old, ':', 1, true)
-  if tonumber(string.sub(old, 1, c - 1)) > now then created = 0 end
-end
-redis.call('HSET', KEYS[1], ARGV[1], string.format('%d:', now + ttl) .. ARGV[3])
-if redis.call('PTTL', KEYS[1]) < ttl then redis.call('PEXPIRE', KEYS[1], ttl) end
-return created
-"""
+# PUT_SCRIPT, the replicas' (KEYS[1]: block hash; ARGV: instance-id, ttl ms, JSON): 1 created, 0 replaced an
+# unexpired record; one field per writer, expiry on the Redis server's clock.
 
 # KEYS[1]: block hash. Returns {ttl1, json1, ttl2, json2, ...} of the unexpired records; deletes the expired ones.
 GET_SCRIPT = _NOW + """
