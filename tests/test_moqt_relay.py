@@ -602,6 +602,42 @@ async def test_subscribe_fan_out_and_namespace_discovery(certs: TestPki, pub_alp
                                             for e in watcher_app.events))
 
 
+class SilentPublisher(MoqtApp):
+    """Takes SUBSCRIBEs and never answers them."""
+
+    def __init__(self) -> None:
+        self.subscribed = asyncio.Event()
+
+    def request(self, conn: MoqtConnection, request: ev.Event) -> None:
+        if isinstance(request, ev.SubscribeRequested):
+            self.subscribed.set()
+        else:
+            super().request(conn, request)
+
+
+@CROSS
+async def test_a_publisher_gone_before_subscribe_ok_is_does_not_exist(certs: TestPki, pub_alpn: str,
+                                                                      sub_alpn: str) -> None:
+    """The publisher's session ends while the relay's SUBSCRIBE waits for its answer: the pending subscriber is
+    refused with DOES_NOT_EXIST (benign: as if it had come before the publisher), never INTERNAL_ERROR (found by
+    aiomoqt's subscribe-before-announce case on a loaded machine)."""
+    async with world(certs) as w:
+        ns = (b"moq-test", b"gone")
+        publisher = SilentPublisher()
+        pub = await w.connect("alice", pub_alpn, publisher)
+        await pub.publish_namespace(ns)
+        app = Collector()
+        sub = await w.connect("bob", sub_alpn, app)
+        sub.session.subscribe(ns, b"video")
+        sub.flush()
+        async with asyncio.timeout(5):
+            await publisher.subscribed.wait()
+        await pub.aclose()
+        await app.until(lambda: any(isinstance(e, ev.RequestRejected) for e in app.events))
+        rejected = next(e for e in app.events if isinstance(e, ev.RequestRejected))
+        assert rejected.error_code == does_not_exist(Draft.from_alpn(sub_alpn)), rejected
+
+
 async def test_kvsp_quic_relay_dev_process(tmp_path: Path) -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvsp_quic", "relay", "--dev", str(tmp_path / "dev"), "--open-prefix", "moq-test",

@@ -308,8 +308,10 @@ class Subscriptions:
                     with contextlib.suppress(MoqtUsageError):
                         down.conn.session.publish_done(down.request_id,
                                                        publish_done_code(status, up_draft, down.conn.draft), reason)
-                else:
-                    down.conn.reject(down.request_id, request_code(down.conn.draft, "internal"), reason)
+                else:  # the track ended before the publisher accepted (or its session went away): for this
+                    # subscriber it does not exist here (a benign refusal, as if it came before the publisher)
+                    kind = "internal" if status == int(PublishDoneCode14.INTERNAL_ERROR) else "does-not-exist"
+                    down.conn.reject(down.request_id, request_code(down.conn.draft, kind), reason)
                 down.conn.flush()
             self._downstream.pop((id(down.conn), down.request_id), None)
             _release(down)
