@@ -58,7 +58,7 @@ from http3.app_kit import kvsp_json, read_json_body, role_app
 from http3.asgi_types import ASGIApp
 from http3.authz import Rule, principal_of
 from http3.controller_service import ControllerService
-from http3.index_app import DEFAULT_MAX_BODY_BYTES, INDEX_RULES, index_routes, running, sweeper
+from http3.index_app import DEFAULT_MAX_BODY_BYTES, INDEX_RULES, index_routes, liveness_sync, running, sweeper
 from http3.metrics_app import TransferMetrics, mount_metrics
 from http3.problem_response import install, problem_response
 from kvsp_quic import fields as f
@@ -249,7 +249,7 @@ def controller_app(service: IndexService, pc: ControllerService, policy: Policy,
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with running(sweeper(service, sweep_interval, sweep_limit) if sweep_interval else None,
-                           pc.run(tick_interval)):
+                           pc.run(tick_interval), liveness_sync(service)):
             try:
                 yield
             finally:

@@ -13,7 +13,9 @@ Resources, relative to the base URI's path (docs/wire.md, "Index Service"), with
 * ``PUT instances/{instance_id}/status`` (instance): 200 + ``{"state": s}``;
 * ``PUT holders/{holder_id}/liveness`` (holder) ``{"holder": uri, "ttl_ms": n}``: 200 + ``{"holder", "ttl_ms"}``
   (granted); ``POST holders/{holder_id}/failures`` (controller, instance, client, holder) ``{"holder": uri,
-  "scope_id": hex}``: 202 (docs/wire.md, "Holder liveness and failure reports");
+  "scope_id": hex}``: 202 (docs/wire.md, "Holder liveness and failure reports"); with a shared liveness store
+  (``IndexService(shared_liveness=...)``, ``--store redis``) both are written there first (Redis down: 503) and
+  :func:`liveness_syncer` reloads the shared tables every 250 ms while the app's lifespan runs;
 * ``POST producer-digests`` (instance) ``{"digests": [...]}``: 200 + the records as stored; ``POST
   producer-digests/lookup`` (controller, instance, client, holder) ``{"compat_id", "scope_id", "block_keys"}``: 200 +
   ``{"digests": [...]}`` (docs/wire.md, "Producer digests"; :mod:`kvsp_quic.roles.producer_digests`);
@@ -58,6 +60,7 @@ from kvsp_quic.roles.index import IndexService
 log = logging.getLogger("kvsp.index")
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # a lookup of 8192 keys is ~560 KB; a 32-layer Replica Record ~3 KB
+LIVENESS_SYNC_S = 0.25  # period of the shared liveness tables' reload: another process's news is this (+ RTT) late
 
 INDEX_RULES: tuple[Rule, ...] = (
     Rule("PUT", "replicas/{holder_id}/{block_key}", ["holder"]),
@@ -158,7 +161,7 @@ def index_routes(service: IndexService, *, max_body_bytes: int = DEFAULT_MAX_BOD
         obj = f.loads_object(await read_json_body(request, max_body_bytes), "liveness")  # RecordError: 400
         holder = f.member(obj, "holder", _holder_uri)
         ttl_ms = f.member(obj, "ttl_ms", f.positive)
-        granted = service.report_liveness(principal, holder_id, holder, ttl_ms)
+        granted = await service.report_liveness_shared(principal, holder_id, holder, ttl_ms)
         return kvsp_json({"holder": holder, "ttl_ms": granted})
 
     async def post_failure(request: Request) -> Response:
@@ -167,7 +170,7 @@ def index_routes(service: IndexService, *, max_body_bytes: int = DEFAULT_MAX_BOD
         obj = f.loads_object(await read_json_body(request, max_body_bytes), "failure report")
         holder = f.member(obj, "holder", _holder_uri)
         scope = f.member(obj, "scope_id", f.scope_id)
-        service.report_failure(principal, holder_id, holder, scope)
+        await service.report_failure_shared(principal, holder_id, holder, scope)
         return Response(status_code=202, headers=NO_STORE)
 
     async def post_producer_digests(request: Request) -> Response:
@@ -195,14 +198,16 @@ def index_routes(service: IndexService, *, max_body_bytes: int = DEFAULT_MAX_BOD
 def index_app(service: IndexService, policy: Policy, *, base_path: str = "/",
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, rules: Sequence[Rule] = INDEX_RULES,
               sweep_interval: float | None = 1.0, sweep_limit: int = 65536,
-              metrics: Registry | None = None) -> ASGIApp:
+              metrics: Registry | None = None, liveness_interval: float = LIVENESS_SYNC_S) -> ASGIApp:
     """The Index Service as an ASGI app (see the module docstring). *sweep_interval* seconds between removals
-    of expired entries while the app's lifespan runs (None: never; lookups skip expired entries anyway). With
-    *metrics*, ``GET metrics`` serves it (any principal) and lookups and transfer octets are counted."""
+    of expired entries while the app's lifespan runs (None: never; lookups skip expired entries anyway); with a
+    shared liveness store, its tables are reloaded every *liveness_interval* seconds. With *metrics*, ``GET
+    metrics`` serves it (any principal) and lookups and transfer octets are counted."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with running(sweeper(service, sweep_interval, sweep_limit) if sweep_interval else None):
+        async with running(sweeper(service, sweep_interval, sweep_limit) if sweep_interval else None,
+                           liveness_sync(service, liveness_interval)):
             yield
 
     app = Starlette(routes=index_routes(service, max_body_bytes=max_body_bytes, metrics=metrics),
@@ -238,5 +243,31 @@ async def sweeper(service: IndexService, interval: float, limit: int) -> None:
             log.exception("sweeping expired index entries failed")
 
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "INDEX_RULES", "index_app", "index_routes", "lookup_body", "lookup_json",
-           "running", "sweeper"]
+def liveness_sync(service: IndexService, interval: float = LIVENESS_SYNC_S) -> Coroutine[Any, Any, None] | None:
+    """The task that keeps *service*'s liveness tables synced with its shared store, or None without one (the
+    memory store: one process, its own tables)."""
+    return liveness_syncer(service, interval) if service.shared_liveness is not None else None
+
+
+async def liveness_syncer(service: IndexService, interval: float = LIVENESS_SYNC_S) -> None:
+    """Reload the shared liveness records and failure reports at once, then every *interval* seconds (until
+    cancelled): lookups see another process's reports at most *interval* plus one round trip late. While the
+    store cannot be read, lookups keep the last view (one warning when it fails, one line when it is back)."""
+    failing = False
+    while True:
+        try:
+            await service.sync_liveness()
+        except Exception as exc:  # an outage must not end the task, nor fail lookups
+            if not failing:
+                log.warning("the shared liveness records cannot be read (%s: %s); lookups use the last view until "
+                            "they can", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            failing = True
+        else:
+            if failing:
+                log.info("the shared liveness records can be read again")
+            failing = False
+        await asyncio.sleep(interval)
+
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "INDEX_RULES", "LIVENESS_SYNC_S", "index_app", "index_routes", "liveness_sync",
+           "liveness_syncer", "lookup_body", "lookup_json", "running", "sweeper"]

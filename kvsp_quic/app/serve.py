@@ -203,9 +203,13 @@ async def run_index(cfg: IndexFile, *, dev_dir: Path | None, policy_path: Path |
     if dev_dir is not None and not descriptors:
         descriptors = [example_descriptor()]
     store = _index_store(section)
-    shared = None
+    shared = liveness = None
     if section.store == "redis":
         from kvsp_quic.storage.redis_control import RedisControlStore
+        from kvsp_quic.storage.redis_liveness import RedisLivenessStore
+
+        # holders' liveness and failure reports beside the replicas, on the index store's connections
+        liveness = RedisLivenessStore(store.client, prefix=section.redis_prefix)
 
         shared = RedisControlStore.from_url(section.redis_url, cluster=section.redis_cluster,
                                             prefix=section.redis_prefix)
@@ -220,7 +224,7 @@ async def run_index(cfg: IndexFile, *, dev_dir: Path | None, policy_path: Path |
     try:
         config = IndexConfig.with_descriptors(descriptors, **options_of(section, IndexOptions))
         status = StatusTable(clock, policy=LifecyclePolicy(pc.sleep_policy), max_ttl_ms=section.max_status_ttl_ms)
-        service = IndexService(store, clock=clock, config=config, status=status)
+        service = IndexService(store, clock=clock, config=config, status=status, shared_liveness=liveness)
         # The PC's requests to instances carry the index's certificate: the instances' policy gives it the
         # controller role.
         client = KvspClient(prepared.files, settings=prepared.settings, timeout=pc.request_timeout_s)

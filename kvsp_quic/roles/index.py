@@ -26,7 +26,11 @@ Decisions (docs/wire.md, "Index Service"):
   replicas at a holder or relay whose liveness record lapsed (as those at an instance whose status expired), and
   moves those at a holder a client of the scope reported failed last, for a while. ``PUT holders/{holder-id}/
   liveness`` is the holder's (or one that publishes for it); ``POST holders/{holder-id}/failures`` any principal
-  of the scope named.
+  of the scope named. With a shared :class:`~kvsp_quic.storage.liveness_store.LivenessStore` (``--store redis``:
+  issue 12, point 1) both are written through to it (:meth:`IndexService.report_liveness_shared`,
+  :meth:`IndexService.report_failure_shared`) and the tables are a cache of it, reloaded by
+  :meth:`IndexService.sync_liveness` (the app's lifespan runs it every 250 ms), so every process leaves out and
+  demotes the same replicas.
 * estimates: for each target with an unexpired status that states ``prefill_tokens_per_s``, when the
   compat_id's geometry (``block_tokens``, and ``layers`` if known) is configured; other targets are left out of
   ``targets`` (which is then present, possibly empty). The geometry comes only from the configured descriptors
@@ -59,7 +63,7 @@ from kvsp_quic.records import (
     TargetEstimate,
     lookup_answer,
 )
-from kvsp_quic.roles.liveness import FailureReports, LivenessTable, demote
+from kvsp_quic.roles.liveness import FailureReports, LivenessStore, LivenessTable, demote
 from kvsp_quic.roles.producer_digests import ProducerDigestService
 from kvsp_quic.roles.status import StatusTable, endpoint
 from kvsp_quic.storage.index_store import IndexStore, with_ttl
@@ -167,7 +171,7 @@ def same_octets(a: ReplicaRecord, b: ReplicaRecord) -> bool:
 class IndexService:
     def __init__(self, store: IndexStore, *, clock: Clock, config: IndexConfig | None = None,
                  status: StatusTable | None = None, liveness: LivenessTable | None = None,
-                 failures: FailureReports | None = None) -> None:
+                 failures: FailureReports | None = None, shared_liveness: LivenessStore | None = None) -> None:
         self.store = store
         self.clock = clock
         self.config = config or IndexConfig()
@@ -175,6 +179,8 @@ class IndexService:
         self.status = status if status is not None else StatusTable(clock, max_ttl_ms=self.config.max_status_ttl_ms)
         self.liveness = liveness if liveness is not None else LivenessTable(clock)
         self.failures = failures if failures is not None else FailureReports(clock)
+        # liveness records and failure reports shared by every Index Service process (None: this process's own)
+        self.shared_liveness = shared_liveness
         self.without_geometry: set[bytes] = set()  # compat_ids instances reported that have no descriptor here
         # producer digests (issue 13; docs/wire.md, "Producer digests"), kept beside the replicas (the same Redis)
         self.producers = ProducerDigestService(store_for(store), clock=clock, max_ttl_ms=self.config.max_ttl_ms,
@@ -288,21 +294,58 @@ class IndexService:
     # -- holder liveness and failure reports (docs/wire.md, "Holder liveness and failure reports") ------------------
 
     def report_liveness(self, principal: Principal, holder_id: str, holder: str, ttl_ms: int) -> int:
-        """PUT holders/{holder-id}/liveness: the holder (or one that publishes for it) is alive; the TTL granted."""
+        """PUT holders/{holder-id}/liveness: the holder (or one that publishes for it) is alive; the TTL granted.
+        This process's table only (:meth:`report_liveness_shared` writes through a shared store first)."""
+        return self.liveness.report(holder, self._admit_liveness(principal, holder_id, holder, ttl_ms)).ttl_ms
+
+    async def report_liveness_shared(self, principal: Principal, holder_id: str, holder: str, ttl_ms: int) -> int:
+        """PUT holders/{holder-id}/liveness through the shared store when there is one: written there first (its
+        outage fails the request), then to this process's table at once."""
+        granted = self._admit_liveness(principal, holder_id, holder, ttl_ms)
+        if self.shared_liveness is not None:
+            await self.shared_liveness.report(holder, granted)
+        return self.liveness.report(holder, granted).ttl_ms
+
+    def _admit_liveness(self, principal: Principal, holder_id: str, holder: str, ttl_ms: int) -> int:
+        """The checks of a liveness report; the TTL to grant (capped)."""
         if holder_id != _uri_id(holder):
             raise BadRequest(f"the path's holder-id {holder_id!r} is not that of holder {holder!r}")
         if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int) or ttl_ms < 1:
             raise BadRequest("ttl_ms: a positive integer of milliseconds")
         require_publish_for(principal, holder)
-        return self.liveness.report(holder, ttl_ms).ttl_ms
+        return min(ttl_ms, self.liveness.max_ttl_ms)
 
     def report_failure(self, principal: Principal, holder_id: str, holder: str, scope_id: bytes) -> None:
         """POST holders/{holder-id}/failures: a client of the scope could not fetch from *holder*. Nothing is
-        dropped: the holder's replicas are tried last in this scope's lookups for a while."""
+        dropped: the holder's replicas are tried last in this scope's lookups for a while. This process's table
+        only (:meth:`report_failure_shared` writes through a shared store first)."""
+        self._admit_failure(principal, holder_id, holder, scope_id)
+        self.failures.report(scope_id, holder)
+
+    async def report_failure_shared(self, principal: Principal, holder_id: str, holder: str,
+                                    scope_id: bytes) -> None:
+        """POST holders/{holder-id}/failures through the shared store when there is one (as
+        :meth:`report_liveness_shared`)."""
+        self._admit_failure(principal, holder_id, holder, scope_id)
+        if self.shared_liveness is not None and self.failures.demote_ms > 0:
+            await self.shared_liveness.report_failure(scope_id, holder, self.failures.demote_ms)
+        self.failures.report(scope_id, holder)
+
+    @staticmethod
+    def _admit_failure(principal: Principal, holder_id: str, holder: str, scope_id: bytes) -> None:
         if holder_id != _uri_id(holder):
             raise BadRequest(f"the path's holder-id {holder_id!r} is not that of holder {holder!r}")
         require_scope(principal, scope_id)
-        self.failures.report(scope_id, holder)
+
+    async def sync_liveness(self) -> bool:
+        """Reload the shared liveness records and failure reports into this process's tables (the store's errors
+        are raised: the tables keep their view). False without a shared store."""
+        if self.shared_liveness is None:
+            return False
+        shared = await self.shared_liveness.snapshot()
+        self.liveness.load(shared.holders)
+        self.failures.load(shared.demotions)
+        return True
 
     # -- instance status ----------------------------------------------------------------------------------------
 

@@ -18,25 +18,42 @@ instead, and lookups leave out its replicas once that record lapsed:
   clients try the other replicas first and still reach this one when no other is left. Liveness is the Index
   Service's own check: a reported holder that keeps refreshing its liveness record stays listed.
 
-Both tables are per process. With several Index Service processes on one shared store, a holder refreshes its
-liveness at the replica its client prefers; the others never heard of it and leave its replicas in (the records
-still expire with their TTL). That is the safe side: a replica is never left out by a process that lacks news.
+Both tables live in each Index Service process, where lookups read them synchronously. With several processes on
+one shared store (``--store redis``, issue 12 point 1: every piece of control-plane state lives in Redis) they are
+a cache of shared tables (:class:`~kvsp_quic.storage.liveness_store.LivenessStore`, in Redis
+:mod:`kvsp_quic.storage.redis_liveness`): a liveness record or a failure report received by any process is written
+there first (a write that fails fails the request) and then applied to the receiving process's tables at once;
+every process reloads the shared tables periodically (:meth:`LivenessTable.load`, :meth:`FailureReports.load`: one
+read of a :class:`~kvsp_quic.storage.liveness_store.SharedLiveness`; every 250 ms in
+``http3.index_app.liveness_syncer``), so another process's news reaches its lookups within one period plus a
+round trip. A load never undoes a newer local write: a holder keeps its latest report (by report time), a demotion
+its latest end. While the shared store cannot be read, a process keeps its last view (and its own writes). Without
+a shared store (the memory store: one process) the tables are the process's own, with no reload.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvsp_quic.records import ReplicaRecord
 from kvsp_quic.roles.status import endpoint
+from kvsp_quic.storage.liveness_store import (
+    MAX_ENTRIES,
+    LivenessStore,
+    SharedDemotion,
+    SharedHolder,
+    SharedLiveness,
+)
 
 Clock = Callable[[], float]
 Endpoint = tuple[str, int]
 
 DEFAULT_MAX_LIVENESS_TTL_MS = 60_000
 DEFAULT_DEMOTE_MS = 10_000
-MAX_ENTRIES = 65536  # holders tracked (liveness) or (scope, holder) pairs demoted; the oldest go first beyond
+# MAX_ENTRIES (kvsp_quic.storage.liveness_store): holders tracked or (scope, holder) pairs demoted; the oldest go
+# first beyond
+NEWER_S = 0.05  # a shared record replaces a process's own only when reported this much later (read-back jitter)
 
 
 @dataclass(frozen=True)
@@ -64,11 +81,35 @@ class LivenessTable:
             raise ValueError("ttl_ms must be positive")
         ttl_ms = min(ttl_ms, self.max_ttl_ms)
         entry = Liveness(holder, ttl_ms, self.clock() + ttl_ms / 1000.0)
-        self._entries.pop(holder, None)
+        self._put(entry)
+        return entry
+
+    def _put(self, entry: Liveness) -> None:
+        self._entries.pop(entry.holder, None)
         if len(self._entries) >= MAX_ENTRIES:
             del self._entries[next(iter(self._entries))]  # the one refreshed longest ago
-        self._entries[holder] = entry
-        return entry
+        self._entries[entry.holder] = entry
+
+    def load(self, records: Iterable[SharedHolder]) -> int:
+        """Merge the shared records read just now (module docstring): a holder's shared record replaces this
+        process's own when it was reported later (by more than :data:`NEWER_S`: the same report read back moves
+        by a round trip); holders known here only stay. The records taken."""
+        now, taken = self.clock(), 0
+        for r in records:
+            expires_at = now + r.remaining_ms / 1000.0
+            mine = self._entries.get(r.holder)
+            if mine is not None and \
+                    expires_at - r.ttl_ms / 1000.0 <= mine.expires_at - mine.ttl_ms / 1000.0 + NEWER_S:
+                continue
+            self._put(Liveness(r.holder, r.ttl_ms, expires_at))
+            taken += 1
+        return taken
+
+    def snapshot(self) -> tuple[SharedHolder, ...]:
+        """The records held, as a shared store would return them (remaining time from now)."""
+        now = self.clock()
+        return tuple(SharedHolder(e.holder, e.ttl_ms, round((e.expires_at - now) * 1000))
+                     for e in self._entries.values())
 
     def alive(self, holder: str) -> bool | None:
         """True while *holder*'s record is unexpired, False once it lapsed, None if it never reported."""
@@ -107,13 +148,29 @@ class FailureReports:
         self.reports += 1
         if self.demote_ms == 0:
             return
-        key = (bytes(scope_id), endpoint(holder))
+        key, until = (bytes(scope_id), endpoint(holder)), self.clock() + self.demote_ms / 1000.0
+        self._put(key, max(until, self._until.get(key, until)))  # never shortened (a longer one was loaded)
+
+    def _put(self, key: tuple[bytes, Endpoint], until: float) -> None:
         self._until.pop(key, None)
         if len(self._until) >= MAX_ENTRIES:
             self.expire()
             if len(self._until) >= MAX_ENTRIES:
                 del self._until[next(iter(self._until))]
-        self._until[key] = self.clock() + self.demote_ms / 1000.0
+        self._until[key] = until
+
+    def load(self, demotions: Iterable[SharedDemotion]) -> int:
+        """Merge the shared demotions read just now (module docstring): a demotion ends at the later of this
+        process's end and the shared one (a failure report never shortens one). The demotions lengthened or added."""
+        now, taken = self.clock(), 0
+        for d in demotions:
+            key, until = (bytes(d.scope_id), endpoint(d.holder)), now + d.remaining_ms / 1000.0
+            old = self._until.get(key)
+            if d.remaining_ms <= 0 or (old is not None and until <= old + NEWER_S):
+                continue
+            self._put(key, until)
+            taken += 1
+        return taken
 
     def demoted(self, scope_id: bytes) -> frozenset[Endpoint]:
         """The endpoints demoted in the lookups of *scope_id* now."""
@@ -141,4 +198,5 @@ def demote(replicas: Sequence[ReplicaRecord], demoted: frozenset[Endpoint]) -> t
     return first + tuple(r for r in replicas if endpoint(r.holder) in demoted)
 
 
-__all__ = ["DEFAULT_DEMOTE_MS", "DEFAULT_MAX_LIVENESS_TTL_MS", "FailureReports", "Liveness", "LivenessTable", "demote"]
+__all__ = ["DEFAULT_DEMOTE_MS", "DEFAULT_MAX_LIVENESS_TTL_MS", "MAX_ENTRIES", "FailureReports", "Liveness",
+           "LivenessStore", "LivenessTable", "SharedDemotion", "SharedHolder", "SharedLiveness", "demote"]
