@@ -4,7 +4,10 @@
 The rules are the role's (:mod:`kvsp_quic.roles.controller_reshard`: plans, the decision, the outcome); this
 fans the plans out to the members with their deadline, then the commit or abort, and keeps the maps in the shared
 store when there is one (a lock per map across replicas). Plans carry each map's ``context`` (extension,
-docs/wire.md "Resharding"), kept per map at this replica.
+docs/wire.md "Resharding"): kept with the map in the shared store when there is one (so a reshard asked of any
+replica sends the context given to another), else per map in :attr:`ShardMaps.map_contexts`. A ``PUT maps/{map}``
+that registers the map or runs a reshard with a context makes it the map's from then on, whether the reshard
+commits or aborts (instances keep a grown context either way); a refused one (409) changes nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +19,14 @@ from typing import Protocol
 from kvsp_quic.problems import PlanConflict
 from kvsp_quic.records import ReshardCommit, ShardMap
 from kvsp_quic.roles.controller import PlacementController
-from kvsp_quic.roles.controller_reshard import ReshardContext, ReshardMessage, ReshardOutcome, with_context
+from kvsp_quic.roles.controller_reshard import (
+    ReshardContext,
+    ReshardMessage,
+    ReshardOutcome,
+    context_bytes,
+    context_of,
+    with_context,
+)
 from kvsp_quic.storage.control_store import ControlStore
 
 
@@ -40,7 +50,8 @@ class ShardMaps:
         self.link = link
         self.shared = shared
         self.replica = replica
-        self.map_contexts: dict[str, ReshardContext] = {}  # (extension) per map: what its plans carry as "context"
+        # (extension) per map: what its plans carry as "context" -- without a shared store only (else stored there)
+        self.map_contexts: dict[str, ReshardContext] = {}
 
     async def _pull_map(self, map_id: str) -> None:
         if self.shared is not None:
@@ -59,43 +70,57 @@ class ShardMaps:
         return map_id in self.role.maps
 
     async def put_map(self, shard_map: ShardMap, context: ReshardContext | None = None) -> ReshardOutcome:
-        if context is not None:
-            self.map_contexts[shard_map.map] = context
+        """Register a new map with its *context* (409 when the map exists: nothing changes)."""
         if self.shared is not None:
-            existing = await self.shared.add_map(shard_map)
+            existing = await self.shared.add_map(shard_map, context_bytes(context) if context is not None else None)
             if existing is not None:
                 self.role.maps[shard_map.map] = existing
-        return self.role.register_map(shard_map)
+        outcome = self.role.register_map(shard_map)
+        if context is not None and self.shared is None:
+            self.map_contexts[shard_map.map] = context
+        return outcome
+
+    async def context(self, map_id: str, given: ReshardContext | None) -> ReshardContext | None:
+        """The context the plans of a reshard of *map_id* carry: *given* with the PUT (it becomes the map's, in the
+        shared store when there is one), else the map's."""
+        if self.shared is None:
+            if given is not None:
+                self.map_contexts[map_id] = given
+            return self.map_contexts.get(map_id)
+        if given is not None:
+            await self.shared.set_map_context(map_id, context_bytes(given))
+            return given
+        stored = await self.shared.map_context(map_id)
+        return context_of(stored) if stored is not None else None
 
     async def reshard(self, new: ShardMap, deadline_ms: int | None = None,
                       context: ReshardContext | None = None) -> ReshardOutcome:
         """Move a map from version v to v+1 = ``new.version``: send every member its plan; when all acknowledged
         (200, after loading their fetch ranges) within the deadline, commit to all members, otherwise abort to
-        all members (the role decides, and keeps the authoritative version). Plans carry the map's *context* (or
-        the one it was registered with at this replica): docs/wire.md "Resharding"."""
-        if context is not None:
-            self.map_contexts[new.map] = context
+        all members (the role decides, and keeps the authoritative version). Plans carry *context* when the PUT
+        gave one, else the map's (:meth:`context`): docs/wire.md "Resharding"."""
         if self.shared is not None:
             deadline = deadline_ms or self.role.config.reshard_deadline_ms
             if not await self.shared.lock_map(new.map, self.replica, 3 * deadline + 5000):
                 raise PlanConflict(f"a reshard of map {new.map!r} is in progress")
             try:
                 await self._pull_map(new.map)
-                return await self._reshard(new, deadline_ms)
+                return await self._reshard(new, deadline_ms, context)
             finally:
                 with contextlib.suppress(Exception):
                     await self.shared.unlock_map(new.map, self.replica)
-        return await self._reshard(new, deadline_ms)
+        return await self._reshard(new, deadline_ms, context)
 
-    async def _reshard(self, new: ShardMap, deadline_ms: int | None) -> ReshardOutcome:
-        round_ = self.role.begin_reshard(new, deadline_ms)
+    async def _reshard(self, new: ShardMap, deadline_ms: int | None,
+                       context: ReshardContext | None) -> ReshardOutcome:
+        round_ = self.role.begin_reshard(new, deadline_ms)  # PlanConflict (409) or NotFound: nothing changed
         everyone = round_.members
         acknowledged: list[str] = []
         failed: dict[str, str] = {}
         undelivered: dict[str, str] = {}
         try:
             deadline = round_.deadline_s
-            plans = with_context(round_.plans, self.map_contexts.get(new.map))
+            plans = with_context(round_.plans, await self.context(new.map, context))
             tasks = {asyncio.create_task(self.link.reshard(i, plans[i], deadline)): i for i in everyone}
             done, pending = await asyncio.wait(tasks, timeout=deadline, return_when=asyncio.FIRST_EXCEPTION)
             for task in pending:

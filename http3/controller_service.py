@@ -150,6 +150,7 @@ class Superseded(Exception):
 
 
 _CAS_TRIES = 16
+_ACTIVATION_POLL_S = 0.1  # with a shared store: how often a wait for an active instance reads the stored statuses
 
 
 class ControllerService:
@@ -368,12 +369,39 @@ class ControllerService:
         waiting = self._activation = self._activation or asyncio.Event()
         try:
             async with asyncio.timeout(step.wait_s):
-                await waiting.wait()
+                await self._until_activated(waiting)
         except TimeoutError:
             log.warning("no instance became active within %d ms of the start hook",
                         self.role.config.start_timeout_ms)
             return False
         return True
+
+    def _active(self) -> set[str]:
+        return {i for i in self.role.known_instances() if self.role.status.state(i) is InstanceState.ACTIVE}
+
+    async def _until_activated(self, waiting: asyncio.Event) -> None:
+        """Until an instance becomes active. A report to this replica sets *waiting*; with a shared store the report
+        may reach another replica (the start hook's instance reports to any), so the stored statuses are read every
+        ``_ACTIVATION_POLL_S`` too: an instance active there that was not active here before counts."""
+        if self.shared is None:
+            await waiting.wait()
+            return
+        before = self._active()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_ACTIVATION_POLL_S):
+                    await waiting.wait()
+            if waiting.is_set():
+                return
+            try:
+                await self.refresh()
+            except Exception as exc:  # the store is away: look again at the next poll
+                log.warning("reading the instance statuses failed: %s", why(exc))
+                continue
+            if self._active() - before:
+                self.role.activated_elsewhere()
+                self._activated()
+                return
 
     async def _send(self, assignment: Assignment, session: PlacedSession) -> None:
         # The session's owner goes with every start and resume, so the instance serves the session's token stream

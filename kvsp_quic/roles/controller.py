@@ -522,6 +522,11 @@ class PlacementController:
     def _activated(self) -> None:
         self._start_wait_until = None  # whoever waited for the hook's instance goes on; the next need runs it again
 
+    def activated_elsewhere(self) -> None:
+        """With a shared store: an instance became active by a report to another replica (seen in the stored
+        statuses), as :meth:`report_status` notes one reported here."""
+        self._activated()
+
     # -- sessions -------------------------------------------------------------------------------------------------
 
     def _session(self, session_id: uuid.UUID) -> PlacedSession:

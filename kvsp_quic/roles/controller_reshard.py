@@ -16,7 +16,8 @@ in version v gets a plan with ``release`` only, so that every member hears of th
 Plans name token ranges only; an instance names the blocks of the ranges it retains and fetches from the map's
 context (*(extension)* ``"context"``: Compatibility ID, scope and the context's Block Keys, docs/wire.md
 "Resharding"). The PC learns it with the map (``PUT maps/{map}``) and sends it with every plan: a
-:class:`ContextPlan`.
+:class:`ContextPlan`. With a shared control store it is stored with the map (:func:`context_bytes`,
+:func:`context_of`), so that every replica of the PC sends it.
 
 A reshard in progress is a :class:`ReshardRound` (the plans, who must acknowledge by when); what it came to is a
 :class:`ReshardOutcome` with a :class:`ReshardResult`. The fan-out itself is the adapter's
@@ -29,6 +30,8 @@ import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from kvsp_quic.problems import PlanConflict
 from kvsp_quic.records import ReshardAbort, ReshardCommit, ReshardFetch, ReshardPlan, ShardMap, TokenRange, wire
@@ -52,6 +55,16 @@ def with_context(plans: Mapping[str, ReshardPlan], context: ReshardContext | Non
         return dict(plans)
     return {i: ContextPlan(p.map, p.from_version, p.to_version, p.deadline_ms, p.retain, p.fetch, p.release,
                            context) for i, p in plans.items()}
+
+
+def context_bytes(context: ReshardContext) -> bytes:
+    """A map's context as a shared control store keeps it (its JSON, as the plans carry it)."""
+    return orjson.dumps(context.to_json())
+
+
+def context_of(data: bytes) -> ReshardContext:
+    """The context :func:`context_bytes` encoded."""
+    return ReshardContext.from_json(orjson.loads(data), "context")
 
 
 def owners(shard_map: ShardMap, tokens: TokenRange) -> list[tuple[TokenRange, str | None]]:
@@ -200,4 +213,4 @@ class ReshardOutcome:
 
 
 __all__ = ["ContextPlan", "ReshardContext", "ReshardMessage", "ReshardOutcome", "ReshardResult", "ReshardRound",
-           "members", "merge", "owners", "plan_reshard", "subtract", "with_context"]
+           "context_bytes", "context_of", "members", "merge", "owners", "plan_reshard", "subtract", "with_context"]

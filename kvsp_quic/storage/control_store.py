@@ -18,10 +18,18 @@ Controller"):
   instance without reading every session (:meth:`ControlStore.candidates`);
 * **instance statuses** (:class:`StoredStatus`: the record, the state held, the state the PC decided for the run,
   the reporter's scopes, expiry on the store's clock) and the highest epoch of every instance;
-* **shard maps** and the one-reshard-per-map lock.
+* **shard maps**, each with its *context* (extension, docs/wire.md "Resharding": the Block Keys its plans name,
+  encoded by ``kvsp_quic.roles.controller_reshard.context_bytes``; stored with the map, so a reshard through any
+  replica sends the context given to another), and the one-reshard-per-map lock.
 
-What stays per process: the sessions assigned since an instance's last report (a placement hint), the start hook's
-timing and the metrics.
+What stays per process, and why that is fine: the sessions assigned since an instance's last report (a placement
+hint that only spreads one replica's own burst of placements; every replica sees every report), the start hook's
+timing (each replica runs the hook for the requests it places: at most once per ``start_interval_ms`` per
+replica), the metrics (per process, as Prometheus scrapes them), and the asyncio bookkeeping of the work under way
+at this replica (per-session locks, the epoch it last stored for a session it places, its migration tasks, the
+requests waiting for an instance to become active -- which also read the stored statuses, so an instance that
+reports to another replica wakes them). Prefetch directives need no bookkeeping at the PC: each is sent with the
+start or resume it precedes and judged on its answer only.
 """
 
 from __future__ import annotations
@@ -154,12 +162,21 @@ class ControlStore(Protocol):
     # shard maps
     async def get_map(self, map_id: str) -> ShardMap | None: ...
 
-    async def add_map(self, shard_map: ShardMap) -> ShardMap | None:
-        """Register a new map; the stored map instead when one exists (nothing is written)."""
+    async def add_map(self, shard_map: ShardMap, context: bytes | None = None) -> ShardMap | None:
+        """Register a new map with its *context* (None: none), atomically; the stored map instead when one exists
+        (nothing is written: neither the map nor its context)."""
         ...
 
     async def commit_map(self, old_version: int, new: ShardMap) -> bool:
-        """Make *new* authoritative if the stored version is still *old_version*."""
+        """Make *new* authoritative if the stored version is still *old_version* (the map keeps its context)."""
+        ...
+
+    async def map_context(self, map_id: str) -> bytes | None:
+        """The context stored with the map (None: the map has none, or there is no such map)."""
+        ...
+
+    async def set_map_context(self, map_id: str, context: bytes) -> bool:
+        """Make *context* the map's, replacing the one it had; False (nothing written) when there is no such map."""
         ...
 
     async def lock_map(self, map_id: str, owner: str, ttl_ms: int) -> bool: ...

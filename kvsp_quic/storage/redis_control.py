@@ -12,10 +12,13 @@ replica records, which are partitioned by Block Key (:mod:`kvsp_quic.storage.red
 * ``status`` -- a hash: instance URI -> ``<expiry ms on the Redis clock>:`` || the stored status; ``epochs`` -- a
   hash: instance URI -> its highest epoch (kept after the status expires: a restarted instance's predecessor
   cannot come back);
-* ``maps`` -- a hash: map id -> the authoritative Shard Map; ``reshard:<map>`` -- the one-reshard-per-map lock.
+* ``maps`` -- a hash: map id -> the authoritative Shard Map; ``mapctx`` -- a hash: map id -> its context
+  (extension, docs/wire.md "Resharding"), under the same hash tag, so the scripts that write a map and its
+  context touch both atomically on a cluster too; ``reshard:<map>`` -- the one-reshard-per-map lock.
 
 Writes that must be atomic are Lua scripts: the compare-and-set of a session (with its indexes), the status report
-(the epoch check and the write), a probed run held failed, the commit of a map version, lease renewal and release.
+(the epoch check and the write), a probed run held failed, the registration of a map with its context, the commit
+of a map version, the replacement of a map's context, lease renewal and release.
 """
 
 from __future__ import annotations
@@ -135,6 +138,21 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
 return 1
 """
 
+# KEYS: maps, mapctx; ARGV: map id, map, context ('' for none). Registers the map with its context (a new map has
+# exactly the context it is registered with); returns nil, or the stored map when one exists (nothing is written).
+ADD_MAP_SCRIPT = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return redis.call('HGET', KEYS[1], ARGV[1]) end
+if ARGV[3] ~= '' then redis.call('HSET', KEYS[2], ARGV[1], ARGV[3]) else redis.call('HDEL', KEYS[2], ARGV[1]) end
+return false
+"""
+
+# KEYS: maps, mapctx; ARGV: map id, context. Returns 1 when set (the map exists).
+SET_MAP_CONTEXT_SCRIPT = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+return 1
+"""
+
 # KEYS: lock; ARGV: owner, ttl ms. Take it, or renew it for its owner. Returns 1 when held.
 LEASE_SCRIPT = """
 local cur = redis.call('GET', KEYS[1])
@@ -159,6 +177,7 @@ class _Script:
 _SAVE, _DELETE, _FORGET = _Script(SAVE_SCRIPT), _Script(DELETE_SCRIPT), _Script(FORGET_SCRIPT)
 _STATUS, _STATUSES, _FAIL = _Script(STATUS_SCRIPT), _Script(STATUSES_SCRIPT), _Script(FAIL_STATUS_SCRIPT)
 _COMMIT_MAP, _LEASE, _RELEASE = _Script(COMMIT_MAP_SCRIPT), _Script(LEASE_SCRIPT), _Script(RELEASE_SCRIPT)
+_ADD_MAP, _SET_MAP_CONTEXT = _Script(ADD_MAP_SCRIPT), _Script(SET_MAP_CONTEXT_SCRIPT)
 
 
 def _text(value: bytes | str) -> str:
@@ -257,13 +276,20 @@ class RedisControlStore:
         raw = await self.client.hget(self.key("maps"), map_id)
         return decode_map(_raw(raw)) if raw is not None else None
 
-    async def add_map(self, shard_map: ShardMap) -> ShardMap | None:
-        if await self.client.hsetnx(self.key("maps"), shard_map.map, encode_map(shard_map)):
-            return None
-        return await self.get_map(shard_map.map)
+    async def add_map(self, shard_map: ShardMap, context: bytes | None = None) -> ShardMap | None:
+        existing = await self._eval(_ADD_MAP, [self.key("maps"), self.key("mapctx")], shard_map.map,
+                                    encode_map(shard_map), context or b"")
+        return decode_map(_raw(existing)) if existing is not None else None
 
     async def commit_map(self, old_version: int, new: ShardMap) -> bool:
         return bool(await self._eval(_COMMIT_MAP, [self.key("maps")], new.map, old_version, encode_map(new)))
+
+    async def map_context(self, map_id: str) -> bytes | None:
+        raw = await self.client.hget(self.key("mapctx"), map_id)
+        return _raw(raw) if raw is not None else None
+
+    async def set_map_context(self, map_id: str, context: bytes) -> bool:
+        return bool(await self._eval(_SET_MAP_CONTEXT, [self.key("maps"), self.key("mapctx")], map_id, context))
 
     async def lock_map(self, map_id: str, owner: str, ttl_ms: int) -> bool:
         return bool(await self.client.set(self.key(f"reshard:{map_id}"), owner, nx=True, px=ttl_ms))
