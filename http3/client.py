@@ -7,9 +7,10 @@ with ``fallback_http2``, HTTP/2) over TLS on the same port and remembers that fo
 here. HTTP/1.1 is :mod:`http3.h1_client` (keep-alive pool, bodies decrypted straight into the caller's buffer or
 a verifying :class:`~kvsp_quic.container.ContainerDecoder` with :meth:`Response.receive_into`); HTTP/2 is httpx.
 Requests time out; only idempotent requests with a replayable body are retried, and only after a transport
-failure, never after an HTTP answer. A pooled HTTP/3 connection on which a request timed out or the connection
-failed is dropped from the pool at once (its other streams may finish; it closes after the last), so a dead peer
-is not handed out again until QUIC's idle timeout notices it. With a :class:`~http3.h3_client.KeepAlive` (for
+failure, never after an HTTP answer nor after a connect that timed out (:class:`ConnectTimeout`). A pooled
+HTTP/3 connection on which a request timed out or the connection failed is dropped from the pool at once (its
+other streams may finish; it closes after the last), so a dead peer is not handed out again until QUIC's idle
+timeout notices it. With a :class:`~http3.h3_client.KeepAlive` (for
 every origin: *keepalive*; for one: :meth:`KvspClient.keep_alive`) pooled HTTP/3 connections PING their peer and
 end themselves when it stops answering, so a dead or frozen peer is noticed in about a second even between requests.
 
@@ -44,6 +45,7 @@ from http3.h3_client import (
     KeepAlive,
 )
 from kvsp_quic.problems import Problem, problem_from_json
+from quic.rtt import STALL_FLOOR, RttTable, path_timeout
 from quic.tls import TlsFiles, TransportSettings, identity_of_der, serves, ssl_client_context
 
 log = logging.getLogger("kvsp.client")
@@ -58,6 +60,11 @@ class TransportError(ConnectionError):
 
 class RequestTimeout(TransportError, TimeoutError):
     pass
+
+
+class ConnectTimeout(RequestTimeout):
+    """No connection could be opened within the connect timeout (scaled with the host's RTT when it is known:
+    :mod:`quic.rtt`): the peer answers no handshake. Not retried on the same origin; the caller goes elsewhere."""
 
 
 class Headers:
@@ -97,6 +104,17 @@ class Response:
         self._on_timeout = on_timeout  # the connection went silent: the pool drops it
         self._receive_into = receive_into  # the transport delivers the body into a sink itself
         self.content: bytes | None = None
+
+    @property
+    def read_timeout(self) -> float | None:
+        """How long the body may go without octets (seconds; the request's timeout unless set shorter, e.g. to
+        :meth:`KvspClient.stall_timeout`). When it passes, the read fails with :class:`RequestTimeout` and a pooled
+        HTTP/3 connection is dropped."""
+        return self._read_timeout
+
+    @read_timeout.setter
+    def read_timeout(self, seconds: float | None) -> None:
+        self._read_timeout = seconds
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
         while True:
@@ -190,13 +208,21 @@ class KvspClient:
     (:class:`~http3.h3_client.H3Pool`); 1 (the default) multiplexes them all on one. A holder running several
     workers on one port (``SO_REUSEPORT``) gets each connection on the worker its 4-tuple hashes to, so K > 1
     lets one client's block loads use them all. The HTTP/1.1 path opens one connection per concurrent request
-    anyway."""
+    anyway.
+
+    *rtts*: an RTT table (:class:`quic.rtt.RttTable`; the instance passes the process's :data:`quic.rtt.PEER_RTTS`,
+    which its MOQT pool shares): connects to a host whose RTT it knows wait a few RTTs (at least 1 s) rather than
+    *connect_timeout*, which stays the most they wait, and all they wait for an unknown host. Without a table every
+    connect waits *connect_timeout*. Either way a request whose connect timed out (:class:`ConnectTimeout`: nothing
+    answered the handshake) is not retried on the same origin, and a body may be given a stall timeout scaled with
+    the RTT (:meth:`stall_timeout`)."""
 
     def __init__(self, files: TlsFiles, *, settings: TransportSettings = TransportSettings(),
                  connect_timeout: float = 5.0, timeout: float = 30.0, retries: int = 2, h3: bool = True,
                  fallback_ttl: float = 300.0, fallback_http2: bool = False, fallback: bool = True,
                  prefer: str | Mapping[str, str] = "h3", connections_per_origin: int = 1,
-                 keepalive: KeepAlive | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 keepalive: KeepAlive | None = None, clock: Callable[[], float] = time.monotonic,
+                 rtts: RttTable | None = None) -> None:
         self.files = files
         self.settings = settings
         self.timeout = timeout
@@ -206,7 +232,7 @@ class KvspClient:
         self.fallback = fallback  # False: HTTP/3 or nothing (tests, the interop matrix)
         self._clock = clock
         self._pool = H3Pool(files, settings, connect_timeout, connections_per_origin=connections_per_origin,
-                            keepalive=keepalive)
+                            keepalive=keepalive, rtts=rtts)
         self._no_h3: dict[tuple[str, int], float] = {}  # origin -> when to try HTTP/3 again
         prefs = {"*": prefer} if isinstance(prefer, str) else dict(prefer)
         self._prefer_default = _check_transport(prefs.pop("*", "h3"))
@@ -218,7 +244,7 @@ class KvspClient:
         # 64 KiB stream window; benchmarks/RESULTS.md). KVSP traffic is bulk.
         # It opens one connection per concurrent request; up to 64 (at least connections_per_origin) stay idle.
         self._h1 = H1Pool(ssl_client_context(files, alpn=("http/1.1",)), connect_timeout=connect_timeout,
-                          max_idle=max(64, connections_per_origin))
+                          max_idle=max(64, connections_per_origin), rtts=self._pool.rtts)
         self._tcp: httpx.AsyncClient | None = None
         if fallback_http2:
             self._tcp = httpx.AsyncClient(
@@ -250,6 +276,16 @@ class KvspClient:
     def pooled(self, url: str) -> int:
         """How many pooled HTTP/3 connections to *url*'s origin could take the next request."""
         return self._pool.pooled(*_origin(url))
+
+    def stall_timeout(self, url: str, *, octets: int = 0, ceiling: float | None = None,
+                      floor: float = STALL_FLOOR) -> float:
+        """How long a response body from *url* may go without octets (for :attr:`Response.read_timeout`): four
+        probe timeouts of the RTT measured to its host (:mod:`quic.rtt`) plus the time *octets* take at a slow
+        rate (50 MB/s), at least *floor* (1 s), at most *ceiling* (the client's timeout), which is also the
+        answer while the host's RTT is unknown."""
+        ceiling = self.timeout if ceiling is None else ceiling
+        return path_timeout(self._pool.rtt_sample(_origin(url)[0]), floor=min(floor, ceiling), ceiling=ceiling,
+                            octets=octets)
 
     @property
     def connections_per_origin(self) -> int:
@@ -302,13 +338,15 @@ class KvspClient:
             try:
                 async with asyncio.timeout(timeout):
                     return await self._send_once(method, url, headers or {}, content, timeout, used)
-            except TimeoutError:
-                error: TransportError = RequestTimeout(f"{method} {url}: no response within {timeout} s")
-            except TransportError as exc:
+            except TransportError as exc:  # RequestTimeout and ConnectTimeout (TimeoutErrors too) included
                 error = exc
+            except TimeoutError:
+                error = RequestTimeout(f"{method} {url}: no response within {timeout} s")
             for conn in used:  # a timeout or a broken connection: never hand this connection out again
                 if isinstance(error, RequestTimeout) or conn.closed:
                     self._pool.discard(conn)
+            if isinstance(error, ConnectTimeout):  # nothing answers there: the caller tries elsewhere at once
+                break
             if attempt + 1 < attempts:
                 log.info("%s %s failed (%s); retrying", method, url, error)
                 await asyncio.sleep(0.05 * (attempt + 1))
@@ -365,8 +403,8 @@ class KvspClient:
         fields = [(k.lower().encode("ascii"), _field_value(v)) for k, v in headers.items()]
         try:
             h1 = await self._h1.request(*origin, method, target, fields, content)
-        except H1ConnectTimeout:
-            raise RequestTimeout(f"{method} {url}: connect timed out") from None
+        except H1ConnectTimeout as exc:
+            raise ConnectTimeout(f"{method} {url}: {exc}") from None
         except H1TransportError as exc:
             raise TransportError(f"{method} {url}: {exc}") from None
         return Response(h1.status, Headers(h1.headers), h1.http_version, h1.aiter_bytes(), h1.aclose, timeout,

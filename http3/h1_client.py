@@ -35,10 +35,12 @@ import asyncio
 import collections
 import contextlib
 import re
+import socket
 import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from typing import Any, Protocol, cast
 
+from quic.rtt import TCP_INFO_SIZE, RttTable, tcp_info_rtt
 from quic.tls import serves, ssl_peer_identity
 
 Buffer = bytes | bytearray | memoryview
@@ -585,13 +587,20 @@ class H1Response:
 
 
 class H1Pool:
-    """Keep-alive HTTP/1.1 connections per origin (host, port); at most *max_idle* idle ones kept per origin."""
+    """Keep-alive HTTP/1.1 connections per origin (host, port); at most *max_idle* idle ones kept per origin.
+
+    *connect_timeout* (TCP and TLS handshakes) is what a connect waits; with an RTT table *rtts*
+    (:class:`quic.rtt.RttTable`, shared with the HTTP/3 and MOQT pools) it is the most a connect waits, and to a
+    host the table has an estimate for a connect waits :func:`quic.rtt.connect_timeout` (a few RTTs, at least 1 s:
+    issue 12, point 5); each connection opened then records the kernel's RTT estimate of its socket there
+    (``TCP_INFO``, Linux)."""
 
     def __init__(self, context: ssl.SSLContext, *, connect_timeout: float = 5.0, max_idle: int = 16,
-                 check_identity: bool = True) -> None:
+                 check_identity: bool = True, rtts: RttTable | None = None) -> None:
         self.context = context
         self.check_identity = check_identity  # the server's SAN URI must cover each URL (quic.tls.serves)
         self.connect_timeout = connect_timeout
+        self.rtts = rtts
         self.max_idle = max_idle
         self._idle: dict[tuple[str, int], list[H1Connection]] = {}
         self._all: set[H1Connection] = set()
@@ -602,17 +611,33 @@ class H1Pool:
 
     async def _connect(self, origin: tuple[str, int]) -> H1Connection:
         loop = asyncio.get_running_loop()
+        timeout = self.connect_timeout if self.rtts is None else self.rtts.connect_timeout(origin[0],
+                                                                                         self.connect_timeout)
         try:
-            async with asyncio.timeout(self.connect_timeout):
+            async with asyncio.timeout(timeout):
                 _, conn = await loop.create_connection(lambda: H1Connection(origin), origin[0], origin[1],
                                                        ssl=self.context, server_hostname=origin[0])
         except TimeoutError:
-            raise H1ConnectTimeout(f"connecting to {origin[0]}:{origin[1]} timed out") from None
+            raise H1ConnectTimeout(f"connecting to {origin[0]}:{origin[1]} timed out ({timeout:.2g} s)") from None
         except (OSError, ssl.SSLError) as exc:
             raise H1TransportError(f"connecting to {origin[0]}:{origin[1]}: {exc}") from None
+        self._observe(origin[0], conn)
         self.connects += 1
         self._all.add(conn)
         return conn
+
+    def _observe(self, host: str, conn: H1Connection) -> None:
+        """Record the kernel's RTT estimate of *conn*'s socket (Linux ``TCP_INFO``; nothing elsewhere)."""
+        sock = conn.transport.get_extra_info("socket") if conn.transport is not None else None
+        if self.rtts is None or sock is None or not hasattr(socket, "TCP_INFO") or \
+                sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return
+        try:
+            found = tcp_info_rtt(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_SIZE))
+        except OSError:
+            return
+        if found is not None:
+            self.rtts.record(host, *found)
 
     async def connection(self, host: str, port: int) -> H1Connection:
         idle = self._idle.get((host, port))

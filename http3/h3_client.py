@@ -26,6 +26,7 @@ from http3.h3_frames import send_data
 from quic.connection import KvspQuicConnection
 from quic.pool import SpreadPool
 from quic.protocol import KvspQuicProtocol, QuicConnectError, connect_quic
+from quic.rtt import RttSample, RttTable, connect_timeout, slowest
 from quic.tls import TlsFiles, TransportSettings, identity_of_der, serves
 
 H3_NO_ERROR = 0x100
@@ -390,16 +391,25 @@ class H3Pool(SpreadPool[H3ClientConnection]):
 
     Connects run in tasks of their own: a slow handshake never holds up requests that can use a connection that
     is open already, a request that gives up waiting (its timeout) does not abort the connect for the others, and
-    a failed connect fails every request waiting for it at once."""
+    a failed connect fails every request waiting for it at once.
+
+    With an RTT table *rtts* (:class:`quic.rtt.RttTable`; the instance passes the process's
+    :data:`quic.rtt.PEER_RTTS`, shared with its MOQT and HTTP/1.1 pools) connect timeouts scale with the RTT (issue
+    12, point 5): *connect_timeout* is the most a connect waits, and all it waits for a host whose RTT is unknown;
+    to a host the table has an estimate for, a dial waits :func:`quic.rtt.connect_timeout` (a few RTTs, at least
+    1 s). The pool feeds the table with its connections' RTT when they join, when they are dropped, and before each
+    dial from those still open to the host. Without a table every connect waits *connect_timeout*."""
 
     kind = "h3"
 
     def __init__(self, files: TlsFiles, settings: TransportSettings, connect_timeout: float, *,
-                 connections_per_origin: int = 1, keepalive: KeepAlive | None = None) -> None:
+                 connections_per_origin: int = 1, keepalive: KeepAlive | None = None,
+                 rtts: RttTable | None = None) -> None:
         super().__init__(connections_per_origin)
         self.files = files
         self.settings = settings
         self.connect_timeout = connect_timeout
+        self.rtts = rtts
         self.opening_cap = settings.max_streams
         self.keepalive = keepalive  # for every origin (None: none) ...
         self._keepalive: dict[tuple[str, int], KeepAlive | None] = {}  # ... unless set for the origin
@@ -413,7 +423,23 @@ class H3Pool(SpreadPool[H3ClientConnection]):
     # -- SpreadPool's hooks
 
     async def dial(self, key: tuple[str, int]) -> H3ClientConnection:
-        return await connect_h3(key[0], key[1], self.files, settings=self.settings, timeout=self.connect_timeout)
+        return await connect_h3(key[0], key[1], self.files, settings=self.settings, timeout=self.dial_timeout(key[0]))
+
+    def dial_timeout(self, host: str) -> float:
+        """The connect timeout of the next dial to *host* (the class docstring)."""
+        if self.rtts is None:
+            return self.connect_timeout
+        return connect_timeout(self.rtt_sample(host), ceiling=self.connect_timeout)
+
+    def rtt_sample(self, host: str) -> RttSample | None:
+        """The RTT estimate of *host*: the table's, the connections open to it now recorded first; without a table,
+        the slowest of those connections'."""
+        live = [c.quic.rtt_sample() for (h, _port), conns in self._conns.items() if h == host
+                for c in conns if not c.closed]
+        if self.rtts is None:
+            return slowest(live)
+        self.rtts.observe(host, live)
+        return self.rtts.get(host)
 
     def load_of(self, conn: H3ClientConnection) -> int:
         return conn.active
@@ -441,6 +467,8 @@ class H3Pool(SpreadPool[H3ClientConnection]):
 
     def adopted(self, key: tuple[str, int], conn: H3ClientConnection) -> None:
         conn.origin = key
+        if self.rtts is not None:
+            self.rtts.observe(key[0], (conn.quic.rtt_sample(),))  # the handshake's samples
         keepalive = self._keepalive.get(key, self.keepalive)
         if keepalive is not None:
             conn.keep_alive(keepalive)
@@ -452,6 +480,8 @@ class H3Pool(SpreadPool[H3ClientConnection]):
 
     def _retire(self, conn: H3ClientConnection) -> None:
         self.forget_joining(conn)
+        if self.rtts is not None and conn.origin[0]:
+            self.rtts.observe(conn.origin[0], (conn.quic.rtt_sample(),))
         if not conn.retired:
             conn.retire()
         self._retired = {c for c in self._retired if not c.closed}

@@ -191,6 +191,10 @@ class HttpSource:
             raise AttemptError(failure_for_status(exc.status), f"GET {record.holder}: {exc}") from None
         if isinstance(body, Miss):
             raise AttemptError(Failure.MISS, f"GET {body}")
+        # a holder that goes silent mid-body (frozen, or gone where no ICMP comes back) costs a few RTTs and the
+        # block's transfer time at a slow rate, not the request timeout (issue 12, point 5: quic.rtt.path_timeout)
+        body.response.read_timeout = self.client.stall_timeout(record.holder, octets=record.size,
+                                                               ceiling=body.response.read_timeout)
         chunks = body.aiter_bytes()
 
         async def close() -> None:

@@ -46,12 +46,13 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
+from quic import rtt
 from quic.crl import Revocation
 from quic.tls import check_server_auth
 
 log = logging.getLogger("kvsp.quic")
 
-MIN_PATH_RATE = 50e6  # octets/s: the slowest transfer rate :meth:`KvspQuicConnection.path_timeout` allows for
+MIN_PATH_RATE = rtt.MIN_PATH_RATE  # octets/s: the slowest transfer rate :meth:`KvspQuicConnection.path_timeout` allows
 _PROBE_UIDS = itertools.count(1 << 62)  # PING uids of probes (aioquic's own pings use id() of a future)
 
 
@@ -323,11 +324,16 @@ class KvspQuicConnection(QuicConnection):
         max_ack_delay``) plus the time *octets* take at *rate* octets/s, kept within [*floor*, *ceiling*];
         *ceiling* before the first RTT sample. What a wait for a peer's next octets should allow: a few round
         trips and the transfer, not a fixed number of seconds."""
+        return rtt.path_timeout(self.rtt_sample(), floor=floor, ceiling=ceiling, multiplier=multiplier,
+                                octets=octets, rate=rate)
+
+    def rtt_sample(self) -> rtt.RttSample | None:
+        """This path's RTT estimate (RFC 9002 5.3: smoothed_rtt, rttvar, the peer's max_ack_delay), None before
+        the first sample: what :class:`quic.rtt.RttTable` keeps per host for the connects that follow."""
         loss = self._loss
         if not loss._rtt_initialized:
-            return ceiling
-        pto = loss._rtt_smoothed + max(4 * loss._rtt_variance, 0.001) + loss.max_ack_delay
-        return min(ceiling, max(floor, multiplier * pto + octets / rate))
+            return None
+        return rtt.RttSample(loss._rtt_smoothed, loss._rtt_variance, loss.max_ack_delay)
 
     def probe(self) -> None:
         """Queue a PING for the next transmit (the caller transmits): an ack-eliciting packet on a quiet

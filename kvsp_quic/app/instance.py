@@ -45,6 +45,7 @@ from kvsp_quic.roles.holder import HolderSettings
 from kvsp_quic.roles.instance import InstanceOptions, InstanceRole, InstanceSettings, next_instance_epoch
 from kvsp_quic.roles.leases import LeaseLimits
 from moqt.aio import MoqtPool
+from quic.rtt import PEER_RTTS
 from quic.tls import TlsFiles, TransportSettings
 
 DEV_EPOCH_FILE = "instance.epoch"  # in the --dev directory: the epochs of the instances started there
@@ -172,14 +173,15 @@ def build_instance(engine: Engine, *, base_uri: str, files: TlsFiles, policy: Po
     # Block loads run concurrently (a prefill consumes every block's stream at once; a directive starts every
     # load at once): over HTTP/3 they are spread over up to block_connections connections per holder.
     client = KvspClient(files, settings=transport, timeout=service.request_timeout_s,
-                        prefer=service.prefer_transport, connections_per_origin=service.block_connections)
+                        prefer=service.prefer_transport, connections_per_origin=service.block_connections,
+                        rtts=PEER_RTTS)  # connect timeouts scaled with the RTT (issue 12, point 5)
     moqt_uri = moqt_uri_for(base_uri)
     http = HttpSource(client, timeout=service.request_timeout_s)
     https_of: dict[str, str] = {}
     pool = None
     sources: list[BlockSource] = [http]
     if moqt:
-        pool = MoqtPool(files, settings=transport, connections_per_origin=service.block_connections)
+        pool = MoqtPool(files, settings=transport, connections_per_origin=service.block_connections, rtts=PEER_RTTS)
         sources.insert(0, LeasingMoqtSource(pool, [d], http, https_of))
     publisher = finder = None
     if index:  # one URI or several: one view of the Index Service's replicas for the publisher and the lookups

@@ -29,6 +29,7 @@ from quic.connection import KvspQuicConnection
 from quic.listener import HandlerFactory, QuicConnectionContext
 from quic.pool import SpreadPool
 from quic.protocol import KvspQuicProtocol, connect_quic
+from quic.rtt import RttSample, RttTable, connect_timeout, slowest
 from quic.tls import TLS_1_3, TlsFiles, TransportSettings, serves, tls_extension
 
 CONTROL_RESERVE = 1 << 20  # connection credit kept free of data-stream octets, for control messages
@@ -198,18 +199,27 @@ class MoqtPool(SpreadPool[MoqtConnection]):
     Connects run in tasks of their own: a slow handshake never holds up fetches that can use a connection that is
     open already, a fetch that gives up waiting (its timeout cancels :meth:`get`) does not abort the connect for
     the others, and a failed connect fails every fetch waiting for it at once. A closed connection is dropped; one
-    whose peer sent GOAWAY takes no new fetches and is closed once its own are over."""
+    whose peer sent GOAWAY takes no new fetches and is closed once its own are over.
+
+    With an RTT table *rtts* (:class:`quic.rtt.RttTable`; the instance passes the process's
+    :data:`quic.rtt.PEER_RTTS`, shared with its HTTP/3 and HTTP/1.1 pools) connect timeouts scale with the RTT (issue
+    12, point 5): *connect_timeout* is the most a connect (handshake and SETUP) waits, and all it waits for a host
+    whose RTT is unknown; to a host the table has an estimate for, a dial waits :func:`quic.rtt.connect_timeout` (a
+    few RTTs, at least 1 s). The pool feeds the table with its connections' RTT when they join and before each dial
+    from those still open to the host. Without a table every connect waits *connect_timeout*."""
 
     kind = "moqt"
 
     def __init__(self, files: TlsFiles, *, settings: TransportSettings = TransportSettings(),
                  alpn: str | Sequence[str] = PREFERRED_ALPNS, connect_timeout: float = 10.0,
-                 data_streams: int = DEFAULT_DATA_STREAMS, connections_per_origin: int = 1) -> None:
+                 data_streams: int = DEFAULT_DATA_STREAMS, connections_per_origin: int = 1,
+                 rtts: RttTable | None = None) -> None:
         super().__init__(connections_per_origin)
         self.files = files
         self.settings = settings
         self.alpn = alpn
         self.connect_timeout = connect_timeout
+        self.rtts = rtts
         self.data_streams = data_streams
         self._retired: set[MoqtConnection] = set()  # GOAWAY received: closed once their fetches are over
         self._closing: set[asyncio.Task[None]] = set()
@@ -231,7 +241,27 @@ class MoqtPool(SpreadPool[MoqtConnection]):
 
     async def dial(self, key: tuple[str, int]) -> MoqtConnection:
         return await connect_moqt(key[0], key[1], self.files, settings=self.settings, alpn=self.alpn,
-                                  timeout=self.connect_timeout, data_streams=self.data_streams)
+                                  timeout=self.dial_timeout(key[0]), data_streams=self.data_streams)
+
+    def dial_timeout(self, host: str) -> float:
+        """The connect timeout of the next dial to *host* (the class docstring)."""
+        if self.rtts is None:
+            return self.connect_timeout
+        return connect_timeout(self.rtt_sample(host), ceiling=self.connect_timeout)
+
+    def rtt_sample(self, host: str) -> RttSample | None:
+        """The RTT estimate of *host*: the table's, the connections open to it now recorded first; without a table,
+        the slowest of those connections'."""
+        live = [c.quic.rtt_sample() for (h, _port), conns in self._conns.items() if h == host
+                for c in conns if c.closed is None]
+        if self.rtts is None:
+            return slowest(live)
+        self.rtts.observe(host, live)
+        return self.rtts.get(host)
+
+    def adopted(self, key: tuple[str, int], conn: MoqtConnection) -> None:
+        if self.rtts is not None:
+            self.rtts.observe(key[0], (conn.quic.rtt_sample(),))  # the handshake's and SETUP's samples
 
     def load_of(self, conn: MoqtConnection) -> int:
         return conn.open_fetches
