@@ -4,9 +4,11 @@ subcommand run as a real process."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -63,3 +65,19 @@ class Process:
         self.proc.stderr.close()
         assert rest == "", "a server prints exactly one line on stdout"
         return err
+
+
+def processes_under(root: Path) -> list[int]:
+    """The processes whose working directory is *root* or inside it (a ``kvsp-quic demo --workdir root`` starts
+    its roles there): unlike a match on command lines, other clusters on the machine do not count."""
+    root = root.resolve()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cwd = Path(os.readlink(entry / "cwd"))
+            except OSError:  # gone, or not ours to read
+                continue
+            if cwd == root or root in cwd.parents:
+                found.append(int(entry.name))
+    return found
