@@ -26,7 +26,7 @@ from http3.h3_frames import send_data
 from quic.connection import KvspQuicConnection
 from quic.pool import SpreadPool
 from quic.protocol import KvspQuicProtocol, QuicConnectError, connect_quic
-from quic.rtt import RttSample, RttTable, connect_timeout, slowest
+from quic.rtt import RttSample, RttTable
 from quic.tls import TlsFiles, TransportSettings, identity_of_der, serves
 
 H3_NO_ERROR = 0x100
@@ -405,11 +405,9 @@ class H3Pool(SpreadPool[H3ClientConnection]):
     def __init__(self, files: TlsFiles, settings: TransportSettings, connect_timeout: float, *,
                  connections_per_origin: int = 1, keepalive: KeepAlive | None = None,
                  rtts: RttTable | None = None) -> None:
-        super().__init__(connections_per_origin)
+        super().__init__(connections_per_origin, connect_timeout=connect_timeout, rtts=rtts)
         self.files = files
         self.settings = settings
-        self.connect_timeout = connect_timeout
-        self.rtts = rtts
         self.opening_cap = settings.max_streams
         self.keepalive = keepalive  # for every origin (None: none) ...
         self._keepalive: dict[tuple[str, int], KeepAlive | None] = {}  # ... unless set for the origin
@@ -425,21 +423,8 @@ class H3Pool(SpreadPool[H3ClientConnection]):
     async def dial(self, key: tuple[str, int]) -> H3ClientConnection:
         return await connect_h3(key[0], key[1], self.files, settings=self.settings, timeout=self.dial_timeout(key[0]))
 
-    def dial_timeout(self, host: str) -> float:
-        """The connect timeout of the next dial to *host* (the class docstring)."""
-        if self.rtts is None:
-            return self.connect_timeout
-        return connect_timeout(self.rtt_sample(host), ceiling=self.connect_timeout)
-
-    def rtt_sample(self, host: str) -> RttSample | None:
-        """The RTT estimate of *host*: the table's, the connections open to it now recorded first; without a table,
-        the slowest of those connections'."""
-        live = [c.quic.rtt_sample() for (h, _port), conns in self._conns.items() if h == host
-                for c in conns if not c.closed]
-        if self.rtts is None:
-            return slowest(live)
-        self.rtts.observe(host, live)
-        return self.rtts.get(host)
+    def rtt_of(self, conn: H3ClientConnection) -> RttSample | None:
+        return None if conn.closed else conn.quic.rtt_sample()
 
     def load_of(self, conn: H3ClientConnection) -> int:
         return conn.active

@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 from typing import Generic, TypeVar
 
+from quic.rtt import RttSample, RttTable, connect_timeout, slowest
+
 C = TypeVar("C")
 Origin = tuple[str, int]
 
@@ -40,10 +42,15 @@ class SpreadPool(Generic[C]):
 
     kind = "connection"  # for task names
 
-    def __init__(self, connections_per_origin: int = 1) -> None:
+    def __init__(self, connections_per_origin: int = 1, *, connect_timeout: float = 10.0,
+                 rtts: RttTable | None = None) -> None:
         if isinstance(connections_per_origin, bool) or connections_per_origin < 1:
             raise ValueError(f"connections_per_origin must be at least 1, not {connections_per_origin!r}")
         self.connections_per_origin = connections_per_origin
+        # With an RTT table (quic.rtt; issue 12, point 5) a dial to a host whose RTT is known waits
+        # quic.rtt.connect_timeout (a few RTTs, at least 1 s, at most connect_timeout); else connect_timeout.
+        self.connect_timeout = connect_timeout
+        self.rtts = rtts
         self.connects = 0  # connections opened (tests, metrics)
         self._conns: dict[Origin, list[C]] = {}
         self._connecting: dict[Origin, list[Connecting[C]]] = {}
@@ -74,11 +81,33 @@ class SpreadPool(Generic[C]):
     def adopted(self, key: Origin, conn: C) -> None:
         """A new connection to *key* joins the pool (set it up: origin, keep-alive, ...)."""
 
+    def rtt_of(self, conn: C) -> RttSample | None:
+        """*conn*'s RTT estimate (None once it is closed)."""
+        return None
+
     async def close_connection(self, conn: C) -> None:
         """Close a connection opened after the pool was closed."""
         raise NotImplementedError
 
     opening_cap: int | None = None  # callers one connection being opened may take (None: no cap)
+
+    # -- connect timeouts scaled with the RTT ------------------------------------------------------------------
+
+    def dial_timeout(self, host: str) -> float:
+        """The connect timeout of the next dial to *host*."""
+        if self.rtts is None:
+            return self.connect_timeout
+        return connect_timeout(self.rtt_sample(host), ceiling=self.connect_timeout)
+
+    def rtt_sample(self, host: str) -> RttSample | None:
+        """The RTT estimate of *host*: the table's, the connections open to it now recorded first; without a table,
+        the slowest of those connections'."""
+        live = [sample for (h, _port), conns in self._conns.items() if h == host
+                for c in conns if (sample := self.rtt_of(c)) is not None]
+        if self.rtts is None:
+            return slowest(live)
+        self.rtts.observe(host, live)
+        return self.rtts.get(host)
 
     # -- the policy -----------------------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from quic.connection import KvspQuicConnection
 from quic.listener import HandlerFactory, QuicConnectionContext
 from quic.pool import SpreadPool
 from quic.protocol import KvspQuicProtocol, connect_quic
-from quic.rtt import RttSample, RttTable, connect_timeout, slowest
+from quic.rtt import RttSample, RttTable
 from quic.tls import TLS_1_3, TlsFiles, TransportSettings, serves, tls_extension
 
 CONTROL_RESERVE = 1 << 20  # connection credit kept free of data-stream octets, for control messages
@@ -214,12 +214,10 @@ class MoqtPool(SpreadPool[MoqtConnection]):
                  alpn: str | Sequence[str] = PREFERRED_ALPNS, connect_timeout: float = 10.0,
                  data_streams: int = DEFAULT_DATA_STREAMS, connections_per_origin: int = 1,
                  rtts: RttTable | None = None) -> None:
-        super().__init__(connections_per_origin)
+        super().__init__(connections_per_origin, connect_timeout=connect_timeout, rtts=rtts)
         self.files = files
         self.settings = settings
         self.alpn = alpn
-        self.connect_timeout = connect_timeout
-        self.rtts = rtts
         self.data_streams = data_streams
         self._retired: set[MoqtConnection] = set()  # GOAWAY received: closed once their fetches are over
         self._closing: set[asyncio.Task[None]] = set()
@@ -243,21 +241,8 @@ class MoqtPool(SpreadPool[MoqtConnection]):
         return await connect_moqt(key[0], key[1], self.files, settings=self.settings, alpn=self.alpn,
                                   timeout=self.dial_timeout(key[0]), data_streams=self.data_streams)
 
-    def dial_timeout(self, host: str) -> float:
-        """The connect timeout of the next dial to *host* (the class docstring)."""
-        if self.rtts is None:
-            return self.connect_timeout
-        return connect_timeout(self.rtt_sample(host), ceiling=self.connect_timeout)
-
-    def rtt_sample(self, host: str) -> RttSample | None:
-        """The RTT estimate of *host*: the table's, the connections open to it now recorded first; without a table,
-        the slowest of those connections'."""
-        live = [c.quic.rtt_sample() for (h, _port), conns in self._conns.items() if h == host
-                for c in conns if c.closed is None]
-        if self.rtts is None:
-            return slowest(live)
-        self.rtts.observe(host, live)
-        return self.rtts.get(host)
+    def rtt_of(self, conn: MoqtConnection) -> RttSample | None:
+        return conn.quic.rtt_sample() if conn.closed is None else None
 
     def adopted(self, key: tuple[str, int], conn: MoqtConnection) -> None:
         if self.rtts is not None:
