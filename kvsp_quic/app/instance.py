@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -41,12 +42,16 @@ from kvsp_quic.auth import Policy
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.keys import BlockKeyer
 from kvsp_quic.records import Link, ReplicaRecord
+from kvsp_quic.retrieval_plan import AttemptError
 from kvsp_quic.roles.holder import HolderSettings
 from kvsp_quic.roles.instance import InstanceOptions, InstanceRole, InstanceSettings, next_instance_epoch
 from kvsp_quic.roles.leases import LeaseLimits
+from kvsp_quic.roles.status import endpoint
 from moqt.aio import MoqtPool
 from quic.rtt import PEER_RTTS
 from quic.tls import TlsFiles, TransportSettings
+
+log = logging.getLogger("kvsp.instance")
 
 DEV_EPOCH_FILE = "instance.epoch"  # in the --dev directory: the epochs of the instances started there
 
@@ -98,7 +103,12 @@ def persisted_epoch(path: Path, now: Callable[[], float] = time.time) -> int:
 
 class LeasingMoqtSource(MoqtSource):
     """MOQT has no leases (KVSP leases are HTTP resources): lease a ``moqt://`` replica at its publisher's
-    ``https`` base URI, learnt from the lookups that listed both twins (*https_of*: holder-id -> base URI)."""
+    ``https`` base URI, learnt from the lookups that listed both twins (*https_of*: holder-id -> base URI).
+
+    A relay's copy (a ``moqt://`` record at another host and port than its publisher: the publisher's own twin
+    shares its UDP port) is served from the relay's cache whatever the publisher holds now, so a lease the
+    publisher refuses there (404: it gave the block up; 429; unreachable) is no reason to skip the relay: the
+    transfer goes on without a lease. At the publisher's own endpoint a refusal still skips the replica."""
 
     def __init__(self, pool: MoqtPool, descriptors: Iterable[CompatDescriptor], http: HttpSource,
                  https_of: Mapping[str, str]) -> None:
@@ -112,7 +122,13 @@ class LeasingMoqtSource(MoqtSource):
         if https is None:
             return None
         twin = dataclasses.replace(record, holder=https, moqt_namespace=None)
-        return await self.http.lease(twin, ttl_ms)
+        if endpoint(record.holder) == endpoint(https):
+            return await self.http.lease(twin, ttl_ms)
+        try:
+            return await self.http.lease(twin, ttl_ms)
+        except AttemptError as exc:  # a relay's copy: its cache serves it without the publisher's lease
+            log.info("no lease at %s for the relay copy at %s (%s): fetching without one", https, record.holder, exc)
+            return None
 
     async def release(self, lease: Lease) -> bool:
         return await self.http.release(lease)
