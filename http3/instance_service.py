@@ -276,6 +276,7 @@ class InstanceService(Generic[P]):
         deadline = loop.time() + max(0.0, d.deadline - self.role.clock())
         directives = self.role.directives
         mine: list[BlockLoad] = []
+        reserved: dict[bytes, BlockLoad] = {}
         try:
             async with asyncio.timeout_at(deadline):
                 waits = []
@@ -289,7 +290,6 @@ class InstanceService(Generic[P]):
                         waits.append((key, load))
                     else:
                         todo.append(key)
-                reserved = {}
                 for key in todo:  # announced before the lookup: a session start arriving now follows them
                     load = reserved[key] = self.loads.reserve(key)
                     load.interest += 1
@@ -320,7 +320,11 @@ class InstanceService(Generic[P]):
         finally:
             for load in mine:
                 load.interest -= 1
-                if load.interest <= 0 and not load.done:
+                if load.task is None and reserved.get(load.key) is load:
+                    # reserved here and never begun (the deadline passed during the lookup): nobody will begin
+                    # it, so a prefill following it must not wait for it -- it recomputes the block
+                    self.loads.abandon(load)
+                elif load.interest <= 0 and not load.done:
                     self.loads.cancel(load.key)  # the deadline passed and nobody else wants it
             directives.expire()
             log.info("directive %s: %s, %d of %d blocks loaded", d.id, d.state.value, len(d.loaded), len(d.keys))

@@ -362,6 +362,13 @@ def retrieval_collectors(registry: Registry, metrics: Any, *, block_tokens: int 
                      "recompute (miss)", ("component", "outcome")).collect(
         lambda: [({"component": component, "outcome": "hit"}, metrics.hits),
                  ({"component": component, "outcome": "miss"}, metrics.misses)])
+    # attempts at a replica that broke off (kvsp-quic chaos: a source killed mid-load shows here; docs/chaos.md)
+    registry.counter("kvsp_retrieval_failed_attempts_total", "Attempts at a replica that failed, by kind (transport: "
+                     "connection, timeout, a body that broke off; unreachable: of those, the holder was gone)",
+                     ("component", "failure")).collect(
+        lambda: [({"component": component, "failure": "transport"}, metrics.transport_errors),
+                 ({"component": component, "failure": "unreachable"}, metrics.unreachable),
+                 ({"component": component, "failure": "server-error"}, metrics.server_errors)])
     # the producer-digest mode (issue 13; docs/wire.md, "Producer digests"): what it left out, and why
     registry.counter("kvsp_producer_digest_mismatches_total", "Replicas left out of lookups because no producer "
                      "digest vouches for them", ("component",)).collect(

@@ -89,13 +89,15 @@ async def call(app: App, scope: MutableMapping[str, Any], body: bytes = b"") -> 
 class Router:
     """Serves several role apps below their base paths (``apps["/is/"]``, ``apps["/h1/"]``, ...) on one server and
     answers the lifespan itself; a path under no base path gets 404. It logs every request, counts block GETs (in
-    all and concurrent per base path) and can slow them down by *block_delay* seconds."""
+    all and concurrent per base path) and can slow them down by *block_delay* seconds, and lookups (``POST
+    .../lookup``) by *lookup_delay* seconds."""
 
     def __init__(self) -> None:
         self.apps: dict[str, Any] = {}
         self.log: list[tuple[str, str, str]] = []  # (method, path, query)
         self.block_gets = 0
         self.block_delay = 0.0
+        self.lookup_delay = 0.0
         self.inflight: dict[str, int] = {}  # block GETs in progress, by base path
         self.max_inflight: dict[str, int] = {}
 
@@ -126,6 +128,8 @@ class Router:
         try:
             if block_get and self.block_delay:
                 await asyncio.sleep(self.block_delay)
+            if self.lookup_delay and scope["method"] == "POST" and path.endswith("/lookup"):
+                await asyncio.sleep(self.lookup_delay)
             await app(scope, receive, send)
         finally:
             if block_get:

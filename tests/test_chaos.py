@@ -1,7 +1,9 @@
-"""`kvsp-quic chaos` end to end (issue 12, point 9): a real redis-server, two IS+PC replicas, two holders, a relay,
-three CPU instances and the front end as processes on 127.0.0.1; real faults; tokens compared with a fault-free run.
+"""`kvsp-quic chaos` end to end (issue 12, point 9): a real redis-server (or a 3-node Redis Cluster), two IS+PC
+replicas, two holders, a relay, three CPU instances and the front end as processes on 127.0.0.1; real faults; tokens
+compared with a fault-free run.
 
-CI runs a bounded round (two faults); the whole suite, every fault, is marked slow (KVSP_SLOW=1 runs it)."""
+CI runs a bounded round (two faults) and a holder kill that must cut a load from that holder; the whole suite, every
+fault, and the run on a Redis Cluster are marked slow (KVSP_SLOW=1 runs them)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ from typing import Any
 import pytest
 
 from tests.redis_server import REDIS_SERVER, SKIP_REASON
+
+SOURCE_FAULTS = {"holder-kill": "holder-b", "relay-kill": "relay", "holder-restart": "holder-a"}
+SLOW = "every fault takes minutes: KVSP_SLOW=1 runs it"
 
 pytest.importorskip("torch", reason="the chaos suite runs inference instances: pip install 'kvsp-quic[gpu]'")
 
@@ -30,6 +35,9 @@ def check(run: subprocess.CompletedProcess[str], faults: set[str]) -> list[dict[
     assert report["ok"] and {r["fault"] for r in rows} == {"none", *faults}, rows
     for row in rows:
         assert row["completed"] == row["requests"] > 0, row
+        if row["fault"] in SOURCE_FAULTS:  # the kill cut a load from that very source (docs/chaos.md)
+            assert row["target"] == SOURCE_FAULTS[row["fault"]], row
+            assert row["served"] and row["served"] > 0 and row["cut"] and row["cut"] > 0, row
         assert row["tokens_lost"] == row["tokens_duplicated"] == row["tokens_altered"] == 0, row
         assert row["tokens_delivered"] == row["tokens_expected"], row
         assert row["errors"] == [], row
@@ -49,12 +57,32 @@ def test_a_bounded_round_loses_no_token() -> None:
     assert next(r for r in rows if r["fault"] == "pc-kill")["target"].startswith("index-")
 
 
+@pytest.mark.skipif(REDIS_SERVER is None, reason=SKIP_REASON)
+def test_a_holder_kill_cuts_a_load_from_that_holder() -> None:
+    """holder-b holds a fresh prefix, nobody else does; it is SIGKILLed at the first block it serves: the instances'
+    transfers from it fail (``cut``), they recompute, and every token is still the reference's."""
+    rows = check(chaos("--fault", "holder-kill", "--streams", "2", timeout=400), {"holder-kill"})
+    row = next(r for r in rows if r["fault"] == "holder-kill")
+    assert row["served"] >= 1 and row["cut"] >= 1, row
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("KVSP_SLOW") != "1", reason="every fault takes minutes: KVSP_SLOW=1 runs it")
+@pytest.mark.skipif(os.environ.get("KVSP_SLOW") != "1", reason=SLOW)
 @pytest.mark.skipif(REDIS_SERVER is None, reason=SKIP_REASON)
 def test_every_fault_loses_no_token() -> None:
-    check(chaos(timeout=1200), {"instance-kill", "instance-stop", "pc-kill", "is-kill", "holder-kill", "relay-kill",
+    check(chaos(timeout=1500), {"instance-kill", "instance-stop", "pc-kill", "is-kill", "holder-kill", "relay-kill",
                                 "holder-restart"})
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("KVSP_SLOW") != "1", reason=SLOW)
+@pytest.mark.skipif(REDIS_SERVER is None, reason=SKIP_REASON)
+def test_on_a_redis_cluster() -> None:
+    """The IS+PC replicas on a 3-node Redis Cluster: either one killed, the PC replica receiving checkpoints killed,
+    an instance, a holder and the relay killed mid-load."""
+    faults = ("is-kill", "pc-kill", "instance-kill", "holder-kill", "relay-kill")
+    rows = check(chaos("--redis-cluster", *(x for f in faults for x in ("--fault", f)), timeout=1500), set(faults))
+    assert {r["target"] for r in rows if r["fault"] == "is-kill"} == {"index-a", "index-b"}, rows
 
 
 def test_without_redis_server_one_line_and_exit_2() -> None:

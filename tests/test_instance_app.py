@@ -697,3 +697,29 @@ async def test_a_start_right_after_a_directive_follows_its_loads_instead_of_fetc
     assert info["block_sources"] == {"prefetch": 6}, info
     assert cl.router.block_gets == 6  # each block crossed the network once
     assert (await directive_state(cl, node, directive))["state"] == "complete"
+
+
+async def test_a_start_following_a_directive_whose_lookup_outlasts_its_deadline_recomputes(
+        cluster: Cluster, reference: LlamaModel) -> None:
+    """The directive reserves its blocks (a session start follows them), then its lookup outlasts its deadline: no
+    load is ever begun. The session recomputes those blocks instead of waiting for them until it is cancelled
+    (found by ``kvsp-quic chaos``: prefills that waited ~30 s, until the PC cancelled the session)."""
+    cl = cluster
+    d = reference.descriptor(B)
+    keys = await produce(cl, reference, PROMPT, 6)
+    node = await cl.instance()
+    base = node.role.settings.base_uri
+    cl.router.lookup_delay = 1.0  # every lookup at the Index Service now takes a second
+    listed = [{"block_key": k.hex(), "sources": [cl.uri("h1")]} for k in keys[:6]]
+    directive = uuid.uuid4()
+    r = await post(cl.alice, f"{base}prefetch", {
+        "directive": str(directive), "scope_id": SCOPE.hex(), "compat_id": d.compat_id.hex(), "blocks": listed,
+        "deadline_ms": 300, "lease_ms": 2000})
+    assert r.status == 202
+    sid = uuid.uuid4()
+    r = await post(cl.alice, f"{base}sessions/{sid}/start", start_body(sid, PROMPT, max_tokens=4, d=d,
+                                                                       blocks=listed))
+    assert r.status == 201
+    lines = await asyncio.wait_for(read_stream(cl.alice, f"{base}sessions/{sid}/tokens"), 30)
+    assert tokens_of(lines) == await expected_tokens(reference, PROMPT, 4, TokenSampler("greedy"))
+    assert (await directive_state(cl, node, directive))["state"] in ("partial", "failed")

@@ -1,31 +1,32 @@
 """``kvsp-quic chaos``: a whole replicated cluster on this machine, a mixed workload, one fault after another.
 
 It writes a tiny random-weights model and starts, as real processes on 127.0.0.1 with fresh dev certificates
-(:mod:`kvsp_quic.app.chaos_cluster`): a ``redis-server`` of its own, two ``kvsp-quic index --store redis`` replicas
-(Index Service + Placement Controller), two holders (one with local storage), a relay, three CPU inference
-instances and the front end, every role given both replicas. It runs the workload -- concurrent streams through
-the front end that share a system prefix, half greedy and half seeded top-p -- once without a fault (the
-reference tokens) and once more (the warm TTFT baseline), then, for each round and each fault, runs the same
-workload again and injects the fault:
+(:mod:`kvsp_quic.app.chaos_cluster`): a ``redis-server`` of its own (or, with ``redis_cluster``, a 3-node Redis
+Cluster), two ``kvsp-quic index`` replicas on it (Index Service + Placement Controller), two holders (one with local
+storage), a relay, three CPU inference instances and the front end, every role given both replicas. It runs the
+workload -- concurrent streams through the front end that share a system prefix, half greedy and half seeded top-p
+-- once without a fault (the reference tokens) and more (the warm TTFT baseline), then, for each round and each
+fault, runs the same workload again and injects the fault:
 
 =================  ==============================================================================================
 instance-kill      SIGKILL of the instance serving the first stream, after ``fault_after`` of its tokens
 instance-stop      SIGSTOP of that instance (SIGCONT once the workload has finished: it must stay fenced)
 pc-kill            SIGKILL of the PC replica that receives the serving instance's checkpoints, mid-generation
 is-kill            SIGKILL of each IS replica in turn (two runs), as the requests are sent (lookups in flight)
-holder-kill        SIGKILL of a holder as the requests are sent (prefix blocks loading)
-relay-kill         SIGKILL of the relay as the requests are sent
-holder-restart     SIGKILL of the holder with local storage as the requests are sent, restarted at once on the
-                   same port and the same storage
+holder-kill        SIGKILL of holder-b while the instances load a prefix from it (its only source)
+relay-kill         SIGKILL of the relay while the instances load a prefix from it (its only source)
+holder-restart     the same for holder-a (local storage), restarted at once on the same port and storage
 =================  ==============================================================================================
 
-Every killed process is restarted on its port, and the cluster left alone for ``settle`` seconds, before the next
-fault. Each fault's row reports the requests
-completed, the tokens lost, duplicated and altered against the reference (same prompts, same seeds), the time from
-the fault to the first stream's recovery, the TTFT penalty against the warm baseline, and the prompt tokens the
-instances loaded (rather than computed) during the run -- 0 means no load was in flight for a holder or relay fault
-to hit. Any incomplete
-request or lost, duplicated or altered token is a failure (``kvsp-quic chaos`` exits 1).
+The source faults (the last three) run on a prefix of their own, placed at the victim only, and fire at the first
+block the victim serves (:mod:`kvsp_quic.app.chaos_sources`); their rows also report ``served`` and ``cut`` (the
+transfers that failed at the instances), and a row that cut no load is not ok. Every killed process is restarted
+on its port, and the cluster left alone for ``settle`` seconds, before the next fault. Each fault's row reports the
+requests completed, the tokens lost, duplicated and altered against the reference (same prompts, same seeds), the
+time from the fault to the first stream's recovery, the TTFT penalty against the warm baseline (a source fault's:
+against its prefix's fault-free, computed run), and the prompt tokens the instances loaded (rather than computed)
+during the run. Any incomplete request or lost, duplicated or altered token is a failure (``kvsp-quic chaos``
+exits 1).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsp_quic.app.chaos_cluster import ChaosCluster
+from kvsp_quic.app.chaos_sources import SOURCE_FAULTS, Seeded, Sources, kill_on_first_load, seed
 from kvsp_quic.app.demo import QUESTIONS, SYSTEM_PROMPT, _stream
 
 FAULTS = ("instance-kill", "instance-stop", "pc-kill", "is-kill", "holder-kill", "relay-kill", "holder-restart")
@@ -65,6 +67,8 @@ class ChaosOptions:
     hidden: int = 128
     timeout: float = 120.0  # per request
     settle: float = 2.0  # seconds the cluster is left alone after a restart: each fault meets a healthy cluster
+    redis_cluster: bool = False  # the IS+PC replicas on a 3-node Redis Cluster instead of one redis-server
+    source_prefix_tokens: int = 2048  # a source fault's own prefix (128 blocks of 16 tokens), loaded from the victim
 
 
 @dataclass
@@ -84,6 +88,8 @@ class Row:
     ttft_penalty_ms: float | None = None
     epochs_seen: list[int] = field(default_factory=list)
     fetched_tokens: float | None = None  # prompt tokens the instances loaded instead of computing, during the run
+    served: float | None = None  # source faults: blocks the victim had been asked for when it was killed
+    cut: float | None = None  # source faults: transfer attempts that failed at the instances during the run
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -92,9 +98,10 @@ class Row:
                 and not self.tokens_altered and not self.errors)
 
 
-def workload(options: ChaosOptions) -> list[tuple[str, dict[str, Any]]]:
+def workload(options: ChaosOptions, prefix: str | None = None) -> list[tuple[str, dict[str, Any]]]:
     """The prompts and sampling of one run: a shared prefix, greedy and seeded top-p streams."""
-    prefix = (SYSTEM_PROMPT * (options.prefix_tokens // len(SYSTEM_PROMPT) + 1))[:options.prefix_tokens]
+    if prefix is None:
+        prefix = (SYSTEM_PROMPT * (options.prefix_tokens // len(SYSTEM_PROMPT) + 1))[:options.prefix_tokens]
     out = []
     for i in range(options.streams):
         sampling: dict[str, Any] = ({"temperature": 0} if i % 2 == 0
@@ -107,8 +114,8 @@ Trigger = Callable[[int, str, int, int], Awaitable[None]]  # stream number, sess
 Results = list[dict[str, Any] | BaseException]
 
 
-async def run_workload(cluster: ChaosCluster, options: ChaosOptions,
-                       trigger: Trigger | None = None) -> tuple[Results, dict[int, list[tuple[float, int]]]]:
+async def run_workload(cluster: ChaosCluster, options: ChaosOptions, trigger: Trigger | None = None,
+                       prefix: str | None = None) -> tuple[Results, dict[int, list[tuple[float, int]]]]:
     """All streams at once; *trigger* sees every token. Returns each stream's result (or error) and the arrival
     time and epoch of each stream's tokens."""
     arrivals: dict[int, list[tuple[float, int]]] = {}
@@ -123,7 +130,7 @@ async def run_workload(cluster: ChaosCluster, options: ChaosOptions,
 
     runs = [asyncio.wait_for(_stream(cluster.client, cluster.completions, prompt, options.max_tokens,
                                      on_token=hook(n), sampling=sampling), options.timeout * 2)
-            for n, (prompt, sampling) in enumerate(workload(options))]
+            for n, (prompt, sampling) in enumerate(workload(options, prefix))]
     results = await asyncio.gather(*runs, return_exceptions=True)
     return list(results), arrivals
 
@@ -160,9 +167,30 @@ def compare(row: Row, results: Results, reference: list[list[int]],
 
 async def inject(cluster: ChaosCluster, options: ChaosOptions, fault: str, target: str | None,
                  reference: list[list[int]], baseline_ttft: float, round_: int,
-                 progress: Callable[[str], None]) -> Row:
+                 progress: Callable[[str], None], sources: Sources | None = None) -> Row:
     row = Row(fault, target, round_)
     state: dict[str, Any] = {}
+    seeded: Seeded | None = None
+    if fault in SOURCE_FAULTS and sources is not None and target is not None:
+        # a prefix of its own, at the victim only (kvsp_quic/app/chaos_sources.py); its fault-free run is the
+        # reference of this row, and its median TTFT (the prefix computed) the baseline of the penalty
+        cold: dict[str, float] = {}
+
+        async def reference_run(prefix: str) -> list[list[int]]:
+            results, _ = await run_workload(cluster, options, prefix=prefix)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:
+                raise RuntimeError(f"the fault-free run of the fresh prefix failed: {failed[0]!r}")
+            cold["ttft"] = statistics.median(r["ttft"] for r in results if isinstance(r, dict))
+            return [[t for _, _, t in r["tokens"]] for r in results if isinstance(r, dict)]
+
+        try:
+            seeded = await seed(cluster, sources, target, options.source_prefix_tokens, reference_run, progress)
+        except Exception as exc:  # the row reports it; the next fault runs anyway
+            row.errors.append(f"{fault}: the prefix could not be placed at {target} only: {exc}"[:300])
+            return row
+        reference, baseline_ttft = seeded.reference, cold["ttft"]
+        await asyncio.sleep(options.settle)  # the restarted instances report their status
 
     async def fire(name: str, how: str) -> None:
         state.update(target=name, at=time.perf_counter())
@@ -193,13 +221,34 @@ async def inject(cluster: ChaosCluster, options: ChaosOptions, fault: str, targe
         await fire(target or "", "kill")
 
     fetched = await cluster.fetched_tokens()
-    early = None if fault in MID_GENERATION else asyncio.ensure_future(at_start())
-    results, arrivals = await run_workload(cluster, options, trigger if fault in MID_GENERATION else None)
+    done = asyncio.Event()
+    early: asyncio.Future[None] | None = None
+    failed_before: dict[str, float] = {}
+    if seeded is not None and sources is not None:
+        failed_before = await sources.failed_attempts()
+        victim = seeded.victim
+        served_before = await sources.served(victim) or 0.0
+        early = asyncio.ensure_future(kill_on_first_load(
+            sources, victim, served_before, lambda: fire(victim, "kill"), done, state))
+    elif fault not in MID_GENERATION:
+        early = asyncio.ensure_future(at_start())
+    try:
+        results, arrivals = await run_workload(cluster, options, trigger if fault in MID_GENERATION else None,
+                                               prefix=seeded.prefix if seeded is not None else None)
+    finally:
+        done.set()
     if early is not None:
         await early
     compare(row, results, reference, baseline_ttft)
     now = await cluster.fetched_tokens()  # an instance killed during the run is not counted
     row.fetched_tokens = sum(max(now[n] - fetched[n], 0.0) for n in now.keys() & fetched.keys())
+    if seeded is not None and sources is not None:
+        failed_after = await sources.failed_attempts()
+        row.served = state.get("served", 0.0)
+        row.cut = sum(max(failed_after[n] - failed_before[n], 0.0) for n in failed_after.keys() & failed_before.keys())
+        if not row.served or not row.cut:
+            row.errors.append(f"not cut: no load from {seeded.victim} was in flight at the kill (it had served "
+                              f"{row.served:.0f} blocks; {row.cut:.0f} transfers failed at the instances)")
     row.target = state.get("target", target)
     at = state.get("at", -1.0)
     if at > 0:
@@ -233,8 +282,7 @@ def plan(options: ChaosOptions) -> list[tuple[str, str | None]]:
         if fault == "is-kill":
             out += [(fault, "index-a"), (fault, "index-b")]
         else:
-            out.append((fault, {"holder-kill": "holder-b", "relay-kill": "relay",
-                                "holder-restart": "holder-a"}.get(fault)))
+            out.append((fault, SOURCE_FAULTS.get(fault)))
     return out
 
 
@@ -244,7 +292,7 @@ async def run(options: ChaosOptions, progress: Callable[[str], None]) -> dict[st
         raise ValueError(f"unknown fault {', '.join(unknown)} (known: {', '.join(FAULTS)})")
     root = options.workdir or Path(tempfile.mkdtemp(prefix="kvsp-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
-    cluster = ChaosCluster(root, progress)
+    cluster = ChaosCluster(root, progress, redis_cluster=options.redis_cluster)
     rows: list[Row] = []
     ok = False
     try:
@@ -272,11 +320,13 @@ async def run(options: ChaosOptions, progress: Callable[[str], None]) -> dict[st
             progress(f"      warm median TTFT {baseline.ttft_ms} ms; {baseline.completed}/{baseline.requests} "
                      f"completed, {baseline.tokens_altered} tokens differ from the first run")
             faults = plan(options)
+            sources = Sources(cluster)
             progress(f"[7/7] {options.rounds} round(s) of {len(faults)} fault(s)")
             for round_ in range(1, options.rounds + 1):
                 for fault, target in faults:
                     progress(f"      round {round_}: {fault}" + (f" ({target})" if target else ""))
-                    row = await inject(cluster, options, fault, target, reference, baseline_ttft, round_, progress)
+                    row = await inject(cluster, options, fault, target, reference, baseline_ttft, round_, progress,
+                                       sources)
                     rows.append(row)
                     progress(f"      -> {row.completed}/{row.requests} completed, lost/dup/altered "
                              f"{row.tokens_lost}/{row.tokens_duplicated}/{row.tokens_altered}, "
@@ -298,14 +348,16 @@ def _cell(value: float | None) -> str:
 
 def render(report: dict[str, Any]) -> str:
     head = (f"{'fault':<15}{'target':<12}{'rnd':>4}{'done':>7}{'lost':>6}{'dup':>5}{'alt':>5}"
-            f"{'recover ms':>12}{'TTFT ms':>10}{'penalty':>10}{'epochs':>8}{'fetched':>9}  result")
+            f"{'recover ms':>12}{'TTFT ms':>10}{'penalty':>10}{'epochs':>8}{'fetched':>9}{'served':>8}{'cut':>5}"
+            "  result")
     lines = ["kvsp-quic chaos: report", head]
     for r in report["rows"]:
         lines.append(f"{r['fault']:<15}{r['target'] or '-':<12}{r['round']:>4}"
                      f"{str(r['completed']) + '/' + str(r['requests']):>7}{r['tokens_lost']:>6}"
                      f"{r['tokens_duplicated']:>5}{r['tokens_altered']:>5}{_cell(r['recover_ms']):>12}"
                      f"{_cell(r['ttft_ms']):>10}{_cell(r['ttft_penalty_ms']):>10}"
-                     f"{','.join(map(str, r['epochs_seen'])):>8}{_cell(r['fetched_tokens']):>9}  "
+                     f"{','.join(map(str, r['epochs_seen'])):>8}{_cell(r['fetched_tokens']):>9}"
+                     f"{_cell(r.get('served')):>8}{_cell(r.get('cut')):>5}  "
                      f"{'ok' if r['ok'] else 'FAILED: ' + '; '.join(r['errors'])[:200]}")
     lines.append("all faults survived: 0 lost, duplicated or altered tokens" if report["ok"]
                  else f"FAILURES (logs kept in {report['workdir']})")

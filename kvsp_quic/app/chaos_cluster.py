@@ -1,39 +1,49 @@
-"""The cluster of ``kvsp-quic chaos``: a redis-server, two IS+PC replicas, two holders, a relay, three instances and
-the front end as real processes on 127.0.0.1 (dev certificates), each restartable on its port after a fault."""
+"""The cluster of ``kvsp-quic chaos``: a redis-server (or a 3-node Redis Cluster), two IS+PC replicas, two holders, a
+relay, three instances and the front end as real processes on 127.0.0.1 (dev certificates), each restartable on its
+port after a fault. Holders and the relay run one process each (``--workers 1``): the victim of a source fault then
+is one process whose ``GET metrics`` counts every block it served, and a block cached by the relay is in the one
+cache every FETCH reaches."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import shutil
 import signal
+import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from kvsp_quic.app.demo import Cluster, Redis, _free_port, _metrics, checkpointing_replica
+from kvsp_quic.app.demo import Cluster, _free_port, _metrics, checkpointing_replica
+from kvsp_quic.app.redis_cluster import RedisClusterServers, RedisServer
 from kvsp_quic.problems import Unavailable
 
 REDIS_MISSING = ("kvsp-quic chaos: redis-server is not on PATH; the chaos suite starts its own "
                  "(Debian/Ubuntu: apt-get install -y redis-server)")
 INSTANCES = ("instance-a", "instance-b", "instance-c")
 REPLICAS = ("index-a", "index-b")
+BLOCK_TOKENS = 16  # the instances' and the front end's default
 
 
 class ChaosCluster(Cluster):
-    def __init__(self, root: Path, progress: Callable[[str], None]) -> None:
+    def __init__(self, root: Path, progress: Callable[[str], None], *, redis_cluster: bool = False) -> None:
         if shutil.which("redis-server") is None:
             raise Unavailable(REDIS_MISSING)
         super().__init__(root, progress)
-        self.redis: Redis | None = None
+        self.redis_cluster = redis_cluster  # a 3-node Redis Cluster (primaries only) instead of one redis-server
+        self.redis: RedisServer | RedisClusterServers | None = None
+        self.descriptor: dict[str, Any] = {}  # the instances' Compatibility Descriptor (JSON)
         self.uris: dict[str, str] = {}  # process name -> base URI
         self.completions = ""
         self.client: Any = None
         self.as_frontend: Any = None
         self._fe: dict[str, Any] = {}
         self.stopped: set[str] = set()  # processes under SIGSTOP: not asked anything
+        self.moqt: dict[str, str] = {}  # process name -> moqt:// URI (the relay's)
 
     def start_named(self, name: str, *args: str) -> str:
         ready = self.start(name, *args)
@@ -41,36 +51,54 @@ class ChaosCluster(Cluster):
         return str(ready["base_uri"])
 
     async def start_all(self, *, layers: int, hidden: int) -> None:
-        from gpu.modelfiles import ModelConfig, write_random_model
+        from gpu.modelfiles import ModelConfig, derive_descriptor, write_random_model
 
         progress = self.progress
-        progress(f"[1/7] a random-weights model ({layers} layers, hidden {hidden}) and redis-server in {self.root}")
+        what = "a 3-node Redis Cluster" if self.redis_cluster else "redis-server"
+        progress(f"[1/7] a random-weights model ({layers} layers, hidden {hidden}) and {what} in {self.root}")
         heads = max(hidden // 64, 1)
         write_random_model(self.root / "model", ModelConfig(
             hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=heads,
             num_key_value_heads=max(heads // 4, 1), vocab_size=512, head_dim=64, name="kvsp-chaos"), seed=1)
-        self.redis = Redis(self.root)
+        if self.redis_cluster:
+            self.redis = await asyncio.to_thread(RedisClusterServers.start, self.root / "redis-cluster", nodes=3)
+            redis: tuple[str, ...] = ("--redis", self.redis.url, "--redis-cluster")
+        else:
+            self.redis = await asyncio.to_thread(RedisServer.start, self.root / "redis")
+            redis = ("--redis", self.redis.url)
         dev = ("--dev", "dev")
-        progress("[2/7] two IS+PC replicas on one Redis")
+        progress(f"[2/7] two IS+PC replicas on {'the Redis Cluster' if self.redis_cluster else 'one Redis'}")
         for name in REPLICAS:
-            self.start_named(name, "index", *dev, "--listen", f"127.0.0.1:{_free_port()}", "--redis",
-                             self.redis.url)
+            self.start_named(name, "index", *dev, "--listen", f"127.0.0.1:{_free_port()}", *redis)
         index_args: list[str] = []
         controller_args: list[str] = []
         for name in REPLICAS:
             index_args += ["--index", self.uris[name]]
             controller_args += ["--controller", self.uris[name]]
-        progress("[3/7] two holders (holder-a with local storage) and a relay")
+        # the holders store the instances' blocks (a source fault seeds them): the model's descriptor, as the
+        # instances derive it (checked against their ready lines below)
+        descriptor = derive_descriptor(self.root / "model", BLOCK_TOKENS)
+        self.descriptor = descriptor.to_json()
+        (self.root / "descriptor.json").write_text(json.dumps(self.descriptor))
+        progress("[3/7] two holders (holder-a with local storage) and a relay, one process each")
         (self.root / "holder-a-storage").mkdir(exist_ok=True)
-        self.start_named("holder-a", "holder", *dev, "--listen", f"127.0.0.1:{_free_port()}", *index_args,
+        one = ("--workers", "1", "--descriptor", "descriptor.json")
+        self.start_named("holder-a", "holder", *dev, "--listen", f"127.0.0.1:{_free_port()}", *index_args, *one,
                          "--local-storage", "holder-a-storage")
-        self.start_named("holder-b", "holder", *dev, "--listen", f"127.0.0.1:{_free_port()}", *index_args)
-        self.start_named("relay", "relay", *dev, "--listen", f"127.0.0.1:{_free_port()}", *index_args)
+        self.start_named("holder-b", "holder", *dev, "--listen", f"127.0.0.1:{_free_port()}", *index_args, *one)
+        ready = self.start("relay", "relay", *dev, "--listen", f"127.0.0.1:{_free_port()}", *index_args,
+                           "--workers", "1")
+        self.uris["relay"] = ready["base_uri"]
+        self.moqt["relay"] = ready["moqt"]
         progress("[4/7] three inference instances (CPU)")
         for name in INSTANCES:
-            self.start_named(name, "instance", *dev, "--listen", f"127.0.0.1:{_free_port()}", "--device", "cpu",
-                             "--model", "model", *index_args, *controller_args, "--status-ttl-ms", "1500",
-                             "--warmup-tokens", "16", "--checkpoint-tokens", "8")
+            ready = self.start(name, "instance", *dev, "--listen", f"127.0.0.1:{_free_port()}", "--device", "cpu",
+                               "--model", "model", *index_args, *controller_args, "--status-ttl-ms", "1500",
+                               "--warmup-tokens", "16", "--checkpoint-tokens", "8")
+            self.uris[name] = ready["base_uri"]
+            if ready.get("compat_id") != descriptor.compat_id.hex():
+                raise Unavailable(f"{name} serves compat_id {ready.get('compat_id')}, the holders were given "
+                                  f"{descriptor.compat_id.hex()}")
         progress("[5/7] the front end")
         self._fe = self.start("frontend", "frontend", *dev, *controller_args, "--model", "model")
         self.completions = self._fe["completions"]
@@ -97,9 +125,14 @@ class ChaosCluster(Cluster):
         elif sig == signal.SIGCONT:
             self.stopped.discard(name)
 
-    def restart(self, name: str) -> None:
-        """Start *name* again with its arguments (its port, its storage), after a fault."""
+    def restart(self, name: str, *, graceful: bool = False) -> None:
+        """Start *name* again with its arguments (its port, its storage), after a fault; *graceful*: stop it with
+        SIGTERM first (a holder or an instance withdraws its records), SIGKILL after 15 s."""
         old = self.procs[name]
+        if old.proc.poll() is None and graceful:
+            old.proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                old.proc.wait(15)
         if old.proc.poll() is None:
             old.proc.kill()
         old.proc.wait()

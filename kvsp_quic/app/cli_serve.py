@@ -225,7 +225,8 @@ def add_chaos(sub: Any) -> None:
     from kvsp_quic.app.chaos import FAULTS
 
     chaos = sub.add_parser("chaos", help="start a replicated cluster on this machine and inject faults into a workload",
-                           description="Start a redis-server, two IS+PC replicas, two holders, a relay, three CPU "
+                           description="Start a redis-server (--redis-cluster: a 3-node Redis Cluster), two IS+PC "
+                                       "replicas, two holders, a relay, three CPU "
                                        "instances and the front end on 127.0.0.1; run greedy and seeded top-p "
                                        "streams sharing a prefix without a fault (the reference), then once per "
                                        "fault; report requests completed, tokens lost/duplicated/altered, time to "
@@ -238,6 +239,8 @@ def add_chaos(sub: Any) -> None:
     chaos.add_argument("--streams", type=int, default=4, metavar="N", help="concurrent streams per run (4)")
     chaos.add_argument("--max-tokens", type=int, default=96, metavar="N", help="tokens per stream (96)")
     chaos.add_argument("--workdir", type=Path, metavar="DIR", help="keep the model, certificates and logs in DIR")
+    chaos.add_argument("--redis-cluster", action="store_true",
+                       help="the IS+PC replicas on a 3-node Redis Cluster (primaries only), not one redis-server")
     chaos.set_defaults(handler=cmd_chaos)
 
 
@@ -262,7 +265,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         raise ConfigError("--rounds >= 1, --streams >= 1, --max-tokens >= 24")
     options = ChaosOptions(faults=tuple(dict.fromkeys(args.fault or ())) or ChaosOptions().faults,
                            rounds=args.rounds, workdir=args.workdir, streams=args.streams,
-                           max_tokens=args.max_tokens)
+                           max_tokens=args.max_tokens, redis_cluster=args.redis_cluster)
     report = asyncio.run(run(options, lambda line: print(line, file=sys.stderr, flush=True)))
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 0 if report["ok"] else 1
