@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from http3.asgi_bridge import ClientDisconnected
 from http3.asgi_types import Send
 from kvsp_quic.problems import BadRequest, NotFound, Problem, TooManyRequests, Unavailable
 
@@ -125,7 +126,7 @@ def install_errors(app: Starlette) -> None:
         return response
 
     async def on_other(request: Request, exc: Exception) -> Response:
-        if isinstance(exc, ClientDisconnect):  # the client went away mid-response: nobody to answer
+        if isinstance(exc, ClientDisconnect | ClientDisconnected):  # the client went away: nobody to answer
             log.info("%s %s: the client went away", request.method, request.url.path)
             return Response(status_code=499)
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
@@ -134,4 +135,5 @@ def install_errors(app: Starlette) -> None:
     app.add_exception_handler(Problem, on_problem)
     app.add_exception_handler(HTTPException, on_http)
     app.add_exception_handler(ClientDisconnect, on_other)
+    app.add_exception_handler(ClientDisconnected, on_other)  # else the catch-all's middleware re-raises it
     app.add_exception_handler(Exception, on_other)

@@ -164,3 +164,29 @@ def test_chat_messages() -> None:
         assert info.value.param == param
     with pytest.raises(InvalidParameter, match="no chat template"):
         chat_params({"messages": [{"role": "user", "content": "x"}]}, Utf8(), LIMITS, None)
+
+
+@pytest.mark.parametrize("gone", ["starlette", "bridge"])
+async def test_a_client_gone_mid_response_is_no_error(gone: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Our ASGI bridge raises ClientDisconnected from ``send`` once the client left (starlette, ClientDisconnect from
+    ``receive``): logged as the client going away, never an ERROR with a traceback nor a 500 (kvsp-quic chaos's
+    front-end log had one per stream its client gave up on)."""
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.requests import ClientDisconnect, Request
+    from starlette.routing import Route
+
+    from http3.asgi_bridge import ClientDisconnected
+    from http3.frontend_errors import install_errors
+
+    async def endpoint(request: Request) -> None:
+        raise ClientDisconnect() if gone == "starlette" else ClientDisconnected("the response can no longer be sent")
+
+    app = Starlette(routes=[Route("/v1/completions", endpoint, methods=["POST"])])
+    install_errors(app)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        with caplog.at_level("INFO", logger="kvsp.frontend"):
+            response = await client.post("/v1/completions", json={})
+    assert response.status_code == 499
+    assert [r.levelname for r in caplog.records if r.name == "kvsp.frontend"] == ["INFO"]
+    assert "the client went away" in caplog.text
