@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from kvsp_quic.app.demo import Cluster, _free_port, _metrics, checkpointing_replica
-from kvsp_quic.app.redis_cluster import RedisClusterServers, RedisServer
+from kvsp_quic.app.demo import Cluster, _metrics, checkpointing_replica
+from kvsp_quic.app.redis_cluster import RedisClusterServers, RedisServer, free_port
 from kvsp_quic.problems import Unavailable
 
 REDIS_MISSING = ("kvsp-quic chaos: redis-server is not on PATH; the chaos suite starts its own "
@@ -69,7 +69,7 @@ class ChaosCluster(Cluster):
         dev = ("--dev", "dev")
         progress(f"[2/7] two IS+PC replicas on {'the Redis Cluster' if self.redis_cluster else 'one Redis'}")
         for name in REPLICAS:
-            self.start_named(name, "index", *dev, "--listen", f"127.0.0.1:{_free_port()}", *redis)
+            self.start_named(name, "index", *dev, "--listen", f"127.0.0.1:{free_port()}", *redis)
         index_args: list[str] = []
         controller_args: list[str] = []
         for name in REPLICAS:
@@ -83,16 +83,16 @@ class ChaosCluster(Cluster):
         progress("[3/7] two holders (holder-a with local storage) and a relay, one process each")
         (self.root / "holder-a-storage").mkdir(exist_ok=True)
         one = ("--workers", "1", "--descriptor", "descriptor.json")
-        self.start_named("holder-a", "holder", *dev, "--listen", f"127.0.0.1:{_free_port()}", *index_args, *one,
+        self.start_named("holder-a", "holder", *dev, "--listen", f"127.0.0.1:{free_port()}", *index_args, *one,
                          "--local-storage", "holder-a-storage")
-        self.start_named("holder-b", "holder", *dev, "--listen", f"127.0.0.1:{_free_port()}", *index_args, *one)
-        ready = self.start("relay", "relay", *dev, "--listen", f"127.0.0.1:{_free_port()}", *index_args,
+        self.start_named("holder-b", "holder", *dev, "--listen", f"127.0.0.1:{free_port()}", *index_args, *one)
+        ready = self.start("relay", "relay", *dev, "--listen", f"127.0.0.1:{free_port()}", *index_args,
                            "--workers", "1")
         self.uris["relay"] = ready["base_uri"]
         self.moqt["relay"] = ready["moqt"]
         progress("[4/7] three inference instances (CPU)")
         for name in INSTANCES:
-            ready = self.start(name, "instance", *dev, "--listen", f"127.0.0.1:{_free_port()}", "--device", "cpu",
+            ready = self.start(name, "instance", *dev, "--listen", f"127.0.0.1:{free_port()}", "--device", "cpu",
                                "--model", "model", *index_args, *controller_args, "--status-ttl-ms", "1500",
                                "--warmup-tokens", "16", "--checkpoint-tokens", "8")
             self.uris[name] = ready["base_uri"]

@@ -27,7 +27,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvsp_quic.app.redis_cluster import RedisServer
 from kvsp_quic.problems import Unavailable
 from kvsp_quic.roles.controller_records import SessionState, TokenLine
 
@@ -67,56 +67,6 @@ class DemoOptions:
     layers: int = 8
     hidden: int = 512
     timeout: float = 120.0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _ping(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1.0) as s:
-            s.sendall(b"*1\r\n$4\r\nPING\r\n")
-            return s.recv(64).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
-class Redis:
-    """A redis-server of its own (``redis-server`` on PATH): 127.0.0.1, a free port, no persistence."""
-
-    def __init__(self, root: Path) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise Unavailable("redis-server is not on PATH (Debian/Ubuntu: apt-get install -y redis-server)")
-        self.port = _free_port()
-        log = root / "redis.log"
-        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(root), "--logfile", str(log),
-                                      "--protected-mode", "no"],
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 15
-        while not _ping(self.port):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise Unavailable(f"redis-server did not start (log: {log})")
-            time.sleep(0.02)
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @dataclass
@@ -317,7 +267,7 @@ async def run(options: DemoOptions, progress: Callable[[str], None]) -> dict[str
     root.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(root, progress)
     steps = 8
-    redis: Redis | None = None
+    redis: RedisServer | None = None
     try:
         progress(f"[1/{steps}] writing a random-weights model ({options.layers} layers, hidden {options.hidden}) "
                  f"in {root}")
@@ -331,7 +281,7 @@ async def run(options: DemoOptions, progress: Callable[[str], None]) -> dict[str
         if shutil.which("redis-server") is not None:
             progress(f"[2/{steps}] starting the Index Service with the Placement Controller: two replicas on a "
                      "redis-server of its own")
-            redis = Redis(root)
+            redis = RedisServer.start(root)
             for name in ("index-a", "index-b"):
                 replicas[name] = cluster.start(name, "index", *dev, "--redis", redis.url)["base_uri"]
         else:
