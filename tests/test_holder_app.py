@@ -317,9 +317,13 @@ async def test_publisher_publishes_refreshes_retries_and_withdraws(certs: TestPk
         await index.wait_for(3)  # the refresh, a third of the TTL later
         assert index.calls[2][:2] == ("PUT", path)
         holder.store(principal, d.compat_id, bytes.fromhex(SCOPE), bytes.fromhex(key(2)), body(d, 2), "*")
-        await index.wait_for(5)  # 1 evicted (withdrawn), 2 published, in either order
-        assert sorted((m, p.rsplit("/", 1)[1]) for m, p, _, _ in index.calls[3:5]) == [
-            ("DELETE", key(1)), ("PUT", key(2))]
+        # 1 evicted (withdrawn), 2 published, in either order (on a loaded machine a refresh may come between)
+        wanted = {("DELETE", key(1)), ("PUT", key(2))}
+        while not wanted <= {(m, p.rsplit("/", 1)[1]) for m, p, _, _ in index.calls[3:]}:
+            assert len(index.calls) < 12, index.calls[3:]
+            await index.wait_for(len(index.calls) + 1)
+        seen = [(m, p.rsplit("/", 1)[1]) for m, p, _, _ in index.calls]
+        assert ("PUT", key(1)) not in seen[seen.index(("DELETE", key(1))):]  # never published again once withdrawn
         await publisher.stop(withdraw=True)
         assert index.calls[-1][:2] == ("DELETE", f"/is/replicas/{uri_id(HOLDER_URI)}/{key(2)}")
         assert len(holder.outbox) == 0 and not publisher.running
