@@ -41,6 +41,7 @@ from quic.rtt import (
 from quic.tls import TlsFiles, TransportSettings
 from tests.helpers import Clock, Process
 from tests.test_cluster import DESCRIPTOR, KEYER, block, block_url
+from tests.test_dead_sources import cluster  # noqa: F401  (the fixture, by name)
 
 # -- the formulas -----------------------------------------------------------------------------------------------
 
@@ -126,26 +127,6 @@ def test_tcp_info_rtt() -> None:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """``kvsp-quic index`` and two holders (one process each: SIGSTOP freezes all of a holder)."""
-    dev = tmp_path / "dev"
-    procs: list[Process] = []
-    try:
-        procs.append(Process("index", "--dev", str(dev)))
-        index = procs[0].ready["base_uri"]
-        for _ in range(2):
-            procs.append(Process("holder", "--dev", str(dev), "--index", index, "--replica-ttl-ms", "60000",
-                                 "--workers", "1"))
-        yield {"index": procs[0].ready, "holders": [p.ready for p in procs[1:]], "procs": procs}
-    finally:
-        for proc in reversed(procs):
-            if proc.proc.poll() is None:
-                proc.proc.send_signal(signal.SIGCONT)
-            err = proc.stop()
-            assert "Traceback" not in err, err
-
-
-@pytest.fixture
 def black_hole() -> Iterator[int]:
     """A port on 127.0.0.1 where a UDP socket is bound that never reads (datagrams are dropped, no ICMP comes
     back) and a TCP socket listens that never accepts (nobody answers the TLS ClientHello)."""
@@ -205,7 +186,7 @@ def replica(match: LookupMatch, holder: str) -> ReplicaRecord:
 
 
 @pytest.mark.parametrize("kind", ["moqt", "https"])
-async def test_a_black_hole_replica_costs_one_scaled_connect_timeout(cluster: dict[str, Any], black_hole: int,
+async def test_a_black_hole_replica_costs_one_scaled_connect_timeout(cluster: dict[str, Any], black_hole: int,  # noqa: F811
                                                                    kind: str) -> None:
     """The first replica of a block is at a port that answers nothing: the fetcher gives up on it after the
     connect timeout scaled from the RTT it measured to 127.0.0.1 (1 s, the floor) -- HTTP/3, then HTTP/1.1 over
@@ -242,7 +223,7 @@ async def test_a_black_hole_replica_costs_one_scaled_connect_timeout(cluster: di
         assert elapsed >= 0.9 * (1.0 if kind == "moqt" else 2.0)  # it did wait for the black hole
 
 
-async def test_a_holder_frozen_mid_body_costs_one_scaled_stall_timeout(cluster: dict[str, Any]) -> None:
+async def test_a_holder_frozen_mid_body_costs_one_scaled_stall_timeout(cluster: dict[str, Any]) -> None:  # noqa: F811
     """A holder stopped with SIGSTOP while it sends a block over HTTP/3 (our receive window is small, so most of
     the block is still at the holder): no octet arrives any more, no ICMP either; the fetcher gives up after the
     stall timeout scaled from the RTT (1 s, the floor, and the block's transfer time at 50 MB/s) and asks the other

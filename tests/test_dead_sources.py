@@ -43,6 +43,8 @@ class Prefer:
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """``kvsp-quic index`` and two holders, one process each (SIGKILL kills, SIGSTOP freezes, all of a holder);
+    tests/test_connect_timeouts.py uses it too."""
     dev = tmp_path / "dev"
     procs: list[Process] = []
     try:
@@ -50,10 +52,12 @@ def cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
         index = procs[0].ready["base_uri"]
         for _ in range(2):
             procs.append(Process("holder", "--dev", str(dev), "--index", index, "--replica-ttl-ms", "60000",
-                                 "--workers", "1"))  # one process: SIGKILL kills all of it
+                                 "--workers", "1"))
         yield {"index": procs[0].ready, "holders": [p.ready for p in procs[1:]], "procs": procs}
     finally:
         for proc in reversed(procs):
+            if proc.proc.poll() is None:
+                proc.proc.send_signal(signal.SIGCONT)  # a frozen one must hear the stop
             err = proc.stop()
             assert "Traceback" not in err, err
 
