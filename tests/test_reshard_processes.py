@@ -15,6 +15,7 @@ import asyncio
 import json
 import re
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,27 @@ async def put_map(client: KvspClient, pc: str, body: dict[str, Any]) -> tuple[in
     return r.status, r.json()
 
 
+async def map_with_context(client: KvspClient, pc: str, keyer: BlockKeyer, keys: Sequence[bytes],
+                           instances: list[Process]) -> tuple[str, str]:
+    """A completion of PROMPT through *pc* (the instance x that runs it computes the context and publishes its
+    blocks), then map "ctx1" v0 registered at *pc* with its context, all of it at x: (x, the other instance y)."""
+    frontend = Frontend(client, pc, keyer, Bytes(), "tiny", vocab_size=256)
+    run = Completion(frontend, list(PROMPT), 2, SamplingRequest.from_openai(0.0, None, None, 7))
+    await run.place()
+    async for _ in run.tokens():
+        pass
+    x = run.instance  # computed the context: holds its blocks
+    assert x is not None
+    y = next(p.ready["base_uri"] for p in instances if p.ready["base_uri"] != x)
+    await published_at(KvspApi(client), pc, keyer, keys, x)
+    context = {"compat_id": keyer.compat_id.hex(), "scope_id": keyer.scope_id.hex(),
+               "block_keys": [k.hex() for k in keys]}
+    status, answer = await put_map(client, pc, {"map": "ctx1", "version": 0, "context": context,
+                                                "shards": [{"tokens": [0, 24], "instance": x}]})
+    assert status == 201 and answer["outcome"] == "registered", answer
+    return x, y
+
+
 async def test_a_reshard_that_fetches_commits_and_retained_ranges_move_nothing(tmp_path: Path,
                                                                                procs: list[Process]) -> None:
     model = tiny_model(tmp_path)
@@ -85,19 +107,7 @@ async def test_a_reshard_that_fetches_commits_and_retained_ranges_move_nothing(t
     async with KvspClient(files_of(pc.ready), timeout=20) as client:
         await active(client, uri, instances)
         api = KvspApi(client)
-        frontend = Frontend(client, uri, keyer, Bytes(), "tiny", vocab_size=256)
-        run = Completion(frontend, list(PROMPT), 2, SamplingRequest.from_openai(0.0, None, None, 7))
-        await run.place()
-        async for _ in run.tokens():
-            pass
-        x = run.instance  # computed the context: holds its blocks
-        y = next(p.ready["base_uri"] for p in instances if p.ready["base_uri"] != x)
-        await published_at(api, uri, keyer, keys, x)
-        context = {"compat_id": keyer.compat_id.hex(), "scope_id": keyer.scope_id.hex(),
-                   "block_keys": [k.hex() for k in keys]}
-        status, answer = await put_map(client, uri, {"map": "ctx1", "version": 0, "context": context,
-                                                      "shards": [{"tokens": [0, 24], "instance": x}]})
-        assert status == 201 and answer["outcome"] == "registered", answer
+        x, y = await map_with_context(client, uri, keyer, keys, instances)
         before = {i: await fetched(client, i) for i in (x, y)}
 
         # v0 -> v1: x keeps [0, 12) in place, y fetches [12, 24) from x

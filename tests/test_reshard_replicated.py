@@ -18,12 +18,10 @@ import pytest
 
 from http3.api import KvspApi
 from http3.client import KvspClient
-from http3.frontend_session import Completion, Frontend
-from kvsp_quic.frontend import SamplingRequest
 from tests.helpers import Process
 from tests.redis_server import REDIS_SERVER, SKIP_REASON
-from tests.test_fast_migration import Bytes, active, files_of, keyer_of, start_instances, tiny_model
-from tests.test_reshard_processes import PROMPT, B, block_at, fetched, published_at, put_map
+from tests.test_fast_migration import active, files_of, keyer_of, start_instances, tiny_model
+from tests.test_reshard_processes import PROMPT, B, block_at, fetched, map_with_context, published_at, put_map
 
 pytest.importorskip("torch", reason="the gpu extra (torch) is not installed")
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason=SKIP_REASON)
@@ -45,21 +43,7 @@ async def test_a_reshard_at_one_replica_sends_the_context_given_to_another(tmp_p
         await active(client, a, instances)
         await active(client, b, instances)
         api = KvspApi(client)
-        frontend = Frontend(client, a, keyer, Bytes(), "tiny", vocab_size=256)
-        run = Completion(frontend, list(PROMPT), 2, SamplingRequest.from_openai(0.0, None, None, 7))
-        await run.place()
-        async for _ in run.tokens():
-            pass
-        x = run.instance  # computed the context: holds its blocks
-        y = next(p.ready["base_uri"] for p in instances if p.ready["base_uri"] != x)
-        await published_at(api, a, keyer, keys, x)
-
-        # the map and its context, given to replica A
-        context = {"compat_id": keyer.compat_id.hex(), "scope_id": keyer.scope_id.hex(),
-                   "block_keys": [k.hex() for k in keys]}
-        status, answer = await put_map(client, a, {"map": "ctx1", "version": 0, "context": context,
-                                                    "shards": [{"tokens": [0, 24], "instance": x}]})
-        assert status == 201 and answer["outcome"] == "registered", answer
+        x, y = await map_with_context(client, a, keyer, keys, instances)  # the map and its context, at replica A
         assert (await client.request("GET", f"{b}maps/ctx1")).json()["version"] == 0
         before = {i: await fetched(client, i) for i in (x, y)}
 
