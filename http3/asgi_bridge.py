@@ -29,7 +29,7 @@ from http import HTTPStatus
 from typing import Any, Protocol
 from urllib.parse import unquote
 
-from http3.asgi_types import ASGIApp, Message, Scope
+from http3.asgi_types import ASGIApp, BufferSink, Message, Scope, copy_into
 from quic.tls import TransportSettings
 
 log = logging.getLogger("http3.asgi")
@@ -139,6 +139,12 @@ class RequestBody:
 
     ``feed(data, credit)``: *credit* is what the transport must release when the app takes the chunk (the
     flow-controlled length in HTTP/2, which counts padding; the length of the data otherwise).
+
+    Besides ``receive()``, an app may take the rest of the body with :meth:`receive_into` (the ASGI extension
+    ``kvsp.receive_into`` of every request's scope): the octets go straight to a :class:`~http3.asgi_types.
+    BufferSink` as they arrive -- copied once by :meth:`feed`, or, where the transport reads into the sink's own
+    buffer (HTTP/1.1: TLS decrypts into it, :meth:`sink_buffer` / :meth:`sink_updated`), not copied at all --
+    with no chunk queued and no task switch per chunk. The holder receives block uploads this way.
     """
 
     def __init__(self, ctx: AsgiContext, on_consumed: Callable[[int], None] | None = None,
@@ -153,6 +159,9 @@ class RequestBody:
         self.complete = False  # the peer sent the whole body
         self.disconnected = False
         self._final_sent = False
+        self.sink: BufferSink | None = None  # receive_into(): where body octets go as they arrive
+        self._sunk = 0  # octets delivered to the sink
+        self._sink_error: BaseException | None = None  # what the sink raised (the app's receive_into raises it)
 
     def feed(self, data: Buffer, credit: int | None = None) -> None:
         if self.disconnected or self.complete:
@@ -162,6 +171,14 @@ class RequestBody:
         n = len(data)
         self.received += n
         if not n and not credit:
+            return
+        if self.sink is not None:
+            try:
+                self._sunk += copy_into(self.sink, data)
+            except Exception as exc:  # the sink refuses the body (e.g. a malformed container)
+                self._sink_failed(exc)
+            if credit and self._on_consumed:
+                self._on_consumed(credit)
             return
         self._chunks.append((data, n if credit is None else credit))
         self.buffered += n
@@ -173,11 +190,75 @@ class RequestBody:
         self.complete = True
         self._wake()
 
+    # -- receive_into: the body straight into a sink ------------------------------------------------------------
+
+    async def receive_into(self, sink: BufferSink) -> int | None:
+        """Deliver the rest of the body to *sink* as it arrives; the octets delivered, or None when the peer went
+        away first. An exception of the sink propagates here (the rest of the body is then dropped by the
+        exchange's end, as for an app that stops reading). After it, ``receive()`` gives one empty final body
+        message, as at the end of any body."""
+        n = 0
+        while self._chunks:  # what arrived before the app asked
+            data, credit = self._chunks.popleft()
+            self.buffered -= len(data)
+            if credit and self._on_consumed:
+                self._on_consumed(credit)
+            n += copy_into(sink, data)
+        self.buffered = 0
+        self.sink, self._sunk, self._sink_error = sink, 0, None
+        try:
+            while not (self.complete or self.disconnected or self._sink_error is not None):
+                if self._on_wait is not None:
+                    self._on_wait()
+                self._waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+        finally:
+            self.sink = None
+            n += self._sunk
+        if self._sink_error is not None:
+            raise self._sink_error
+        return n if self.complete else None
+
+    def sink_buffer(self, limit: int) -> memoryview | None:
+        """For a transport that reads into the sink itself: where up to *limit* next octets go, or None when there
+        is no sink (or it just failed) and the transport reads as usual."""
+        sink = self.sink
+        if sink is None:
+            return None
+        try:
+            view = sink.get_buffer(limit)
+        except Exception as exc:
+            self._sink_failed(exc)
+            return None
+        return view[:limit] if len(view) > limit else view
+
+    def sink_updated(self, nbytes: int) -> None:
+        """*nbytes* octets landed in the view :meth:`sink_buffer` returned."""
+        self.received += nbytes
+        sink = self.sink
+        if sink is None:  # the app stopped (or failed) in between: the octets are dropped
+            return
+        try:
+            sink.buffer_updated(nbytes)
+        except Exception as exc:
+            self._sink_failed(exc)
+            return
+        self._sunk += nbytes
+
+    def _sink_failed(self, exc: BaseException) -> None:
+        self._sink_error = exc
+        self.sink = None
+        self._wake()
+
     def disconnect(self) -> None:
         """The peer went away, the stream was reset, or the exchange is over: receive() says http.disconnect."""
         if self.disconnected:
             return
         self.disconnected = True
+        self.sink = None
         credit = sum(c for _, c in self._chunks)
         self._chunks.clear()
         self.buffered = 0
@@ -251,6 +332,7 @@ class Exchange:
         self.body = body
         self.sink = sink
         self.head = scope["method"] == "HEAD"
+        scope["extensions"]["kvsp.receive_into"] = body.receive_into
         self._status: int | None = None
         self._headers: Headers = []
         self.head_sent = False  # something of the response went on the wire

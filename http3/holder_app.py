@@ -48,6 +48,7 @@ ServedHolder = Holder | HolderWorker  # the holder, or one of its worker process
 
 MAX_JSON_BYTES = 64 << 10
 _COALESCE = 64 << 10  # sections smaller than this are sent together
+_PIECE = 1 << 20  # a container served whole goes out in views of this many octets (the TCP path's FLUSH_AT)
 
 _READERS = (Role.CLIENT, Role.INSTANCE, Role.HOLDER)
 _PRODUCERS = (Role.INSTANCE, Role.HOLDER)
@@ -91,14 +92,17 @@ async def serve_block_get(holder: ServedHolder, principal: Principal, path: tupl
     return fetched.size
 
 
-async def serve_block_put(holder: ServedHolder, principal: Principal, path: tuple[str, str, str],
-                          headers: list[tuple[bytes, bytes]], receive: Receive, send: Send,
-                          query_string: bytes = b"") -> tuple[int, int]:
+async def serve_block_put(holder: ServedHolder, principal: Principal, path: tuple[str, str, str], scope: Scope,
+                          receive: Receive, send: Send) -> tuple[int, int]:
     """``PUT blocks/{compat}/{scope}/{block_key}[?layers=a-b][&chain=<hex32>&position=<i>]``: the body fed chunk by
     chunk into the holder's incremental decoder; 201 with the Replica Record. Returns (octets received, octets
     sent); (n, 0) when the client left. The container may hold a layer range of the block (its header names it;
     ``layers``, optional, must then name the same range). ``chain`` and ``position`` declare where the block sits
-    in its token sequence (K[0] and i), for prefix-aware eviction (docs/wire.md, "Holder")."""
+    in its token sequence (K[0] and i), for prefix-aware eviction (docs/wire.md, "Holder"). Where the server offers
+    ``kvsp.receive_into`` (ours does, on every transport), the body goes straight into the replica's buffer as it
+    arrives (over HTTP/1.1 TLS decrypts into it), with no chunk queued or copied on the way."""
+    headers: list[tuple[bytes, bytes]] = scope["headers"]
+    query_string: bytes = scope.get("query_string", b"")
     compat, scope_id, key = _block_ids(path)
     position = layers = None
     if query_string:
@@ -121,17 +125,30 @@ async def serve_block_put(holder: ServedHolder, principal: Principal, path: tupl
     upload = holder.begin_store(principal, compat, scope_id, key, if_none_match)
     upload.position = position
     upload.layers = layers
+    receive_into = scope.get("extensions", {}).get("kvsp.receive_into")
     received = 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return received, 0  # the client left: nothing to answer, the partial upload is dropped
-        body = message.get("body", b"")
-        if body:
-            received += len(body)
-            upload.feed(body)
-        if not message.get("more_body", False):
-            break
+    if receive_into is not None:
+        try:
+            got = await receive_into(upload)
+        except BaseException:
+            upload.abort()
+            raise
+        if got is None:
+            upload.abort()
+            return upload.received, 0  # the client left: nothing to answer, the partial upload is dropped
+        received = got
+    else:
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                upload.abort()
+                return received, 0  # the client left: nothing to answer, the partial upload is dropped
+            body = message.get("body", b"")
+            if body:
+                received += len(body)
+                upload.feed(body)
+            if not message.get("more_body", False):
+                break
     record = upload.finish()
     out = json.dumps(record.to_json(), separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     await send({"type": "http.response.start", "status": 201,
@@ -151,8 +168,7 @@ class _BlockEndpoint:
         p = scope["path_params"]
         path = (p["compat"], p["scope"], p["block_key"])
         if scope["method"] == "PUT":
-            await serve_block_put(self.holder, principal_of(scope), path, scope["headers"], receive, send,
-                                  scope["query_string"])
+            await serve_block_put(self.holder, principal_of(scope), path, scope, receive, send)
         else:
             await serve_block_get(self.holder, principal_of(scope), path, scope["query_string"], scope["method"],
                                   send)
@@ -233,8 +249,7 @@ class BlockHotPath:
                                             tracking_send)
                 self._count(scope, "out", out)
             else:
-                received, out = await serve_block_put(self.holder, principal, block, scope["headers"], receive,
-                                                      tracking_send, scope.get("query_string", b""))
+                received, out = await serve_block_put(self.holder, principal, block, scope, receive, tracking_send)
                 self._count(scope, "in", received)
                 self._count(scope, "out", out)
         except Problem as problem:
@@ -268,7 +283,16 @@ class BlockHotPath:
 
 
 async def _send_sections(fetched: Fetched, send: Send) -> None:
-    """The container's header and section views as body messages; sections under :data:`_COALESCE` together."""
+    """The container as body messages: a container served whole in views of up to :data:`_PIECE` octets of the
+    stored buffer (nothing copied; one message for a block up to 1 MiB); a layer range as its header and section
+    views, sections under :data:`_COALESCE` together."""
+    whole = fetched.container.whole
+    if whole is not None:
+        end = len(whole)
+        for start in range(0, end, _PIECE):
+            await send({"type": "http.response.body", "body": whole[start:start + _PIECE],
+                        "more_body": start + _PIECE < end})
+        return
     small = bytearray()
     for chunk in fetched.container.chunks():
         if len(chunk) < _COALESCE:

@@ -16,7 +16,9 @@ first octet is in, must be complete within ``settings.header_timeout`` (a slowlo
 every few seconds is closed then); a stalled request body is cut after ``idle_timeout`` without an octet.
 Memory: between requests and while a head is read, reads go into a :data:`HEAD_READ_SIZE` buffer; the
 :data:`READ_SIZE` one is allocated when a connection first receives a request body (an idle or slow connection
-holds 16 KiB, not 256 KiB).
+holds 16 KiB, not 256 KiB). An app that takes a Content-Length body with ``kvsp.receive_into``
+(:meth:`http3.asgi_bridge.RequestBody.receive_into`) gets it decrypted straight into its own buffer: TLS writes
+into the sink's view and no octet is copied on the way (the holder's block uploads).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class H1Connection(WriteFlow, asyncio.BufferedProtocol):
         self._head_view = memoryview(bytearray(HEAD_READ_SIZE))
         self._body_view: memoryview | None = None  # READ_SIZE octets, allocated for the first request body
         self._rx_view = self._head_view  # the buffer get_buffer() handed out last
+        self._rx_direct = False  # ... or it handed out a view of the body sink's buffer (RequestBody.sink_buffer)
         self._head_begun = False  # octets of a request head are in: the header deadline runs
         self._out: list[Buffer] = []  # response octets corked until the response ends, FLUSH_AT, or the next turn
         self._out_size = 0
@@ -89,6 +92,12 @@ class H1Connection(WriteFlow, asyncio.BufferedProtocol):
         exchange = self.exchange
         if self._body_left is None and (exchange is None or exchange.body.complete):
             self._rx_view = self._head_view
+        elif self._body_left and exchange is not None and exchange.body.sink is not None:
+            direct = exchange.body.sink_buffer(self._body_left)  # the app takes the body into its own buffer
+            if direct is not None and len(direct):
+                self._rx_direct = True
+                return direct
+            return self.get_buffer(sizehint)  # the sink just failed: read as usual
         else:
             if self._body_view is None:
                 self._body_view = memoryview(bytearray(READ_SIZE))
@@ -96,7 +105,11 @@ class H1Connection(WriteFlow, asyncio.BufferedProtocol):
         return self._rx_view
 
     def buffer_updated(self, nbytes: int) -> None:
-        self.data_received(bytes(self._rx_view[:nbytes]))
+        if self._rx_direct:
+            self._rx_direct = False
+            self._direct_received(nbytes)
+        else:
+            self.data_received(bytes(self._rx_view[:nbytes]))
 
     def data_received(self, data: bytes) -> None:
         self._last_rx = self.loop.time()
@@ -221,6 +234,24 @@ class H1Connection(WriteFlow, asyncio.BufferedProtocol):
         if data:
             self._body_left = left = left - len(data)
             self._chunk_received(data)
+        if left == 0:
+            self._body_left = None
+            self._body_complete()
+        self._update_reading()
+
+    def _direct_received(self, nbytes: int) -> None:
+        """*nbytes* octets of a Content-Length body were decrypted straight into the app's sink (never more than
+        the body's rest: :meth:`get_buffer` bounds the view)."""
+        self._last_rx = self.loop.time()
+        left = self._body_left
+        exchange = self.exchange
+        assert left is not None and nbytes <= left and exchange is not None
+        self._continue_wanted = False
+        self._body_left = left = left - nbytes
+        exchange.body.sink_updated(nbytes)
+        if exchange.body.received > self.settings.max_body_bytes and not exchange.rejected:
+            self._must_close = True
+            self._track(exchange.reject(413, "Content Too Large"))
         if left == 0:
             self._body_left = None
             self._body_complete()

@@ -224,12 +224,15 @@ def parse_header(buf: Any) -> ContainerHeader:
 
 @dataclass(frozen=True)
 class EncodedContainer:
-    """A container as its header octets plus views of its sections, K0, V0, K1, V1, ... (nothing copied)."""
+    """A container as its header octets plus views of its sections, K0, V0, K1, V1, ... (nothing copied).
+    *whole*, when set, is the same octets as one contiguous view (a stored container served whole, :func:`cut`):
+    a writer sends it in a few large writes instead of one per section."""
 
     header: ContainerHeader
     header_bytes: bytes
     sections: tuple[memoryview, ...]
     layer_digests: tuple[bytes, ...] | None = None
+    whole: memoryview | None = None
 
     def __len__(self) -> int:
         return self.header.total_length
@@ -409,7 +412,11 @@ def cut(data: Any, first: int, last: int, *, layer_digests: Sequence[bytes] | No
                           lengths=header.lengths[lo:hi])
     body = view[header.size + offsets[lo]:header.size + offsets[hi]]
     digests = tuple(layer_digests[first:last + 1]) if layer_digests is not None else None
-    return EncodedContainer(new, new.pack(), tuple(_split(new.lengths, body)), digests)
+    packed = new.pack()
+    whole = None
+    if lo == 0 and hi == header.layer_count and view[:header.size] == packed:  # all of it, as stored
+        whole = view[:header.size + offsets[hi]]
+    return EncodedContainer(new, packed, tuple(_split(new.lengths, body)), digests, whole)
 
 
 # -- Verification ----------------------------------------------------------------------------------------------

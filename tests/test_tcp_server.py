@@ -88,6 +88,24 @@ class App:
                         "headers": [(b"content-length", str(n * MiB).encode())]})
             for i in range(n):
                 await send({"type": "http.response.body", "body": BLOCK, "more_body": i < n - 1})
+        elif path == "/into":  # the body straight into the app's buffer (kvsp.receive_into)
+            query = scope["query_string"].decode()
+            sink = _Into(int(dict(scope["headers"])[b"content-length"]),
+                         int(query.partition("=")[2]) if query.startswith("fail=") else None)
+            self.started.set()
+            try:
+                n = await scope["extensions"]["kvsp.receive_into"](sink)
+            except ValueError as exc:
+                await self.reply(send, 400, str(exc).encode())
+                return
+            if n is None:
+                self.received.append({"type": "into: the client left", "more_body": None})
+                self.release.set()
+                return
+            after = await receive()  # the body is over for receive() too
+            self.received.append({"type": after["type"], "more_body": after.get("more_body")})
+            digest = hashlib.sha256(sink.view[:sink.filled]).hexdigest()
+            await self.reply(send, 200, f"{n} {sink.filled} {digest}".encode())
         elif path == "/raise":
             raise RuntimeError("boom (expected by the test)")
         elif path == "/raise-late":
@@ -116,6 +134,23 @@ class App:
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"text/plain"), *(headers or [])]})
         await send({"type": "http.response.body", "body": body})
+
+
+class _Into:
+    """A BufferSink: one buffer of the declared size; raises ValueError once *fail_at* octets are in."""
+
+    def __init__(self, size: int, fail_at: int | None) -> None:
+        self.view = memoryview(bytearray(size))
+        self.filled = 0
+        self.fail_at = fail_at
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.view[self.filled:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.filled += nbytes
+        if self.fail_at is not None and self.filled >= self.fail_at:
+            raise ValueError(f"refused at {self.filled}")
 
 
 @contextlib.asynccontextmanager
@@ -256,6 +291,55 @@ async def test_64_mib_up_and_down_with_bounded_server_memory(pki: TestPki, proto
     assert server.ctx.peak_body_buffered <= 3 * MiB, server.ctx.peak_body_buffered
     assert up_peak < 16 * MiB and down_peak < 16 * MiB, (up_peak, down_peak)
     assert len(app.received) > 16  # the body arrived in many pieces
+
+
+@pytest.mark.parametrize("proto", PROTOCOLS)
+async def test_receive_into_takes_the_body_into_the_apps_buffer(pki: TestPki, proto: str) -> None:
+    # kvsp.receive_into: the body lands in the app's own buffer (over HTTP/1.1 TLS decrypts into it), receive()
+    # then says the body is over, and the connection goes on with the next request
+    n = 9
+    app = App()
+    async with serving(pki, app) as server, client(pki, proto) as c:
+        r = await c.put(url(server, "/into"), content=_blocks(n), headers={"content-length": str(n * MiB)})
+        again = await c.put(url(server, "/into"), content=BLOCK[:1000])
+        after = await c.get(url(server, "/"))
+    assert r.status_code == 200 and r.text == f"{n * MiB} {n * MiB} {_expected(n)}"
+    assert again.status_code == 200 and again.text == f"1000 1000 {hashlib.sha256(BLOCK[:1000]).hexdigest()}"
+    assert after.status_code == 200
+    assert [m for m in app.received] == [{"type": "http.request", "more_body": False}] * 2
+    assert server.ctx.peak_body_buffered <= 2 * MiB  # nothing queued beyond what came before the app asked
+
+
+@pytest.mark.parametrize("proto", PROTOCOLS)
+async def test_receive_into_a_sink_that_refuses(pki: TestPki, proto: str) -> None:
+    app = App()
+    async with serving(pki, app) as server, client(pki, proto) as c:
+        refused = await c.put(url(server, "/into?fail=3145728"), content=_blocks(6),
+                              headers={"content-length": str(6 * MiB)})
+        ok = await c.put(url(server, "/into"), content=BLOCK)
+    assert refused.status_code == 400 and refused.text.startswith("refused at ")
+    assert int(refused.text.split()[-1]) >= 3 * MiB
+    assert ok.status_code == 200 and ok.text.startswith(f"{MiB} {MiB} ")
+
+
+@pytest.mark.parametrize("proto", PROTOCOLS)
+async def test_receive_into_says_when_the_client_left(pki: TestPki, proto: str) -> None:
+    app = App()
+    async with serving(pki, app) as server, client(pki, proto) as c:
+        async def upload() -> AsyncIterator[bytes]:
+            yield BLOCK
+            await asyncio.Event().wait()  # never finishes
+
+        task = asyncio.create_task(c.put(url(server, "/into"), content=upload(),
+                                         headers={"content-length": str(4 * MiB)}))
+        await asyncio.wait_for(app.started.wait(), 5)
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await c.aclose()
+        await asyncio.wait_for(app.release.wait(), 5)
+    assert app.received[-1]["type"] == "into: the client left"
 
 
 @pytest.mark.parametrize("proto", PROTOCOLS)

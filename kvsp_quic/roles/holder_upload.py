@@ -57,6 +57,7 @@ class BlockUpload:
                                          max_data=holder.settings.max_block_bytes - FIXED_HEADER.size
                                          - ENTRY.size * descriptor.layers)
         self.received = 0
+        self._view = memoryview(b"")  # the view get_buffer() handed out last
 
     def _allocate(self, size: int) -> memoryview:
         # the decoder has the whole header (checked against the descriptor: the layers are within its layers and
@@ -78,6 +79,27 @@ class BlockUpload:
             if len(self._prefix) < FIXED_HEADER.size:
                 self._prefix += memoryview(data).cast("B")[:FIXED_HEADER.size - len(self._prefix)]
             self._decoder.feed(data)
+        except BaseException:
+            self.abort()
+            raise
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        """Where the next body octets go (the ``BufferSink`` shape): the container header's room while it is
+        read, then the replica's own buffer -- a transport that reads into it copies nothing."""
+        try:
+            self._view = self._decoder.get_buffer(sizehint)
+        except BaseException:
+            self.abort()
+            raise
+        return self._view
+
+    def buffer_updated(self, nbytes: int) -> None:
+        """*nbytes* octets landed in the view :meth:`get_buffer` returned; raises as :meth:`feed` does."""
+        self.received += nbytes
+        try:
+            if len(self._prefix) < FIXED_HEADER.size:
+                self._prefix += self._view[:min(nbytes, FIXED_HEADER.size - len(self._prefix))]
+            self._decoder.buffer_updated(nbytes)
         except BaseException:
             self.abort()
             raise
