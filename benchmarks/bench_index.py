@@ -7,7 +7,9 @@
 * lookup of 8192 keys in-process (memory store, every key a hit), against a plain ``dict.get`` loop over the
   same keys: the chain walk alone, then with the matches rebuilt as ReplicaRecords, then the role's whole
   lookup, then with the JSON body written from those records (``http3.index_app.lookup_body``), then that body
-  written by the store without building records (``IndexService.lookup_json``, what the HTTP edge sends);
+  written by the store without building records (``IndexService.lookup_json``, what the HTTP edge sends); the
+  role lookup and the store's JSON again from a store without a recent table (what a first lookup of entries
+  costs), and the role lookup with the collector's passes not deferred;
 * publish rate in-process (the role's checks + the memory store), against plain dict inserts of the same records;
 * memory of 1M records (RSS growth of a fresh process), with 32 layer digests and without, against the floor
   (the octets the records hold, packed) and against keeping the parsed ReplicaRecords in a dict;
@@ -43,6 +45,7 @@ from kvsp_quic.compat import InstanceState
 from kvsp_quic.fields import BlockKey, CompatId, ScopeId
 from kvsp_quic.records import InstanceStatusRecord, Link, LookupRequest, ReplicaRecord, ResidencyEntry
 from kvsp_quic.roles.index import Geometry, IndexConfig, IndexService
+from kvsp_quic.storage import index_store
 from kvsp_quic.storage.index_store import pack_body
 from kvsp_quic.storage.memory_index import MemoryIndexStore
 
@@ -133,6 +136,26 @@ def _bench_lookup(reps: int, digests: bool) -> list[Row]:
         matched, _ = LOOP.run_until_complete(service.lookup_json(principal, request))
         assert matched == N_KEYS
 
+    # the same entries in a store without a recent table: every lookup decodes what the entries hold, as the first
+    # lookup of entries does (MemoryIndexStore's docstring)
+    cold_store = MemoryIndexStore(recent=0)
+    for r in records:
+        cold_store.put_sync(r, 0.0)
+    cold = IndexService(cold_store, clock=lambda: 1.0, config=service.config)
+
+    def role_cold() -> None:
+        assert LOOP.run_until_complete(cold.lookup(principal, request)).matched == N_KEYS
+
+    def rendered_cold() -> None:
+        assert LOOP.run_until_complete(cold.lookup_json(principal, request))[0] == N_KEYS
+
+    def role_collecting() -> None:  # the cyclic collector's passes not deferred (index_store.collections_deferred)
+        index_store.DEFER_COLLECTIONS = False
+        try:
+            role()
+        finally:
+            index_store.DEFER_COLLECTIONS = True
+
     body = lookup_body(LOOP.run_until_complete(service.lookup(principal, request)))
     for name, fn, n in (("chain walk (no decoding)", chain, reps),
                         ("+ matches rebuilt as ReplicaRecords", materialized, max(3, reps // 4)),
@@ -140,7 +163,11 @@ def _bench_lookup(reps: int, digests: bool) -> list[Row]:
                         ("role lookup with one target (estimates)", with_targets, max(3, reps // 4)),
                         (f"role lookup + JSON body ({len(body) / 1e6:.1f} MB)", with_json, max(3, reps // 8)),
                         ("the JSON body straight from the store (IndexService.lookup_json: what the HTTP edge "
-                         "sends)", rendered, max(3, reps // 4))):
+                         "sends)", rendered, max(3, reps // 4)),
+                        ("role lookup, entries not looked up before (no recent table)", role_cold, max(3, reps // 4)),
+                        ("role lookup, collector passes not deferred", role_collecting, max(3, reps // 4)),
+                        ("the JSON body straight from the store, entries not looked up before (no recent table)",
+                         rendered_cold, max(3, reps // 4))):
         ours, base = compare(fn, baseline, n)
         rows.append((f"lookup {N_KEYS} keys in-process, all hit, {label}: {name}", ms(ours),
                      f"{ms(base)} (dict.get loop)", base / ours))

@@ -106,6 +106,7 @@ def test_missing_file_and_build(tmp_path: Path) -> None:
     (IndexFile, {"controller": {"tick_ms": 0}}, "controller.tick_ms: must be positive"),
     (IndexFile, {"controller": {"sleep_max_kv_utilization": 2}}, "controller.sleep_max_kv_utilization: must be in"),
     (IndexFile, {"index": {"max_lookup_keys": 0}}, "index.max_lookup_keys: must be positive"),
+    (IndexFile, {"index": {"lookup_cache_records": -1}}, "index.lookup_cache_records: must be 0 to 16777216"),
     (HolderFile, {"holder": {"replica_ttl_ms": 0}}, "holder.replica_ttl_ms: must be positive"),
     (HolderFile, {"holder": {"eviction": "mru"}}, "holder.eviction: unknown eviction policy 'mru'"),
     (HolderFile, {"holder": {"index": "http://is.example/"}}, "holder.index: "),

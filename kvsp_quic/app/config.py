@@ -132,6 +132,14 @@ class IndexSection(IndexOptions):
     redis_cluster: bool = False
     redis_prefix: str = "kvsp:"
     descriptors: list[Path] = field(default_factory=list)
+    # memory store: records a lookup keeps decoded (and rendered) for the next lookups, per generation of two
+    # (kvsp_quic/storage/memory_index.py; ~7 KB each with 32 layer digests); 0: none
+    lookup_cache_records: int = 8192
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.lookup_cache_records <= 1 << 24:
+            raise ValueError("lookup_cache_records: must be 0 to 16777216")
 
 
 @dataclass(frozen=True)

@@ -292,7 +292,7 @@ def _index_store(section: Any) -> Any:
         return RedisIndexStore.from_url(section.redis_url, cluster=section.redis_cluster, prefix=section.redis_prefix)
     from kvsp_quic.storage.memory_index import MemoryIndexStore
 
-    return MemoryIndexStore()
+    return MemoryIndexStore(recent=section.lookup_cache_records)
 
 
 # -- the Holder --------------------------------------------------------------------------------------------------
