@@ -42,8 +42,8 @@ from typing import Any
 
 import httpx
 
+from http3.body_sink import copy_into
 from http3.client import KvspClient
-from http3.h1_client import copy_into
 from kvsp_quic import container as c
 from kvsp_quic.app import event_loop
 from kvsp_quic.compat import CompatDescriptor

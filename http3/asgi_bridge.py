@@ -29,7 +29,8 @@ from http import HTTPStatus
 from typing import Any, Protocol
 from urllib.parse import unquote
 
-from http3.asgi_types import ASGIApp, BufferSink, Message, Scope, copy_into
+from http3.asgi_types import ASGIApp, Message, Scope
+from http3.body_sink import BufferSink, copy_into
 from quic.tls import TransportSettings
 
 log = logging.getLogger("http3.asgi")
@@ -141,7 +142,7 @@ class RequestBody:
     flow-controlled length in HTTP/2, which counts padding; the length of the data otherwise).
 
     Besides ``receive()``, an app may take the rest of the body with :meth:`receive_into` (the ASGI extension
-    ``kvsp.receive_into`` of every request's scope): the octets go straight to a :class:`~http3.asgi_types.
+    ``kvsp.receive_into`` of every request's scope): the octets go straight to a :class:`~http3.body_sink.
     BufferSink` as they arrive -- copied once by :meth:`feed`, or, where the transport reads into the sink's own
     buffer (HTTP/1.1: TLS decrypts into it, :meth:`sink_buffer` / :meth:`sink_updated`), not copied at all --
     with no chunk queued and no task switch per chunk. The holder receives block uploads this way.

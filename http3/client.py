@@ -25,8 +25,9 @@ The typed KVSP operations and their failure semantics (miss / retry elsewhere / 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import logging
+import math
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -34,7 +35,9 @@ from urllib.parse import quote, urlsplit
 
 import httpx
 
-from http3.h1_client import BufferSink, H1ConnectTimeout, H1Pool, H1TransportError, IntoBuffer, copy_into
+from http3.body_sink import BufferSink, copy_into
+from http3.h1_client import H1Pool, IntoBuffer
+from http3.h1_deadlines import H1ConnectTimeout, H1Timeout, H1TransportError
 from http3.h3_client import (
     CONTROL_KEEPALIVE,
     H3ClientConnection,
@@ -70,8 +73,9 @@ class ConnectTimeout(RequestTimeout):
 class Headers:
     """Response header fields, looked up case-insensitively."""
 
-    def __init__(self, fields: Sequence[tuple[bytes, bytes]]) -> None:
-        self.raw = [(bytes(k).lower(), bytes(v)) for k, v in fields]
+    def __init__(self, fields: Sequence[tuple[bytes, bytes]], *, lowered: bool = False) -> None:
+        # *lowered*: the fields are a list of (lowercased name, value) bytes pairs already (the HTTP/1.1 path's)
+        self.raw = fields if lowered and isinstance(fields, list) else [(bytes(k).lower(), bytes(v)) for k, v in fields]
 
     def get(self, name: str, default: str | None = None) -> str | None:
         key = name.lower().encode()
@@ -94,7 +98,8 @@ class Response:
     def __init__(self, status: int, headers: Headers, http_version: str, chunks: AsyncIterator[bytes],
                  closer: Callable[[], Any], read_timeout: float | None,
                  on_timeout: Callable[[], None] | None = None,
-                 receive_into: Callable[[BufferSink], Awaitable[int]] | None = None) -> None:
+                 receive_into: Callable[[BufferSink, float | None], Awaitable[int]] | None = None,
+                 timed_chunks: Callable[[float | None], AsyncIterator[bytes]] | None = None) -> None:
         self.status = status
         self.headers = headers
         self.http_version = http_version
@@ -102,7 +107,8 @@ class Response:
         self._closer = closer
         self._read_timeout = read_timeout
         self._on_timeout = on_timeout  # the connection went silent: the pool drops it
-        self._receive_into = receive_into  # the transport delivers the body into a sink itself
+        self._receive_into = receive_into  # the transport delivers the body into a sink itself, timed by itself
+        self._timed_chunks = timed_chunks  # the transport streams the body and times each chunk itself
         self.content: bytes | None = None
 
     @property
@@ -117,10 +123,14 @@ class Response:
         self._read_timeout = seconds
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
+        chunks = self._chunks if self._timed_chunks is None else self._timed_chunks(self._read_timeout)
         while True:
             try:
-                async with asyncio.timeout(self._read_timeout):
-                    chunk = await anext(self._chunks)
+                if self._timed_chunks is not None:  # the lean HTTP/1.1 path: its deadlines are on one timer
+                    chunk = await anext(chunks)
+                else:
+                    async with asyncio.timeout(self._read_timeout):
+                        chunk = await anext(chunks)
             except StopAsyncIteration:
                 return
             except TimeoutError:
@@ -145,9 +155,8 @@ class Response:
         try:
             if self._receive_into is not None:
                 try:
-                    async with asyncio.timeout(self._read_timeout):
-                        return await self._receive_into(sink)
-                except TimeoutError:
+                    return await self._receive_into(sink, self._read_timeout)
+                except TimeoutError:  # H1Timeout: the lean HTTP/1.1 path keeps its deadlines on one timer
                     if self._on_timeout is not None:
                         self._on_timeout()
                     raise RequestTimeout(f"the response body did not arrive within {self._read_timeout} s") from None
@@ -309,16 +318,11 @@ class KvspClient:
             await response.aread()
         return response
 
-    @contextlib.asynccontextmanager
-    async def stream(self, method: str, url: str, *, headers: Mapping[str, str] | None = None,
-                     content: Body = None, timeout: float | None = None,
-                     idempotent: bool | None = None) -> AsyncIterator[Response]:
-        response = await self.send(method, url, headers=headers, content=content, timeout=timeout,
-                                   idempotent=idempotent)
-        try:
-            yield response
-        finally:
-            await response.aclose()
+    def stream(self, method: str, url: str, *, headers: Mapping[str, str] | None = None,
+               content: Body = None, timeout: float | None = None, idempotent: bool | None = None) -> _Streamed:
+        """``async with client.stream(...) as response``: :meth:`send`, and the response closed at the end."""
+        return _Streamed(functools.partial(self.send, method, url, headers=headers, content=content,
+                                           timeout=timeout, idempotent=idempotent))
 
     async def send(self, method: str, url: str, *, headers: Mapping[str, str] | None = None,
                    content: Body = None, timeout: float | None = None,
@@ -333,11 +337,12 @@ class KvspClient:
         if retries is None:
             retries = self.retries
         attempts = 1 + (retries if self.may_retry(method, content, idempotent) else 0)
+        loop = asyncio.get_running_loop()
         for attempt in range(attempts):
             used: list[H3ClientConnection] = []  # the pooled connection this attempt went out on
-            try:
-                async with asyncio.timeout(timeout):
-                    return await self._send_once(method, url, headers or {}, content, timeout, used)
+            try:  # each transport keeps the attempt's deadline (the lean HTTP/1.1 path on one timer per pool)
+                return await self._send_once(method, url, headers or {}, content, timeout, used,
+                                             math.inf if timeout is None else loop.time() + timeout)
             except TransportError as exc:  # RequestTimeout and ConnectTimeout (TimeoutErrors too) included
                 error = exc
             except TimeoutError:
@@ -360,24 +365,30 @@ class KvspClient:
         return (method.upper() in IDEMPOTENT if idempotent is None else idempotent) and replayable
 
     async def _send_once(self, method: str, url: str, headers: Mapping[str, str], content: Body,
-                         timeout: float, used: list[H3ClientConnection]) -> Response:
-        parts = urlsplit(url)  # parsed once per request: the origin and the target come from these parts
-        host = parts.hostname
-        if parts.scheme != "https" or not host:
+                         timeout: float, used: list[H3ClientConnection], deadline: float) -> Response:
+        parts = urlsplit(url)  # parsed once per request (and cached): the origin and the target come from these
+        if parts.scheme != "https":
             raise ValueError(f"KVSP URLs are https://host[:port]/...; got {url!r}")
-        origin = (host, parts.port or 443)
+        origin = _netloc_origin(parts.netloc)
+        if origin is None:
+            raise ValueError(f"KVSP URLs are https://host[:port]/...; got {url!r}")
         if self._transport_for(origin) == "h3":
-            try:
-                conn = await self._pool.get(*origin)
-            except H3ConnectError as exc:
-                if not self.fallback:
-                    raise TransportError(str(exc)) from None
-                log.warning("%s; using HTTP/2 or HTTP/1.1 for %s:%d for %.0f s", exc, *origin, self.fallback_ttl)
-                self._no_h3[origin] = self._clock() + self.fallback_ttl
-            else:
-                used.append(conn)
-                return await self._send_h3(conn, method, parts, headers, content, timeout)
-        return await self._send_tcp(method, url, parts, origin, headers, content, timeout)
+            async with asyncio.timeout_at(deadline if deadline < math.inf else None):
+                try:
+                    conn = await self._pool.get(*origin)
+                except H3ConnectError as exc:
+                    if not self.fallback:
+                        raise TransportError(str(exc)) from None
+                    log.warning("%s; using HTTP/2 or HTTP/1.1 for %s:%d for %.0f s", exc, *origin, self.fallback_ttl)
+                    self._no_h3[origin] = self._clock() + self.fallback_ttl
+                else:
+                    used.append(conn)
+                    return await self._send_h3(conn, method, parts, headers, content, timeout)
+        if self._tcp is not None or not (content is None or isinstance(content, bytes | bytearray | memoryview)):
+            # httpx, or a streamed request body (which the caller's iterator produces at its own pace)
+            async with asyncio.timeout_at(deadline if deadline < math.inf else None):
+                return await self._send_tcp(method, url, parts, origin, headers, content, timeout)
+        return await self._send_tcp(method, url, parts, origin, headers, content, timeout, deadline)
 
     async def _send_h3(self, conn: H3ClientConnection, method: str, parts: Any, headers: Mapping[str, str],
                        content: Body, timeout: float) -> Response:
@@ -394,7 +405,8 @@ class KvspClient:
                         on_timeout=lambda: self._pool.discard(conn))
 
     async def _send_tcp(self, method: str, url: str, parts: Any, origin: tuple[str, int],
-                        headers: Mapping[str, str], content: Body, timeout: float) -> Response:
+                        headers: Mapping[str, str], content: Body, timeout: float,
+                        deadline: float = math.inf) -> Response:
         if self._tcp is not None:
             return await self._send_httpx(method, url, headers, content, timeout)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
@@ -402,13 +414,16 @@ class KvspClient:
             target = quote(target, safe="/?&=%:@!$'()*+,;~-._")
         fields = [(k.lower().encode("ascii"), _field_value(v)) for k, v in headers.items()]
         try:
-            h1 = await self._h1.request(*origin, method, target, fields, content)
+            h1 = await self._h1.request(*origin, method, target, fields, content, deadline=deadline)
         except H1ConnectTimeout as exc:
             raise ConnectTimeout(f"{method} {url}: {exc}") from None
+        except H1Timeout:
+            raise RequestTimeout(f"{method} {url}: no response within {timeout} s") from None
         except H1TransportError as exc:
             raise TransportError(f"{method} {url}: {exc}") from None
-        return Response(h1.status, Headers(h1.headers), h1.http_version, h1.aiter_bytes(), h1.aclose, timeout,
-                        receive_into=h1.receive_into if method != "HEAD" else None)
+        return Response(h1.status, Headers(h1.headers, lowered=True), h1.http_version, h1.aiter_bytes(), h1.aclose,
+                        timeout, receive_into=h1.receive_into if method != "HEAD" else None,
+                        timed_chunks=h1.aiter_bytes)
 
     async def _send_httpx(self, method: str, url: str, headers: Mapping[str, str], content: Body,
                           timeout: float) -> Response:
@@ -447,6 +462,34 @@ def _identity_check(url: str) -> Callable[[str, dict[str, Any]], Awaitable[None]
             raise httpx.ConnectError(problem)
 
     return trace
+
+
+class _Streamed:
+    """What :meth:`KvspClient.stream` returns: an async context manager around :meth:`KvspClient.send` (a plain
+    class: ``contextlib.asynccontextmanager`` costs ~8 us a request)."""
+
+    __slots__ = ("_response", "_send")
+
+    def __init__(self, send: Callable[[], Awaitable[Response]]) -> None:
+        self._send = send
+        self._response: Response | None = None
+
+    async def __aenter__(self) -> Response:
+        self._response = await self._send()
+        return self._response
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._response is not None:
+            await self._response.aclose()
+
+
+@functools.lru_cache(maxsize=1024)
+def _netloc_origin(netloc: str) -> tuple[str, int] | None:
+    """(host, port) of an https URL's netloc (``SplitResult.hostname`` / ``.port``, ~5 us a request, cached);
+    None without a host. ValueError for a bad port, as ``urlsplit`` gives."""
+    parts = urlsplit(f"https://{netloc}/")
+    host = parts.hostname
+    return (host, parts.port or 443) if host else None
 
 
 def _check_transport(transport: str) -> str:

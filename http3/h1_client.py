@@ -7,6 +7,8 @@ parses the response head by hand and lets TLS decrypt the body straight into the
 * each connection is an :class:`asyncio.BufferedProtocol`: asyncio's TLS layer decrypts into the buffer that
   :meth:`get_buffer` hands out -- the destination of :meth:`H1Response.readinto` (no copy at all), or one reused
   scratch buffer whose octets become the ``bytes`` chunks of :meth:`H1Response.aiter_bytes` (one copy);
+  after the head of a ``Content-Length`` body the connection stops reading until the caller takes the body, so
+  that a caller who asks for the head first and then ``receive_into`` still gets no copy (issue 16);
 * bodies framed by ``Content-Length`` (never read past: the next response on the connection stays intact),
   ``Transfer-Encoding: chunked`` (decoded incrementally) or the end of the connection;
 * request bodies are bytes-like (sent with ``Content-Length`` in 1 MiB slices, each waiting for the transport to
@@ -18,10 +20,14 @@ parses the response head by hand and lets TLS decrypt the body straight into the
 Every request checks that the server is the role called: its certificate's SAN URI must cover the URL
 (:func:`quic.tls.serves`: host, port when the identity states one, base path), else :class:`H1TransportError`
 before anything is sent (issue 13: a co-located role's valid certificate must not answer for another role).
+``serves`` compares the host and port only, and a connection serves one origin with one certificate, so its
+answer is kept per connection once it is "yes" (it cost ~30 us a request).
 
 Failures (refused, reset, TLS, a malformed or truncated response) raise :class:`H1TransportError`; a connect
-that times out raises :class:`H1ConnectTimeout`. Cancelling a request (e.g. a caller's timeout) closes its
-connection. Backpressure: a streamed body that the caller does not take pauses reading at :data:`RX_HIGH_WATER`.
+that times out raises :class:`H1ConnectTimeout`; a request, body or chunk past its deadline raises
+:class:`H1Timeout` (deadlines of a pool's exchanges run on one timer, :class:`Deadlines`). Cancelling a request
+(e.g. a caller's timeout) closes its connection. Backpressure: a streamed body that the caller does not take
+pauses reading at :data:`RX_HIGH_WATER`.
 
     pool = H1Pool(ssl_client_context(files, alpn=("http/1.1",)))
     response = await pool.request("127.0.0.1", 8443, "GET", "/kvsp/blocks/...", [(b"accept", b"*/*")])
@@ -34,12 +40,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import math
 import re
 import socket
 import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
-from typing import Any, Protocol, cast
+from typing import cast
 
+from http3.body_sink import BufferSink, copy_into
+from http3.h1_deadlines import Deadlines, H1ConnectTimeout, H1Timeout, H1TransportError
 from quic.rtt import TCP_INFO_SIZE, RttTable, tcp_info_rtt
 from quic.tls import serves, ssl_peer_identity
 
@@ -60,22 +69,16 @@ _HEAD, _LENGTH, _CHUNKED, _UNTIL_CLOSE, _DONE = range(5)
 _C_SIZE, _C_DATA, _C_DATA_END, _C_TRAILER = range(4)
 
 
-class H1TransportError(ConnectionError):
-    """The exchange failed below HTTP: connect refused, reset, TLS failure, malformed or truncated response."""
-
-
-class H1ConnectTimeout(H1TransportError, TimeoutError):
-    pass
-
-
 class H1Connection(asyncio.BufferedProtocol):
     """One keep-alive HTTP/1.1 connection; one request at a time."""
 
-    def __init__(self, origin: tuple[str, int]) -> None:
+    def __init__(self, origin: tuple[str, int], deadlines: Deadlines | None = None) -> None:
         self.origin = origin
+        self.deadlines = deadlines or Deadlines()
         self.authority = (f"{origin[0]}:{origin[1]}" if ":" not in origin[0] else f"[{origin[0]}]:{origin[1]}").encode()
         self.transport: asyncio.Transport | None = None
         self.peer_identity: str | None = None
+        self.serves_origin = False  # peer_identity was checked against origin (quic.tls.serves) and covers it
         self.closed = False  # connection lost, or closed by us
         self.reusable = True  # false once either side said close, or an exchange ended abnormally
         self.busy = False
@@ -190,9 +193,27 @@ class H1Connection(asyncio.BufferedProtocol):
             self._reading_paused = True
             self.transport.pause_reading()
 
+    def _hold_body(self) -> None:
+        """The head is in and the rest of a ``Content-Length`` body is still to come: stop reading until the
+        caller says how it takes the body, so that :meth:`receive_into` has TLS decrypt the body into the
+        caller's sink rather than into the scratch buffer, a ``bytes`` copy and then the sink (a second copy and
+        ~0.15 ms per 256 KiB block). Reading resumes in :meth:`receive_into` or :meth:`next_chunk`."""
+        if not self._reading_paused and self.transport is not None:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def _resume(self) -> None:
+        if self._reading_paused and self.transport is not None and not self.closed:
+            self._reading_paused = False
+            self.transport.resume_reading()
+
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+
+    def fail(self, exc: BaseException) -> None:
+        """End the exchange in progress with *exc* (its waiters raise it) and abort the connection."""
+        self._fail(exc)
 
     def _fail(self, exc: BaseException) -> None:
         self.reusable = False
@@ -251,6 +272,8 @@ class H1Connection(asyncio.BufferedProtocol):
                         self._push(bytes(take))
                         if self._left == 0:
                             self._phase = _DONE
+                if self._phase == _LENGTH and self._sink is None:
+                    self._hold_body()
             if any(k == b"connection" and b"close" in v.lower() for k, v in fields):
                 self.reusable = False
             if self._head_ready is not None and not self._head_ready.done():
@@ -320,13 +343,15 @@ class H1Connection(asyncio.BufferedProtocol):
                 self._drain = None
 
     async def exchange(self, method: str, target: str, fields: Fields, body: Buffer | AsyncIterable[bytes] | None,
-                       ) -> tuple[int, list[tuple[bytes, bytes]]]:
-        """Send one request and wait for the response head; the body is read through :class:`H1Response`."""
+                       deadline: float = math.inf) -> tuple[int, list[tuple[bytes, bytes]]]:
+        """Send one request and wait for the response head; the body is read through :class:`H1Response`.
+        Past *deadline* (``loop.time()``) it fails with :class:`H1Timeout` (:class:`Deadlines`)."""
         transport = self.transport
         if transport is None or self.closed:
             raise H1TransportError("connection closed")
         self.busy = True
         self._error = None
+        self._resume()
         self._phase = _HEAD
         self._head = bytearray()
         self._chunks.clear()
@@ -351,6 +376,8 @@ class H1Connection(asyncio.BufferedProtocol):
         elif body is None and not has_length and method in ("POST", "PUT", "PATCH"):
             head.append(b"content-length: 0\r\n")
         head.append(b"\r\n")
+        if deadline < math.inf:
+            self.deadlines.watch(self, deadline, f"{method} {target}: no response head in time")
         try:
             if body is None or streamed:
                 transport.write(b"".join(head))
@@ -365,6 +392,9 @@ class H1Connection(asyncio.BufferedProtocol):
             self.reusable = False
             self.close()
             raise
+        finally:
+            if deadline < math.inf:
+                self.deadlines.clear(self)
 
     async def _send_body(self, head: bytes, body: Buffer) -> None:
         view = memoryview(body).cast("B") if not isinstance(body, bytes) else memoryview(body)
@@ -416,53 +446,71 @@ class H1Connection(asyncio.BufferedProtocol):
     def body_done(self) -> bool:
         return self._phase == _DONE and not self._chunks
 
-    async def next_chunk(self) -> bytes | None:
-        """The next streamed body chunk, or None at the end of the body."""
+    @property
+    def buffered(self) -> int:
+        """Body octets received and waiting for the caller (a ``Content-Length`` body waits after the head in
+        the connection, not here: at most what came with the head, :data:`HEAD_READ`)."""
+        return self._queued
+
+    async def next_chunk(self, timeout: float | None = None) -> bytes | None:
+        """The next streamed body chunk, or None at the end of the body; :class:`H1Timeout` when none comes
+        within *timeout* seconds."""
+        deadline = math.inf
         while True:
             if self._chunks:
                 chunk = self._chunks.popleft()
                 self._queued -= len(chunk)
-                if self._reading_paused and self._queued <= RX_HIGH_WATER // 2 and self.transport is not None:
-                    self._reading_paused = False
-                    self.transport.resume_reading()
+                if self._queued <= RX_HIGH_WATER // 2:
+                    self._resume()
                 return chunk
             if self._error is not None:
                 raise self._error
             if self._phase == _DONE:
                 return None
-            await self._wait()
+            self._resume()  # nothing queued: the body held after the head (_hold_body) is wanted now
+            if timeout is None:
+                await self._wait()
+                continue
+            if deadline == math.inf:
+                deadline = asyncio.get_running_loop().time() + timeout
+            self.deadlines.watch(self, deadline, f"no response data for {timeout} s")
+            try:
+                await self._wait()
+            finally:
+                self.deadlines.clear(self)
 
-    async def receive_into(self, sink: BufferSink) -> int:
-        """Deliver the rest of the body to *sink* (``get_buffer`` / ``buffer_updated``); the octets delivered."""
+    async def receive_into(self, sink: BufferSink, deadline: float = math.inf) -> int:
+        """Deliver the rest of the body to *sink* (``get_buffer`` / ``buffer_updated``); the octets delivered.
+        Past *deadline* (``loop.time()``) it fails with :class:`H1Timeout`."""
+        if deadline == math.inf:
+            return await self._receive_into(sink)
+        self.deadlines.watch(self, deadline, "the response body did not arrive in time")
+        try:
+            return await self._receive_into(sink)
+        finally:
+            self.deadlines.clear(self)
+
+    async def _receive_into(self, sink: BufferSink) -> int:
         pos = 0
         while self._chunks:  # what arrived with the head
             chunk = self._chunks.popleft()
             self._queued -= len(chunk)
             pos += copy_into(sink, chunk)
-        if self._reading_paused and self.transport is not None:
-            self._reading_paused = False
-            self.transport.resume_reading()
         if self._phase == _LENGTH and self._error is None:
-            self._sink, self._sink_pos = sink, 0
+            self._sink, self._sink_pos = sink, 0  # before reading resumes: the rest goes straight to the sink
+            self._resume()
             try:
                 while self._phase == _LENGTH and self._error is None:
                     await self._wait()
             finally:
                 pos += self._sink_pos
                 self._sink = None
+        self._resume()
         while True:  # chunked or until close: chunk by chunk
             more = await self.next_chunk()
             if more is None:
                 return pos
             pos += copy_into(sink, more)
-
-
-class BufferSink(Protocol):
-    """Where a body goes without a copy: :class:`kvsp_quic.container.ContainerDecoder` has this shape."""
-
-    def get_buffer(self, sizehint: int) -> memoryview: ...
-
-    def buffer_updated(self, nbytes: int) -> Any: ...
 
 
 class IntoBuffer:
@@ -479,20 +527,6 @@ class IntoBuffer:
 
     def buffer_updated(self, nbytes: int) -> None:
         self.filled += nbytes
-
-
-def copy_into(sink: BufferSink, data: Buffer) -> int:
-    src = memoryview(data)
-    n = len(src)
-    while len(src):
-        room = sink.get_buffer(len(src))
-        take = min(len(room), len(src))
-        if not take:
-            raise H1TransportError("the body sink took no octets")
-        room[:take] = src[:take]
-        src = src[take:]
-        sink.buffer_updated(take)
-    return n
 
 
 def _parse(head: bytes) -> tuple[int, list[tuple[bytes, bytes]], str | int]:
@@ -540,31 +574,39 @@ class H1Response:
         if conn.body_done:
             self._release()
 
-    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+    @property
+    def buffered(self) -> int:
+        """Body octets this client holds for the caller now (:attr:`H1Connection.buffered`)."""
+        return self._conn.buffered if self._conn is not None else 0
+
+    async def aiter_bytes(self, timeout: float | None = None) -> AsyncIterator[bytes]:
+        """The body chunk by chunk; :class:`H1Timeout` when the next one does not come within *timeout* s."""
         conn = self._conn
         if conn is None:
             return
         while True:
-            chunk = await conn.next_chunk()
+            chunk = await conn.next_chunk(timeout)
             if chunk is None:
                 self._release()
                 return
             yield chunk
 
-    async def readinto(self, buffer: Buffer) -> int:
+    async def readinto(self, buffer: Buffer, timeout: float | None = None) -> int:
         """Read the whole (rest of the) body into *buffer*; the number of octets. The octets go where TLS
-        decrypts them: no copy for a ``Content-Length`` body."""
-        return await self.receive_into(IntoBuffer(buffer))
+        decrypts them: no copy for a ``Content-Length`` body. *timeout*: as :meth:`receive_into`'s."""
+        return await self.receive_into(IntoBuffer(buffer), timeout)
 
-    async def receive_into(self, sink: BufferSink) -> int:
+    async def receive_into(self, sink: BufferSink, timeout: float | None = None) -> int:
         """Deliver the whole (rest of the) body to *sink* as TLS decrypts it (e.g. a
         :class:`~kvsp_quic.container.ContainerDecoder`, which verifies each layer as it completes); the octets
-        delivered. An exception from the sink ends the exchange (and the connection) and is raised here."""
+        delivered. An exception from the sink ends the exchange (and the connection) and is raised here; so does
+        :class:`H1Timeout` when the body is not all in within *timeout* seconds."""
         conn = self._conn
         if conn is None:
             return 0
+        deadline = math.inf if timeout is None else asyncio.get_running_loop().time() + timeout
         try:
-            n = await conn.receive_into(sink)
+            n = await conn.receive_into(sink, deadline)
         finally:
             self._release()
         return n
@@ -604,20 +646,24 @@ class H1Pool:
         self.max_idle = max_idle
         self._idle: dict[tuple[str, int], list[H1Connection]] = {}
         self._all: set[H1Connection] = set()
+        self._deadlines = Deadlines()  # of every exchange on this pool's connections: one timer
         self.connects = 0  # connections opened (tests, metrics)
 
     def idle(self, host: str, port: int) -> int:
         return sum(1 for c in self._idle.get((host, port), ()) if not c.closed)
 
-    async def _connect(self, origin: tuple[str, int]) -> H1Connection:
+    async def _connect(self, origin: tuple[str, int], deadline: float = math.inf) -> H1Connection:
         loop = asyncio.get_running_loop()
         timeout = self.connect_timeout if self.rtts is None else self.rtts.connect_timeout(origin[0],
                                                                                          self.connect_timeout)
+        left = deadline - loop.time()  # the request's own deadline comes first: then it is the request's timeout
         try:
-            async with asyncio.timeout(timeout):
-                _, conn = await loop.create_connection(lambda: H1Connection(origin), origin[0], origin[1],
-                                                       ssl=self.context, server_hostname=origin[0])
+            async with asyncio.timeout(min(timeout, left)):
+                _, conn = await loop.create_connection(lambda: H1Connection(origin, self._deadlines), origin[0],
+                                                       origin[1], ssl=self.context, server_hostname=origin[0])
         except TimeoutError:
+            if left < timeout:
+                raise H1Timeout(f"connecting to {origin[0]}:{origin[1]}: the request's deadline passed") from None
             raise H1ConnectTimeout(f"connecting to {origin[0]}:{origin[1]} timed out ({timeout:.2g} s)") from None
         except (OSError, ssl.SSLError) as exc:
             raise H1TransportError(f"connecting to {origin[0]}:{origin[1]}: {exc}") from None
@@ -639,7 +685,7 @@ class H1Pool:
         if found is not None:
             self.rtts.record(host, *found)
 
-    async def connection(self, host: str, port: int) -> H1Connection:
+    async def connection(self, host: str, port: int, deadline: float = math.inf) -> H1Connection:
         idle = self._idle.get((host, port))
         while idle:
             conn = idle.pop()
@@ -647,21 +693,28 @@ class H1Pool:
                 conn.busy = True
                 return conn
             self._all.discard(conn)
-        conn = await self._connect((host, port))
+        conn = await self._connect((host, port), deadline)
         conn.busy = True
         return conn
 
     async def request(self, host: str, port: int, method: str, target: str, fields: Fields = (),
-                      body: Buffer | AsyncIterable[bytes] | None = None) -> H1Response:
-        conn = await self.connection(host, port)
-        problem = serves(conn.peer_identity, "https", host, port, target.split("?", 1)[0]) if self.check_identity \
-            else None
-        if problem is not None:  # a valid certificate of another role: nothing is sent to it
-            conn.close()
-            self._all.discard(conn)
-            raise H1TransportError(f"{method} https://{host}:{port}{target}: {problem}")
+                      body: Buffer | AsyncIterable[bytes] | None = None, *,
+                      deadline: float = math.inf) -> H1Response:
+        """Send a request and wait for the response head. *deadline* (``loop.time()``; a bytes-like or no *body*:
+        a streamed body is the caller's to time): the connect and the head must be done by then, else
+        :class:`H1Timeout` (a connect that times out on its own, before the deadline: :class:`H1ConnectTimeout`)."""
+        conn = await self.connection(host, port, deadline)
+        if self.check_identity and not conn.serves_origin:
+            # serves() compares the identity with the URL's host and port, never its path: one answer per
+            # connection (it serves one origin, with one certificate), kept once it is "yes"
+            problem = serves(conn.peer_identity, "https", host, port, target.split("?", 1)[0])
+            if problem is not None:  # a valid certificate of another role: nothing is sent to it
+                conn.close()
+                self._all.discard(conn)
+                raise H1TransportError(f"{method} https://{host}:{port}{target}: {problem}")
+            conn.serves_origin = True
         try:
-            status, headers = await conn.exchange(method, target, fields, body)
+            status, headers = await conn.exchange(method, target, fields, body, deadline)
         except (OSError, ssl.SSLError) as exc:
             conn.close()
             self._all.discard(conn)
@@ -694,6 +747,7 @@ class H1Pool:
             conn.close()
         self._all.clear()
         self._idle.clear()
+        self._deadlines.close()
         deadline = asyncio.get_running_loop().time() + grace
         with contextlib.suppress(Exception):
             await asyncio.sleep(0)
@@ -705,5 +759,6 @@ class H1Pool:
 
 
 __all__ = [
-    "BufferSink", "H1ConnectTimeout", "H1Connection", "H1Pool", "H1Response", "H1TransportError", "IntoBuffer",
+    "BufferSink", "Deadlines", "H1ConnectTimeout", "H1Connection", "H1Pool", "H1Response", "H1Timeout",
+    "H1TransportError", "IntoBuffer",
 ]

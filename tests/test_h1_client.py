@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 from http3.asgi_types import Receive, Scope, Send
-from http3.client import KvspClient, TransportError
-from http3.h1_client import H1Pool, H1TransportError, IntoBuffer
+from http3.client import KvspClient, RequestTimeout, TransportError
+from http3.h1_client import HEAD_READ, H1Pool, IntoBuffer
+from http3.h1_deadlines import H1Timeout, H1TransportError
 from http3.holder_app import holder_app
 from http3.server import RoleServer
 from http3.tcp_server import TcpServer
@@ -46,7 +47,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
 
 async def app(scope: Scope, receive: Receive, send: Send) -> None:
     """/big: BIG with Content-Length; /chunked: three pieces, no length; /sha: SHA-256 and size of the body;
-    /broken: half of what it announces, then it fails; /empty: 204."""
+    /broken: half of what it announces, then it fails; /empty: 204; /silent: no answer for 3 s; /stall: the head
+    and 64 KiB of the MiB it announces, then nothing for 3 s."""
     if scope["type"] != "http":
         return
     path = scope["path"]
@@ -76,6 +78,15 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % MiB)]})
         await send({"type": "http.response.body", "body": BIG[:MiB // 2], "more_body": True})
         raise RuntimeError("the app fails midway")
+    elif path == "/silent":
+        await asyncio.sleep(3)
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+    elif path == "/stall":
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % MiB)]})
+        await send({"type": "http.response.body", "body": BIG[:64 << 10], "more_body": True})
+        await asyncio.sleep(3)
+        await send({"type": "http.response.body", "body": BIG[64 << 10:MiB], "more_body": False})
     elif path == "/empty":
         await send({"type": "http.response.start", "status": 204, "headers": []})
         await send({"type": "http.response.body", "body": b""})
@@ -159,6 +170,65 @@ async def test_request_bodies(server: TcpServer, pool: H1Pool) -> None:
     for fields in ([(b"x-a", b"1\r\nx-injected: 1")], [(b"bad name", b"1")]):
         with pytest.raises(ValueError, match="invalid header field"):
             await pool.request("127.0.0.1", server.port, "GET", "/big", fields)
+
+
+async def test_body_waits_in_the_connection_for_its_sink(server: TcpServer, pool: H1Pool) -> None:
+    """After the head of a Content-Length body the connection stops reading until the caller takes the body, so
+    that TLS decrypts it straight into the caller's sink (readinto, receive_into) rather than into scratch
+    ``bytes`` first (issue 16: a second copy of every block); streamed reading resumes it as well."""
+    response = await pool.request("127.0.0.1", server.port, "GET", "/big")
+    await asyncio.sleep(0.3)  # the server has sent all it can meanwhile
+    assert 0 <= response.buffered <= HEAD_READ
+    into = bytearray(len(BIG))
+    assert await response.readinto(into) == len(BIG) and into == BIG
+    response = await pool.request("127.0.0.1", server.port, "GET", "/big")
+    await asyncio.sleep(0.1)
+    assert response.buffered <= HEAD_READ
+    assert b"".join([chunk async for chunk in response.aiter_bytes()]) == BIG
+    assert pool.connects == 1 and pool.idle("127.0.0.1", server.port) == 1
+
+
+async def test_deadlines_of_the_head_and_the_body(pki: TestPki) -> None:
+    """The lean path's timeouts (one timer per pool, :class:`http3.h1_client.Deadlines`): a head that does not
+    come by the request's deadline and a body that stalls past the read timeout end the exchange (and its
+    connection) with a timeout; the pool goes on with fresh connections."""
+    srv = TcpServer(app, pki.files("server"), settings=TransportSettings(shutdown_grace=0.5))
+    await srv.start("127.0.0.1", 0)
+    pool = H1Pool(ssl_client_context(pki.files("alice"), alpn=("http/1.1",)))
+    loop = asyncio.get_running_loop()
+    try:
+        start = loop.time()
+        with pytest.raises(H1Timeout):
+            await pool.request("127.0.0.1", srv.port, "GET", "/silent", deadline=start + 0.3)
+        assert 0.25 < loop.time() - start < 2.5
+        response = await pool.request("127.0.0.1", srv.port, "GET", "/stall", deadline=loop.time() + 10)
+        start = loop.time()
+        with pytest.raises(H1Timeout):
+            await response.readinto(bytearray(MiB), timeout=0.3)
+        assert 0.25 < loop.time() - start < 2.5
+        ok = await pool.request("127.0.0.1", srv.port, "GET", "/big", deadline=loop.time() + 10)
+        assert await ok.aread() == BIG and pool.connects == 3
+        async with KvspClient(pki.files("alice"), prefer="tcp", retries=0, timeout=0.3) as client:
+            start = loop.time()
+            with pytest.raises(RequestTimeout, match=r"no response within 0\.3 s"):
+                await client.request("GET", f"https://127.0.0.1:{srv.port}/silent")
+            async with client.stream("GET", f"https://127.0.0.1:{srv.port}/stall", timeout=10) as streamed:
+                streamed.read_timeout = 0.3
+                with pytest.raises(RequestTimeout, match=r"did not arrive within 0\.3 s"):
+                    await streamed.readinto(bytearray(MiB))
+            async with client.stream("GET", f"https://127.0.0.1:{srv.port}/stall", timeout=10) as streamed:
+                streamed.read_timeout = 0.3
+                got = bytearray()
+                with pytest.raises(RequestTimeout, match=r"no response data for 0\.3 s"):
+                    async for chunk in streamed.aiter_bytes():
+                        got += chunk
+                assert got == BIG[:64 << 10]
+            assert loop.time() - start < 7.5
+            big = await client.request("GET", f"https://127.0.0.1:{srv.port}/big", timeout=10)
+            assert big.content == BIG
+    finally:
+        await pool.aclose()
+        await srv.close()
 
 
 async def test_early_answer_stops_the_body(pki: TestPki) -> None:
