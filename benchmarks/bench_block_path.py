@@ -7,7 +7,8 @@
   Descriptors whose blocks are 256 KiB, 1 MiB and 16 MiB containers; :class:`http3.client.KvspClient` in this
   process (pinned to CPU 1) over the TCP path (``prefer="tcp"``: HTTP/1.1 over TLS, :mod:`http3.h1_client`) and
   over HTTP/3. A GET delivers the body into a :class:`~kvsp_quic.container.ContainerDecoder` that assembles it in
-  a preallocated buffer and verifies every layer digest as it arrives (``Response.receive_into``); a PUT sends a
+  a preallocated buffer and verifies every layer digest as it arrives (``Response.receive_into``) and the whole
+  container against ``Repr-Digest`` (the spec's MUST: a second SHA-256 pass); a PUT sends a
   new block (``If-None-Match: *``) and the holder verifies it.
 * ceiling: a blocking ``ssl`` socket server (thread per connection, same CPU as the holder, same dev
   certificates, mutual TLS 1.3) and blocking socket clients (threads) moving the same octets over kept-open
@@ -47,6 +48,7 @@ from http3.client import KvspClient
 from kvsp_quic import container as c
 from kvsp_quic.app import event_loop
 from kvsp_quic.compat import CompatDescriptor
+from kvsp_quic.repr_digest import parse_repr_digest
 from kvsp_quic.samples import random_sections
 from quic.tls import TlsFiles, TransportSettings, ssl_client_context, ssl_server_context
 
@@ -211,14 +213,17 @@ class Bench:
         d = descriptor(size)
         expected = self.blocks[size]
         decoder = c.ContainerDecoder(d, expected_layer_digests=expected.layer_digests,
-                                     allocate=lambda n: into[:n])
+                                     allocate=lambda n: into[:n], repr_digest=True)
         async with client.stream("GET", self.url(size, key)) as response:
             if response.status != 200:
                 raise RuntimeError(f"GET {size}: {response.status}")
+            stated = parse_repr_digest(response.headers.get("repr-digest"))
             await response.receive_into(decoder)
         decoder.finish()
         if not decoder.done:
             raise RuntimeError("GET: incomplete container")
+        if decoder.repr_digest != stated:  # spec, Block Retrieval and Storage: "Clients MUST verify Repr-Digest"
+            raise RuntimeError("GET: Repr-Digest does not match the body")
 
     async def _round(self, subject: str, op: str, size: str, conc: int, per_client: int, n_bytes: int,
                      raws: list[RawClient], intos: list[memoryview], client: Any,
