@@ -160,7 +160,10 @@ async def test_two_replicas_share_statuses_sessions_and_failover(tmp_path: Path,
             got = await r.call(pc, "alice", "GET", f"sessions/{body['session']}")
             assert got.json()["output_offset"] == 3 and got.json()["instance"] == first
 
-        # the replica that created the session goes away; the serving instance falls silent: replica 1 migrates
+        # the replica that created the session goes away; the serving instance falls silent: replica 1 migrates.
+        # Both statuses are renewed first: on a loaded machine this test has taken over a minute, longer than the
+        # 60 s TTL of the first reports (a lapse while replica 2 lived let it begin the migration and die in it).
+        assert (await r.report("pc1", serving)).status == 200 and (await r.report("pc1", other)).status == 200
         await r.servers["pc2"].close()
         # only now does the serving instance's status start to run out (were it to lapse while replica 2 lived,
         # replica 2 could begin the migration and die in it: replica 1 would then take it over at epoch 3)
