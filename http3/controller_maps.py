@@ -31,7 +31,7 @@ from kvsp_quic.storage.control_store import ControlStore
 
 
 class ReshardLink(Protocol):
-    """The part of :class:`http3.controller_service.InstanceLink` resharding uses."""
+    """The part of :class:`http3.controller_link.InstanceLink` resharding uses."""
 
     async def reshard(self, instance: str, message: ReshardMessage, timeout: float | None = None) -> None: ...
 

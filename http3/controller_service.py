@@ -20,12 +20,12 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
+from http3.controller_link import InstanceLink, Starter
 from http3.controller_maps import ShardMaps, why
 from kvsp_quic.auth import Principal
 from kvsp_quic.compat import InstanceState
@@ -34,7 +34,6 @@ from kvsp_quic.records import (
     CheckpointAck,
     InstanceStatusRecord,
     LookupResponse,
-    PrefetchDirective,
     SessionCheckpoint,
     ShardMap,
     StateMessage,
@@ -50,7 +49,7 @@ from kvsp_quic.roles.controller_records import (
     SuspectReport,
     Verdict,
 )
-from kvsp_quic.roles.controller_reshard import ReshardContext, ReshardMessage, ReshardOutcome
+from kvsp_quic.roles.controller_reshard import ReshardContext, ReshardOutcome
 from kvsp_quic.roles.controller_sessions import (
     Admitted,
     Assignment,
@@ -65,80 +64,6 @@ from kvsp_quic.roles.placement import Choice
 from kvsp_quic.storage.control_store import ControlStore
 
 log = logging.getLogger("kvsp.controller")
-
-
-# -- what the controller sends, and how it starts instances ---------------------------------------------------
-
-
-class InstanceLink(Protocol):
-    """The PC's requests to instances. Each raises the :class:`~kvsp_quic.problems.Problem` the instance answered
-    (any status other than 2xx), or ``OSError`` (``ConnectionError``, ``TimeoutError``) when it did not answer."""
-
-    async def prefetch(self, instance: str, directive: PrefetchDirective) -> None: ...
-
-    async def start(self, instance: str, start: SessionStart) -> None: ...
-
-    async def resume(self, instance: str, session: uuid.UUID, resume: SessionResume) -> None: ...
-
-    async def set_state(self, instance: str, state: InstanceState) -> InstanceState: ...
-
-    async def reshard(self, instance: str, message: ReshardMessage, timeout: float | None = None) -> None: ...
-
-    async def cancel(self, instance: str, session: uuid.UUID) -> None: ...
-
-    async def probe(self, instance: str, session: uuid.UUID, timeout: float) -> None:
-        """``GET sessions/{id}`` at *instance*, sent once, answered within *timeout* seconds or raising."""
-        ...
-
-
-class Starter(Protocol):
-    """Starts a new inference instance (the start hook). Returns once the start is under way; the instance joins
-    by reporting its status."""
-
-    async def start(self, reason: str) -> None: ...
-
-
-class CommandStarter:
-    """The start hook as a command: ``argv`` is run (not through a shell) with ``KVSP_PC_URI`` (the PC's base
-    URI) and ``KVSP_START_REASON`` in its environment. The PC does not wait for it, read its output or stop it:
-    the command either starts the instance and exits, or is the instance. Its exit status is logged."""
-
-    def __init__(self, argv: Sequence[str], *, pc_uri: str, env: Mapping[str, str] | None = None) -> None:
-        if not argv:
-            raise ValueError("the start hook needs a command")
-        self.argv = list(argv)
-        self.pc_uri = pc_uri
-        self.env = dict(env) if env is not None else None
-        self.started = 0
-        self._waiters: set[asyncio.Task[None]] = set()
-
-    async def start(self, reason: str) -> None:
-        env = dict(os.environ if self.env is None else self.env)
-        env.update(KVSP_PC_URI=self.pc_uri, KVSP_START_REASON=reason)
-        proc = await asyncio.create_subprocess_exec(*self.argv, env=env, stdin=asyncio.subprocess.DEVNULL)
-        self.started += 1
-        log.info("start hook %r running (pid %d): %s", self.argv[0], proc.pid, reason)
-        task = asyncio.create_task(self._reap(proc))
-        self._waiters.add(task)
-        task.add_done_callback(self._waiters.discard)
-
-    async def _reap(self, proc: asyncio.subprocess.Process) -> None:
-        code = await proc.wait()
-        (log.info if code == 0 else log.warning)("start hook %r (pid %d) exited with %d", self.argv[0], proc.pid,
-                                                 code)
-
-    async def settle(self, timeout: float) -> None:
-        """Wait (up to *timeout* seconds) for the hook processes started so far to exit."""
-        if self._waiters:
-            await asyncio.wait(list(self._waiters), timeout=timeout)
-
-    async def aclose(self) -> None:
-        """Stop waiting for hook processes (they keep running)."""
-        for task in list(self._waiters):
-            task.cancel()
-        for task in list(self._waiters):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
 
 # -- the adapter ----------------------------------------------------------------------------------------------
@@ -758,4 +683,4 @@ class ControllerService:
         return await self.maps.reshard(new, deadline_ms, context)
 
 
-__all__ = ["CommandStarter", "ControllerService", "InstanceLink", "Starter"]
+__all__ = ["ControllerService", "Superseded"]

@@ -27,8 +27,8 @@ from http3.authz import Rule
 from http3.client import KvspClient
 from http3.client import Response as ClientResponse
 from http3.controller_app import controller_app
-from http3.controller_link import HttpInstanceLink
-from http3.controller_service import CommandStarter, ControllerService
+from http3.controller_link import CommandStarter, HttpInstanceLink
+from http3.controller_service import ControllerService
 from http3.holder_app import holder_app
 from http3.problem_response import install
 from http3.server import RoleServer, bind_pair

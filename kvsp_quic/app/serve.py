@@ -190,8 +190,8 @@ async def run_index(cfg: IndexFile, *, dev_dir: Path | None, policy_path: Path |
     """The Index Service with the Placement Controller: one process, one base URI (docs/wire.md)."""
     from http3.client import KvspClient
     from http3.controller_app import ClientSessionLimits, controller_app
-    from http3.controller_link import HttpInstanceLink
-    from http3.controller_service import CommandStarter, ControllerService
+    from http3.controller_link import CommandStarter, HttpInstanceLink
+    from http3.controller_service import ControllerService
     from kvsp_quic.metrics import Registry
     from kvsp_quic.roles.controller import PlacementController
     from kvsp_quic.roles.index import NO_GEOMETRY, IndexConfig, IndexOptions, IndexService
