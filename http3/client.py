@@ -146,6 +146,12 @@ class Response:
         lean HTTP/1.1 path TLS decrypts straight into *buffer*."""
         return await self.receive_into(IntoBuffer(buffer))
 
+    @property
+    def delivers_into(self) -> bool:
+        """Whether :meth:`receive_into` has the transport deliver into the sink itself, with no copy (the lean
+        HTTP/1.1 path: TLS decrypts into the sink's buffers); elsewhere it copies each chunk into the sink."""
+        return self._receive_into is not None
+
     async def receive_into(self, sink: BufferSink) -> int:
         """Deliver the whole body to *sink* (``get_buffer(sizehint)`` / ``buffer_updated(n)``, the shape of
         :class:`kvsp_quic.container.ContainerDecoder`, which verifies each layer as it completes); the octets

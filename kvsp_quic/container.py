@@ -471,10 +471,16 @@ class ContainerDecoder:
       as a pool or a pinned tensor, to avoid first-touch costs). Each layer's K and V are single views of it.
     * ``assemble=False``: nothing is copied. ``feed`` keeps views of the caller's chunks (which must not be
       modified afterwards) and a layer's K and V come as the parts they arrived in (``k_parts``), ready to be
-      copied once into their final place (a KV cache page). ``get_buffer`` hands out fresh chunk buffers.
+      copied once into their final place (a KV cache page). ``get_buffer`` hands out fresh chunk buffers of up
+      to *chunk_size* octets (what one has left unfilled next); a section received into one of them, in however
+      many deliveries, is one view of it.
 
     With *repr_digest* the decoder also computes SHA-256 of the whole container (``repr_digest``).
     """
+
+    # Per block this runs once per delivery (a TLS read, a fed chunk) and once per layer, so the hot paths read
+    # plain attributes: the fixed header is parsed once, the layer count, offsets and ``done`` are kept, not
+    # recomputed (issue 16: ~60-100 us of Python per block before).
 
     def __init__(self, descriptor: CompatDescriptor | None = None, *,
                  expected_layer_digests: Sequence[bytes] | None = None,
@@ -493,14 +499,23 @@ class ContainerDecoder:
         self._head = bytearray(FIXED_HEADER.size)
         self._head_view = memoryview(self._head)
         self._head_filled = 0
+        self._fixed: tuple[int, int, int, int, int, int] | None = None  # the fixed header, parsed once
         self.header: ContainerHeader | None = None
+        self.done = False  # every layer is in (and verified)
         self._data: memoryview | None = None  # the assembly buffer
-        self._pending: memoryview | None = None  # a buffer handed out by get_buffer in segment mode
+        self._pending: memoryview | None = None  # segment mode: the part of a fresh buffer not yet filled
+        self._segment = _EMPTY  # segment mode: the fresh buffer get_buffer hands out, whole
+        self._segment_filled = 0  # ... and how much of it buffer_updated has been told about
+        self._in_segment = False  # the octets being consumed are the segment's, from _segment_at on
+        self._segment_at = 0
         self._filled = 0  # data octets received
         self._total = 0
+        self._count = 0  # the header's layer count
+        self._first = 0  # the header's first layer
         self._offsets: list[int] = []
         self._k_ends: list[int] = []
         self._layer = 0  # next layer (relative) to complete
+        self._end = 0  # the data offset where that layer ends
         self._hash: Any = None
         self._k_parts: list[memoryview] = []
         self._v_parts: list[memoryview] = []
@@ -509,31 +524,30 @@ class ContainerDecoder:
         self.repr_digest: bytes | None = None
 
     @property
-    def done(self) -> bool:
-        return self.header is not None and self._layer == self.header.layer_count
-
-    @property
     def layer_digests(self) -> list[bytes]:
         return list(self._verifier.digests) if self._verifier else []
 
     def feed(self, data: Any) -> list[DecodedLayer]:
-        self._raise_if_failed()
+        if self._error is not None:
+            raise self._error
         src = memoryview(data)
         if src.format != "B" or src.ndim != 1:
             src = src.cast("B")
         try:
             out: list[DecodedLayer] = []
-            while self._data is None and self.header is None and len(src):
+            while self.header is None and len(src):
                 room = self._head_view[self._head_filled:]
                 n = min(len(room), len(src))
                 room[:n] = src[:n]
                 src = src[n:]
                 out += self._header_bytes(n)
             if len(src):
-                if self._data is not None:
-                    n = min(len(src), self._total - self._filled)
-                    self._data[self._filled:self._filled + n] = src[:n]
-                    out += self._consume(self._data[self._filled:self._filled + n])
+                data_buffer = self._data
+                if data_buffer is not None:
+                    filled = self._filled
+                    n = min(len(src), self._total - filled)
+                    data_buffer[filled:filled + n] = src[:n]
+                    out += self._consume(data_buffer[filled:filled + n])
                     src = src[n:]
                 if len(src):
                     out += self._consume(src)
@@ -543,41 +557,53 @@ class ContainerDecoder:
             raise
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
-        """Where the next octets go: never more than the container still needs (except past its end)."""
-        self._raise_if_failed()
+        """Where the next octets go: never more than the container still needs (except past its end). In segment
+        mode (``assemble=False``) a fresh buffer of at most *chunk_size* octets, or what a previous one has left
+        unfilled (octets no layer has a view of): a few octets at a time (``copy_into`` small chunks) still fill one
+        buffer."""
+        if self._error is not None:
+            raise self._error
+        if self._data is not None and not self.done:
+            return self._data[self._filled:]
         if self.header is None:
             return self._head_view[self._head_filled:]
         if self.done:
             return memoryview(bytearray(1))  # anything written here is trailing data
-        if self._data is not None:
-            return self._data[self._filled:]
-        size = self._total - self._filled
-        if sizehint > 0:
-            size = min(size, sizehint)
-        self._pending = memoryview(bytearray(min(size, self._chunk_size)))
+        if self._pending is None:  # (*sizehint* aside: what a buffer has left unfilled is handed out next anyway)
+            self._segment = self._pending = memoryview(bytearray(min(self._total - self._filled, self._chunk_size)))
+            self._segment_filled = 0
         return self._pending
 
     def buffer_updated(self, nbytes: int) -> list[DecodedLayer]:
-        self._raise_if_failed()
+        if self._error is not None:
+            raise self._error
         if nbytes <= 0:
             return []
         try:
+            data = self._data
+            if data is not None and not self.done:
+                return self._consume(data[self._filled:self._filled + nbytes])
             if self.header is None:
                 return self._header_bytes(nbytes)
             if self.done:
                 raise TrailingBytes("octets follow the container's last section")
-            if self._data is not None:
-                return self._consume(self._data[self._filled:self._filled + nbytes])
-            pending, self._pending = self._pending, None
+            pending = self._pending
             if pending is None:
                 raise ValueError("buffer_updated() without get_buffer()")
-            return self._consume(pending[:nbytes])
+            # what the buffer has left is handed out next (no layer has a view of it); a full one is done with
+            self._pending = pending[nbytes:] if nbytes < len(pending) else None
+            self._in_segment, self._segment_at = True, self._segment_filled
+            self._segment_filled += nbytes
+            out = self._consume(pending[:nbytes])
+            self._in_segment = False
+            return out
         except Exception as exc:
             self._error = exc
             raise
 
     def finish(self) -> ContainerHeader:
-        self._raise_if_failed()
+        if self._error is not None:
+            raise self._error
         if self.header is None:
             self._error = Truncated("no octets: the container is empty" if not self._head_filled else
                                     f"container ended inside its header ({self._head_filled} octets)")
@@ -587,17 +613,14 @@ class ContainerDecoder:
             raise self._error
         return self.header
 
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise self._error
-
     def _header_bytes(self, nbytes: int) -> list[DecodedLayer]:
         self._head_filled += nbytes
         _check_magic_prefix(self._head_view[:self._head_filled])
         if self._head_filled < len(self._head):
             return []
-        if len(self._head) == FIXED_HEADER.size:  # the fixed part is in: make room for the entries
-            count = _parse_fixed(self._head)[4]
+        if self._fixed is None:  # the fixed part is in: make room for the entries
+            self._fixed = fixed = _parse_fixed(self._head)
+            count = fixed[4]
             limit = self._descriptor.layers if self._descriptor is not None else MAX_LAYERS
             if count > limit:
                 raise GeometryMismatch(f"layer count {count} exceeds {limit}")
@@ -610,20 +633,29 @@ class ContainerDecoder:
         return self._consume(memoryview(b""))
 
     def _start_data(self) -> None:
-        header = parse_header(self._head)
+        assert self._fixed is not None
+        version, flags, codec, first, count, tokens = self._fixed
+        lengths = tuple(ENTRY.iter_unpack(self._head_view[FIXED_HEADER.size:])) if count else ()
+        header = ContainerHeader(codec=codec, first_layer=first, token_count=tokens, lengths=lengths,
+                                 version=version, flags=flags)
         header.validate(self._descriptor, token_count=self._token_count)
-        if header.data_length > self._max_data:
-            raise ContainerError(f"container data of {header.data_length} octets exceeds the limit of "
-                                 f"{self._max_data}")
+        offsets = [0]
+        k_ends = []
+        end = 0
+        for k, v in lengths:
+            k_ends.append(end + k)
+            end += k + v
+            offsets.append(end)
+        if end > self._max_data:
+            raise ContainerError(f"container data of {end} octets exceeds the limit of {self._max_data}")
         self._verifier = _Verifier(header, self._expected, self._expected_replica)
-        self._offsets = header.layer_offsets()
-        self._k_ends = [start + k for start, (k, _v) in zip(self._offsets, header.lengths, strict=False)]
-        self._total = header.data_length
+        self._offsets, self._k_ends, self._total = offsets, k_ends, end
+        self._count, self._first, self._end = count, first, offsets[1] if count else 0
         if self._assemble:
-            data = memoryview(self._allocate(self._total)).cast("B")
-            if len(data) < self._total:
+            data = memoryview(self._allocate(end)).cast("B")
+            if len(data) < end:
                 raise ValueError("allocate() returned a buffer smaller than requested")
-            self._data = data[:self._total]
+            self._data = data[:end]
         if self._whole is not None:
             self._whole.update(self._head)
         self._hash = hashlib.sha256()
@@ -631,21 +663,22 @@ class ContainerDecoder:
 
     def _consume(self, view: memoryview) -> list[DecodedLayer]:
         """Account for *view*, the next data octets (already in the assembly buffer when assembling)."""
-        assert self.header is not None and self._verifier is not None
         if self._whole is not None and len(view):
             self._whole.update(view)
         out: list[DecodedLayer] = []
-        count = self.header.layer_count
         while True:
-            if self._layer == count:
+            if self.done:
                 if len(view):
                     raise TrailingBytes("octets follow the container's last section")
                 return out
-            end = self._offsets[self._layer + 1]
-            take = min(len(view), end - self._filled)
+            end = self._end
+            left = len(view)
+            take = end - self._filled
+            if left < take:  # the common case: the view ends inside the layer
+                take = left
             if take:
-                piece = view[:take]
-                view = view[take:]
+                piece = view[:take] if take < left else view
+                view = view[take:] if take < left else _EMPTY
                 self._hash.update(piece)
                 if not self._assemble:
                     self._keep(piece)
@@ -657,30 +690,53 @@ class ContainerDecoder:
     def _keep(self, piece: memoryview) -> None:
         k_end = self._k_ends[self._layer]
         if self._filled >= k_end:
-            self._v_parts.append(piece)
+            self._add(self._v_parts, piece)
         elif self._filled + len(piece) <= k_end:
-            self._k_parts.append(piece)
+            self._add(self._k_parts, piece)
         else:
             split = k_end - self._filled
-            self._k_parts.append(piece[:split])
-            self._v_parts.append(piece[split:])
+            self._add(self._k_parts, piece[:split])
+            self._add(self._v_parts, piece[split:])
+
+    def _add(self, parts: list[memoryview], piece: memoryview) -> None:
+        """Keep *piece* of a section. Pieces of one fresh buffer (``get_buffer``) are consecutive in it -- it fills
+        in order, and a section's octets are consecutive -- so they join its last part into one view: a section
+        received into one buffer is one part, however many deliveries it took."""
+        if not self._in_segment:
+            parts.append(piece)
+            return
+        start = self._segment_at
+        self._segment_at = end = start + len(piece)
+        segment = self._segment
+        if parts and parts[-1].obj is segment.obj:
+            parts[-1] = segment[start - len(parts[-1]):end]
+        else:
+            parts.append(piece)
 
     def _complete_layer(self) -> DecodedLayer:
         assert self.header is not None and self._verifier is not None
-        digest = self._verifier.check(self._layer, self._hash.digest())
+        i = self._layer
+        digest = self._verifier.check(i, self._hash.digest())
         k_parts: tuple[memoryview, ...]
         v_parts: tuple[memoryview, ...]
         if self._data is not None:
-            start, k_end, end = self._offsets[self._layer], self._k_ends[self._layer], self._offsets[self._layer + 1]
-            k_parts, v_parts = (self._data[start:k_end],), (self._data[k_end:end],)
+            k_end = self._k_ends[i]
+            k_parts, v_parts = (self._data[self._offsets[i]:k_end],), (self._data[k_end:self._end],)
         else:
-            k_parts, v_parts = tuple(self._k_parts) or (memoryview(b""),), tuple(self._v_parts) or (memoryview(b""),)
+            k_parts, v_parts = tuple(self._k_parts) or (_EMPTY,), tuple(self._v_parts) or (_EMPTY,)
             self._k_parts, self._v_parts = [], []
-        layer = DecodedLayer(self.header.first_layer + self._layer, k_parts, v_parts, digest)
-        self._layer += 1
+        layer = DecodedLayer(self._first + i, k_parts, v_parts, digest)
+        self._layer = i = i + 1
         self._hash = hashlib.sha256()
-        if self.done:
+        if i == self._count:
+            self.done = True
+            self._pending = None
             self._verifier.finish()
             if self._whole is not None:
                 self.repr_digest = self._whole.digest()
+        else:
+            self._end = self._offsets[i + 1]
         return layer
+
+
+_EMPTY = memoryview(b"")
