@@ -178,8 +178,8 @@ class RequestBody:
                 self._sunk += copy_into(self.sink, data)
             except Exception as exc:  # the sink refuses the body (e.g. a malformed container)
                 self._sink_failed(exc)
-            if credit and self._on_consumed:
-                self._on_consumed(credit)
+            if self._on_consumed:  # taken at once: the transport may grant its flow-control credit again
+                self._on_consumed(n if credit is None else credit)
             return
         self._chunks.append((data, n if credit is None else credit))
         self.buffered += n
