@@ -209,13 +209,7 @@ class RequestBody:
         self.sink, self._sunk, self._sink_error = sink, 0, None
         try:
             while not (self.complete or self.disconnected or self._sink_error is not None):
-                if self._on_wait is not None:
-                    self._on_wait()
-                self._waiter = asyncio.get_running_loop().create_future()
-                try:
-                    await self._waiter
-                finally:
-                    self._waiter = None
+                await self._wait()
         finally:
             self.sink = None
             n += self._sunk
@@ -292,13 +286,17 @@ class RequestBody:
                 return {"type": "http.request", "body": b"", "more_body": False}
             if self.disconnected:
                 return {"type": "http.disconnect"}
-            if self._on_wait is not None:
-                self._on_wait()
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+            await self._wait()
+
+    async def _wait(self) -> None:
+        """Until the transport feeds, finishes or disconnects the body (HTTP/1.1: 100 Continue goes out first)."""
+        if self._on_wait is not None:
+            self._on_wait()
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
 
 
 # -- response ----------------------------------------------------------------------------------------------------

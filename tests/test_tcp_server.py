@@ -153,6 +153,18 @@ class _Into:
             raise ValueError(f"refused at {self.filled}")
 
 
+async def _leave_mid_upload(c: httpx.AsyncClient, app: App, put: Any) -> None:
+    """Start *put* (a body that never ends), let the app begin reading it, then go away; the app says it saw that."""
+    task = asyncio.create_task(put)
+    await asyncio.wait_for(app.started.wait(), 5)
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await c.aclose()
+    await asyncio.wait_for(app.release.wait(), 5)
+
+
 @contextlib.asynccontextmanager
 async def serving(pki: TestPki, app: Any = None, **kwargs: Any) -> AsyncIterator[TcpServer]:
     server = TcpServer(app or App(), pki.files("server"), **kwargs)
@@ -330,15 +342,8 @@ async def test_receive_into_says_when_the_client_left(pki: TestPki, proto: str) 
             yield BLOCK
             await asyncio.Event().wait()  # never finishes
 
-        task = asyncio.create_task(c.put(url(server, "/into"), content=upload(),
-                                         headers={"content-length": str(4 * MiB)}))
-        await asyncio.wait_for(app.started.wait(), 5)
-        await asyncio.sleep(0.1)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await c.aclose()
-        await asyncio.wait_for(app.release.wait(), 5)
+        await _leave_mid_upload(c, app, c.put(url(server, "/into"), content=upload(),
+                                              headers={"content-length": str(4 * MiB)}))
     assert app.received[-1]["type"] == "into: the client left"
 
 
@@ -380,14 +385,7 @@ async def test_client_disconnect_reaches_receive(pki: TestPki, proto: str) -> No
             yield b"x" * 1000
             await asyncio.Event().wait()  # never finishes
 
-        task = asyncio.create_task(c.put(url(server, "/wait-disconnect"), content=upload()))
-        await asyncio.wait_for(app.started.wait(), 5)
-        await asyncio.sleep(0.05)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await c.aclose()
-        await asyncio.wait_for(app.release.wait(), 5)
+        await _leave_mid_upload(c, app, c.put(url(server, "/wait-disconnect"), content=upload()))
     assert app.received[-1]["type"] == "http.disconnect"
 
 
