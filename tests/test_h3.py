@@ -15,6 +15,7 @@ import pytest
 from aioquic.quic.configuration import QuicConfiguration
 
 from http3.client import KvspClient, TransportError
+from http3.h1_client import IntoBuffer
 from http3.h3_client import H3ClientConnection, H3ConnectError, connect_h3
 from http3.h3_server import h3_handler
 from quic.connection import KvspQuicConnection
@@ -53,7 +54,7 @@ class App:
             await self.gate.wait()
         if path == "/into":  # the body straight into the app's buffer (kvsp.receive_into), then its SHA-256
             size = int(dict(scope["headers"])[b"content-length"])
-            sink = _Into(size)
+            sink = IntoBuffer(bytearray(size))
             got = await scope["extensions"]["kvsp.receive_into"](sink)
             body = f"{got} {hashlib.sha256(sink.view[:sink.filled]).hexdigest()}".encode()
             await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -84,20 +85,6 @@ class App:
         body = f"{scope_identity(scope)} {scope['http_version']} {scope['method']} {n} {h.hexdigest()}".encode()
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
         await send({"type": "http.response.body", "body": body})
-
-
-class _Into:
-    """A BufferSink: one buffer of the declared size."""
-
-    def __init__(self, size: int) -> None:
-        self.view = memoryview(bytearray(size))
-        self.filled = 0
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.view[self.filled:]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.filled += nbytes
 
 
 @pytest.fixture
