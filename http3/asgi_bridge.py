@@ -55,6 +55,8 @@ class AsgiContext:
     alt_svc: bytes | None  # the Alt-Svc value every response gets unless the app sets one
     state: dict[str, Any] = field(default_factory=dict)  # lifespan state, shallow-copied into each request
     peak_body_buffered: int = 0  # the most request-body octets one request ever held unread (tests, metrics)
+    # the app's respond_now hook, if it offers one (http3.immediate: answers written without the ASGI exchange)
+    respond_now: Callable[[str, str, bytes, dict[str, Any]], Any] | None = None
 
 
 # -- scope -------------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ decoder, which copies it once into the replica's buffer.
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -32,8 +33,9 @@ from http3.app_kit import (
 )
 from http3.asgi_types import ASGIApp, Message, Receive, Scope, Send
 from http3.authz import Rule, principal_of
+from http3.immediate import IMMEDIATE_MAX, Immediate
 from http3.metrics_app import TransferMetrics, audit_metrics, mount_metrics
-from http3.problem_response import INTERNAL_ERROR_DETAIL, install, send_problem
+from http3.problem_response import INTERNAL_ERROR_DETAIL, install, problem_parts, send_problem
 from kvsp_quic import fields as f
 from kvsp_quic.auth import Policy, Principal, Role
 from kvsp_quic.metrics import Registry, holder_collectors
@@ -45,6 +47,8 @@ from kvsp_quic.roles.holder_worker import HolderWorker
 from quic.tls import scope_identity
 
 ServedHolder = Holder | HolderWorker  # the holder, or one of its worker processes (--workers N)
+
+log = logging.getLogger("kvsp.holder")
 
 MAX_JSON_BYTES = 64 << 10
 _COALESCE = 64 << 10  # sections smaller than this are sent together
@@ -261,6 +265,39 @@ class BlockHotPath:
                 raise
             await send_problem(send, Problem(INTERNAL_ERROR_DETAIL, status=500))
             raise  # the server logs it, as starlette's handler lets it do
+
+    def respond_now(self, method: str, path: str, query: bytes, scope: Scope) -> Immediate | None:
+        """The HTTP/1.1 server's hook (:mod:`http3.immediate`): a GET of a whole block of at most
+        :data:`~http3.immediate.IMMEDIATE_MAX` octets, answered at once from the stored buffer with the response
+        of :func:`serve_block_get`, octet for octet (or its problem). Anything else -- a layer range or codec, a
+        larger block, a block not held in memory, a request the rules refuse -- is None: the ASGI path serves it."""
+        if method != "GET" or query or not path.startswith(self.prefix):
+            return None
+        parts = path[len(self.prefix):].split("/")
+        principal = self._principal(scope)
+        if (len(parts) != 3 or not all(parts) or principal is None
+                or principal.roles.isdisjoint(self.readers)):
+            return None
+        try:
+            compat, scope_id, key = _block_ids((parts[0], parts[1], parts[2]))
+        except Problem:
+            return None
+        size = self.holder.served_size(compat, scope_id, key)
+        if size is None or size > IMMEDIATE_MAX:
+            return None
+        try:
+            fetched = self.holder.fetch(principal, compat, scope_id, key)
+        except Problem as problem:
+            status, headers, body = problem_parts(problem)
+            return Immediate(status, headers, (body,))
+        except Exception:
+            log.exception("the holder failed to serve GET %s", path)
+            status, headers, body = problem_parts(Problem(INTERNAL_ERROR_DETAIL, status=500))
+            return Immediate(status, headers, (body,))
+        whole = fetched.container.whole
+        self._count(scope, "out", fetched.size)
+        return Immediate(200, _block_head(fetched),
+                         (whole,) if whole is not None else tuple(fetched.container.chunks()))
 
     def _principal(self, scope: Scope) -> Principal | None:
         try:

@@ -37,11 +37,17 @@ def _raw(value: str | bytes) -> bytes:
     return value if isinstance(value, bytes) else value.encode("latin-1")
 
 
-async def send_problem(send: Send, problem: Problem, headers: HeaderItems = ()) -> None:
-    """Send *problem* as the complete response of a raw ASGI ``http`` request; *headers* are added."""
+def problem_parts(problem: Problem, headers: HeaderItems = ()) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """Status, raw headers and body of *problem* as a complete response; *headers* are added."""
     status, body = to_problem_json(problem)
     raw_headers = [*_BASE_HEADERS, (b"content-length", str(len(body)).encode("ascii"))]
     raw_headers += [(_raw(name).lower(), _raw(value)) for name, value in headers]
+    return status, raw_headers, body
+
+
+async def send_problem(send: Send, problem: Problem, headers: HeaderItems = ()) -> None:
+    """Send *problem* as the complete response of a raw ASGI ``http`` request; *headers* are added."""
+    status, raw_headers, body = problem_parts(problem, headers)
     await send({"type": "http.response.start", "status": status, "headers": raw_headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 

@@ -27,6 +27,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from typing import Any, cast
+from urllib.parse import unquote
 
 import h11
 
@@ -37,9 +38,12 @@ from http3.asgi_bridge import (
     Exchange,
     Headers,
     RequestBody,
+    http_date,
     http_scope,
     reason_phrase,
+    split_target,
 )
+from http3.immediate import Immediate, h1_head
 from http3.tcp_flow import WriteFlow
 
 log = logging.getLogger("http3.tcp")
@@ -52,6 +56,7 @@ FLUSH_AT = 1 << 20  # corked response octets are written once this many are wait
 READ_SIZE = 256 << 10  # the most one read takes off the connection (while a request body comes in)
 HEAD_READ_SIZE = 16 << 10  # the most one read takes otherwise: one TLS record
 _CONTINUE = h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
+_NOT_IMMEDIATE = frozenset((b"content-length", b"transfer-encoding", b"expect", b"upgrade"))  # go the ASGI way
 
 
 class H1Connection(WriteFlow, asyncio.BufferedProtocol):
@@ -78,6 +83,7 @@ class H1Connection(WriteFlow, asyncio.BufferedProtocol):
         self._out: list[Buffer] = []  # response octets corked until the response ends, FLUSH_AT, or the next turn
         self._out_size = 0
         self._flush_handle: asyncio.Handle | None = None
+        self._scope_base: dict[str, Any] | None = None  # the connection's part of a scope, for respond_now
         self._arm_timer(self.settings.idle_timeout)
 
     def _new_h11(self) -> h11.Connection:
@@ -196,6 +202,8 @@ class H1Connection(WriteFlow, asyncio.BufferedProtocol):
         self._discarding = False
         self._discarded = 0
         headers: Headers = list(event.headers)  # h11 lowercases names
+        if self.ctx.respond_now is not None and self._respond_now(event, headers):
+            return False  # answered; the next request, if one is in, is parsed by a fresh h11
         body = RequestBody(self.ctx, self._on_consumed, self._on_body_wait)
         scope = http_scope(self.ctx, http_version=event.http_version.decode("ascii"),
                            method=event.method.decode("ascii"), target=bytes(event.target), headers=headers,
@@ -222,6 +230,40 @@ class H1Connection(WriteFlow, asyncio.BufferedProtocol):
         self._body_left = declared  # count the body off the connection; h11 is done with this request
         rest, _ = self.h11.trailing_data
         self._body_received(rest)
+        return True
+
+    def _respond_now(self, event: h11.Request, headers: Headers) -> bool:
+        """Answer a keep-alive GET without a body through the app's ``respond_now`` hook (:mod:`http3.immediate`),
+        if it has the answer at hand: the response is written at once, and h11 starts afresh after it."""
+        if (event.method != b"GET" or event.http_version != b"1.1" or self.closing or self._must_close
+                or self._write_paused
+                or len(event.target) + sum(len(k) + len(v) + 4 for k, v in headers) > self.settings.max_header_bytes
+                or any(name in _NOT_IMMEDIATE or (name == b"connection" and b"close" in value.lower())
+                       for name, value in headers)):
+            return False
+        raw_path, query = split_target(bytes(event.target))
+        scope = self._scope_base
+        if scope is None:
+            scope = self._scope_base = {"type": "http", "http_version": "1.1", "client": self.info["client"],
+                                        "server": self.info["server"], "extensions": {"tls": self.info["tls"]}}
+        assert self.ctx.respond_now is not None
+        answer: Immediate | None = self.ctx.respond_now("GET", unquote(raw_path.decode("ascii", "replace")), query,
+                                                       scope)
+        if answer is None:
+            return False
+        names = {name for name, _ in answer.headers}
+        extra: Headers = [] if b"date" in names else [(b"date", http_date())]
+        if self.ctx.alt_svc is not None and b"alt-svc" not in names:
+            extra.append((b"alt-svc", self.ctx.alt_svc))
+        self.write([h1_head(answer.status, answer.headers + extra), *answer.body], flush=True)
+        rest, closed = self.h11.trailing_data  # what came after the head: a pipelined request
+        self.h11 = self._new_h11()
+        if rest:
+            self.h11.receive_data(rest)
+        if closed:
+            self.h11.receive_data(b"")
+        self._head_begun = bool(rest)
+        self._arm_timer(self.settings.header_timeout if rest else self.settings.idle_timeout)
         return True
 
     def _body_received(self, data: Buffer) -> None:
@@ -462,9 +504,9 @@ class _H1Sink:
             conn.abort()
             raise RuntimeError(f"ASGI app sent an invalid response: {exc}") from None
         conn.write(chunks, flush=end)
+        await conn.drain()  # before the next pipelined request is taken: a peer that does not read stops them
         if end:
             conn.response_done()
-        await conn.drain()
 
     def reset(self) -> None:
         self.conn.flush()  # what the app sent goes out before the reset, as it did before corking

@@ -55,7 +55,7 @@ class TcpServer:
         self.files = files
         self.settings = settings
         self.alt_svc_port = alt_svc_port
-        self.ctx = AsgiContext(app, settings, alt_svc=None)
+        self.ctx = AsgiContext(app, settings, alt_svc=None, respond_now=getattr(app, "respond_now", None))
         self._ssl = ssl_server_context(files, client_cert_optional=settings.client_cert_optional)
         self._lifespan = Lifespan(app) if lifespan else None
         self._server: asyncio.Server | None = None

@@ -460,6 +460,12 @@ class Holder:
             digest = container.repr_digest()
         return Fetched(container, digest, self._max_age(rep, self._clock()), tier)
 
+    def served_size(self, compat_id: bytes, scope_id: bytes, block_key: bytes) -> int | None:
+        """The octets of the block's stored container, or None when no replica is held. No check runs: a server
+        uses it only to choose how to serve a GET (:meth:`fetch` then checks and answers), never as an answer."""
+        rep = self.replica(BlockId(bytes(compat_id), bytes(scope_id), bytes(block_key)))
+        return rep.meta.size if rep is not None else None
+
     def read(self, principal: Principal, compat_id: bytes, scope_id: bytes, block_key: bytes,
              layers: tuple[int, int] | None = None) -> EncodedContainer:
         """What :meth:`fetch` checks and returns, without the representation digest: for transports that carry

@@ -130,6 +130,15 @@ class HolderWorker:
         self._served(block)
         return Fetched(container, digest, self._max_age(stored_at), tier)
 
+    def served_size(self, compat_id: bytes, scope_id: bytes, block_key: bytes) -> int | None:
+        """The octets of the block's container in the shared host tier, or None (not there, or unreadable: the
+        ASGI path then serves and reports it). As :meth:`Holder.served_size`: no check, only to choose a path."""
+        try:
+            mapped = self.host.get(BlockId(bytes(compat_id), bytes(scope_id), bytes(block_key)))
+        except (TierFault, ValueError, OSError):
+            return None
+        return mapped.meta.size if mapped is not None else None
+
     def read(self, principal: Principal, compat_id: bytes, scope_id: bytes, block_key: bytes,
              layers: tuple[int, int] | None = None) -> EncodedContainer:
         """What :meth:`fetch` serves, without the representation digest (MOQT; a digest mismatch is NotFound,
