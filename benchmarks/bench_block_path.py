@@ -13,6 +13,12 @@
 * ceiling: a blocking ``ssl`` socket server (thread per connection, same CPU as the holder, same dev
   certificates, mutual TLS 1.3) and blocking socket clients (threads) moving the same octets over kept-open
   connections, with no HTTP and no digests.
+* floor (``asyncio tls``): the same exchange on the event loop's own TLS transport -- an
+  ``asyncio.BufferedProtocol`` server in its own process (same CPU as the holder) and client in this one, no HTTP,
+  no digests, GET answers written as 1 MiB views, bodies received straight into touched buffers: the least any
+  asyncio program (the holder and the client are ones) spends on these octets here.
+* diagnostic (``ours h1, digests unchecked``, GET only): our HTTP/1.1 GET received into a buffer with no decoder and
+  no SHA-256, which the spec requires of a client: it shows what the two digest passes cost.
 
 Every cell runs its subjects alternately for several rounds and reports medians: aggregate MB/s (c clients, each
 issuing requests back to back), the p50 latency of one request, and the CPU milliseconds per request of the
@@ -45,6 +51,7 @@ import httpx
 
 from http3.body_sink import copy_into
 from http3.client import KvspClient
+from http3.h1_client import IntoBuffer
 from kvsp_quic import container as c
 from kvsp_quic.app import event_loop
 from kvsp_quic.compat import CompatDescriptor
@@ -55,6 +62,9 @@ from quic.tls import TlsFiles, TransportSettings, ssl_client_context, ssl_server
 SCOPE = bytes.fromhex("6d1c6481cd428737da312c089db3832a")
 SIZES = {"256k": (1, 64), "1m": (2, 128), "16m": (32, 128)}  # (layers, block tokens): 8 heads x 128 dims, bf16
 SETTINGS = TransportSettings()
+MTLS = "mtls socket"  # the ceiling: blocking sockets, mutual TLS, no HTTP, no digests
+FLOOR = "asyncio tls"  # the floor of any asyncio program: the same exchange on the event loop's TLS transport
+UNCHECKED = "ours h1, digests unchecked"  # diagnostic: our GET with the body's digests not computed
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -152,6 +162,118 @@ class RawClient:
         self.conn.close()
 
 
+
+# -- the asyncio floor: the same raw exchange, but on the event loop's TLS transport ----------------------------
+
+
+_PIECE = 1 << 20  # the floor server writes a GET answer in views of this size, as the holder does
+
+
+class _FloorServer(asyncio.BufferedProtocol):
+    """The raw protocol of :func:`_raw_connection` on the event loop's TLS transport, with nothing else: no HTTP,
+    no digests. A GET answer leaves in 1 MiB views of one preallocated buffer, a PUT body is received into
+    another (both touched once, as a full holder's recycled buffers are)."""
+
+    payload = memoryview(bytes(17 << 20))
+    sink = memoryview(bytearray(17 << 20))
+
+    def __init__(self) -> None:
+        self.head = bytearray()
+        self.head_view = memoryview(bytearray(64))
+        self.left = 0  # PUT body octets still to come
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.sink[:self.left] if self.left else self.head_view
+
+    def buffer_updated(self, nbytes: int) -> None:
+        assert self.transport is not None
+        if self.left:
+            self.left -= nbytes
+            if not self.left:
+                self.transport.write(b"k")
+            return
+        self.head += self.head_view[:nbytes]
+        if len(self.head) < 9:
+            return
+        n = int.from_bytes(self.head[1:9], "big")
+        op, rest = self.head[:1], len(self.head) - 9  # a PUT head's read may hold the body's first octets
+        self.head = bytearray()
+        if op == b"G":
+            self.transport.writelines([self.payload[i:min(i + _PIECE, n)] for i in range(0, n, _PIECE)])
+        elif rest >= n:
+            self.transport.write(b"k")
+        else:
+            self.left = n - rest
+
+
+def serve_floor(cert_dir: str, name: str, loop_choice: str) -> None:
+    async def run() -> None:
+        ctx = ssl_server_context(TlsFiles.in_dir(cert_dir, name), alpn=("raw",))
+        server = await asyncio.get_running_loop().create_server(_FloorServer, "127.0.0.1", 0, ssl=ctx)
+        print(json.dumps({"port": server.sockets[0].getsockname()[1]}), flush=True)
+        await asyncio.Event().wait()
+
+    event_loop.run(run(), loop_choice)
+
+
+class FloorClient(asyncio.BufferedProtocol):
+    """One kept-open connection on the event loop's TLS transport: a GET is received straight into the caller's
+    buffer, a PUT body written in 1 MiB views (the client-side twin of :class:`_FloorServer`)."""
+
+    payload = memoryview(bytes(17 << 20))
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.into: memoryview | None = None
+        self.got = 0
+        self.waiter: asyncio.Future[None] | None = None
+        self.spare = memoryview(bytearray(64))
+
+    @classmethod
+    async def connect(cls, port: int, files: TlsFiles) -> FloorClient:
+        ctx = ssl_client_context(files, alpn=("raw",))
+        _, protocol = await asyncio.get_running_loop().create_connection(cls, "127.0.0.1", port, ssl=ctx,
+                                                                         server_hostname="127.0.0.1")
+        return protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.into[self.got:] if self.into is not None else self.spare
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.got += nbytes
+        if self.into is not None and self.got >= len(self.into) and self.waiter is not None:
+            self.waiter.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(ConnectionError("floor server closed the connection"))
+
+    async def _exchange(self, request: list[memoryview | bytes], into: memoryview) -> None:
+        assert self.transport is not None
+        self.into, self.got = into, 0
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.writelines(request)
+        await self.waiter
+
+    async def get(self, n: int, into: memoryview) -> None:
+        await self._exchange([b"G" + n.to_bytes(8, "big")], into[:n])
+
+    async def put(self, n: int) -> None:
+        body = [self.payload[i:min(i + _PIECE, n)] for i in range(0, n, _PIECE)]
+        await self._exchange([b"P" + n.to_bytes(8, "big"), *body], self.spare[:1])
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
 class HttpxH1:
     """The TCP path as KvspClient had it before http3.h1_client: httpx over HTTP/1.1 (``--before``)."""
 
@@ -184,9 +306,10 @@ class HttpxH1:
 
 class Bench:
     def __init__(self, work: Path, holder: subprocess.Popen[str], ready: dict[str, Any], raw: subprocess.Popen[str],
-                 raw_port: int) -> None:
+                 raw_port: int, floor: subprocess.Popen[str], floor_port: int) -> None:
         self.work = work
-        self.holder, self.raw = holder, raw
+        self.holder, self.raw, self.floor = holder, raw, floor
+        self.floor_port = floor_port
         self.base = ready["base_uri"]
         self.files = TlsFiles.of(ready["ca"], ready["client_cert"], ready["client_key"])
         self.raw_port = raw_port
@@ -225,14 +348,32 @@ class Bench:
         if decoder.repr_digest != stated:  # spec, Block Retrieval and Storage: "Clients MUST verify Repr-Digest"
             raise RuntimeError("GET: Repr-Digest does not match the body")
 
+    async def get_unchecked(self, client: Any, size: str, key: bytes, into: memoryview) -> None:
+        """The GET of :data:`UNCHECKED`: the body into *into* and nothing else (a diagnostic: no decoder, no
+        digest, which the spec requires of a real client)."""
+        sink = IntoBuffer(into)
+        async with client.stream("GET", self.url(size, key)) as response:
+            if response.status != 200:
+                raise RuntimeError(f"GET {size}: {response.status}")
+            await response.receive_into(sink)
+        if sink.filled != len(self.bodies[size]):
+            raise RuntimeError("GET: incomplete body")
+
     async def _round(self, subject: str, op: str, size: str, conc: int, per_client: int, n_bytes: int,
-                     raws: list[RawClient], intos: list[memoryview], client: Any,
+                     raws: list[RawClient], floors: list[FloorClient], intos: list[memoryview], client: Any,
                      key: bytes) -> tuple[float, float, float, float]:
         """One round of one subject: (MB/s, p50 ms, client CPU ms per op, server CPU ms per op)."""
         lat: list[float] = []
-        server_pid = self.raw.pid if client is None else self.holder.pid
+        server_pid = {MTLS: self.raw.pid, FLOOR: self.floor.pid}.get(subject, self.holder.pid)
         s0, c0, t0 = cpu_seconds(server_pid), time.process_time(), time.perf_counter()
-        if client is None:
+        if subject == FLOOR:
+            async def floor(i: int) -> None:
+                for _ in range(per_client):
+                    t = time.perf_counter()
+                    await (floors[i].get(n_bytes, intos[i]) if op == "get" else floors[i].put(n_bytes))
+                    lat.append(time.perf_counter() - t)
+            await asyncio.gather(*(floor(i) for i in range(conc)))
+        elif subject == MTLS:
             def run(i: int) -> None:
                 for _ in range(per_client):
                     t = time.perf_counter()
@@ -244,7 +385,9 @@ class Bench:
             async def one(i: int) -> None:
                 for _ in range(per_client):
                     t = time.perf_counter()
-                    if op == "get":
+                    if op == "get" and subject == UNCHECKED:
+                        await self.get_unchecked(client, size, key, intos[i])
+                    elif op == "get":
                         await self.get_block(client, size, key, intos[i])
                     else:
                         await self.put_block(client, size, self.new_key())
@@ -262,6 +405,7 @@ class Bench:
         key = self.get_key[size]
         results: dict[str, list[tuple[float, float, float, float]]] = {s: [] for s in subjects}
         raws = [RawClient(self.raw_port, self.files) for _ in range(conc)]
+        floors = [await FloorClient.connect(self.floor_port, self.files) for _ in range(conc)]
         intos = [memoryview(bytearray(n_bytes)) for _ in range(conc)]
         for b in intos:  # touch the buffers once
             b[:] = bytes(n_bytes)
@@ -269,10 +413,13 @@ class Bench:
             for _ in range(rounds + 1):  # the first round warms up and is dropped
                 for subject in subjects:
                     results[subject].append(await self._round(
-                        subject, op, size, conc, per_client, n_bytes, raws, intos, clients.get(subject), key))
+                        subject, op, size, conc, per_client, n_bytes, raws, floors, intos, clients.get(subject),
+                        key))
         finally:
             for r in raws:
                 r.close()
+            for f in floors:
+                f.close()
         out: dict[str, dict[str, float]] = {}
         for subject, rows in results.items():
             rows = rows[1:]
@@ -285,7 +432,7 @@ async def main_async(args: argparse.Namespace) -> None:
     sizes = args.sizes.split(",")
     ops = args.ops.split(",")
     concs = [int(x) for x in args.conc.split(",")]
-    subjects = ["mtls socket", "ours h1", *([] if args.no_h3 else ["ours h3"]),
+    subjects = [MTLS, FLOOR, "ours h1", *([] if args.no_h3 else ["ours h3"]),
                 *(["httpx h1 (before)"] if args.before else [])]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -310,17 +457,21 @@ async def main_async(args: argparse.Namespace) -> None:
                                 server_name], stdout=subprocess.PIPE, text=True)
         assert raw.stdout is not None
         raw_port = json.loads(raw.stdout.readline())["port"]
+        floor = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_block_path", "--serve-floor", str(cert_dir),
+                                  server_name, "--event-loop", args.event_loop], stdout=subprocess.PIPE, text=True)
+        assert floor.stdout is not None
+        floor_port = json.loads(floor.stdout.readline())["port"]
         if not args.no_pin and len(os.sched_getaffinity(0)) >= 2:
-            for pid in (holder.pid, raw.pid):
+            for pid in (holder.pid, raw.pid, floor.pid):
                 os.sched_setaffinity(pid, {0})
             os.sched_setaffinity(0, {int(x) for x in args.client_cpus.split(",")})
-        bench = Bench(work, holder, ready, raw, raw_port)
+        bench = Bench(work, holder, ready, raw, raw_port, floor, floor_port)
         rows: list[str] = []
         try:
             h1 = KvspClient(bench.files, prefer="tcp", timeout=120)
             h3 = KvspClient(bench.files, timeout=120, settings=SETTINGS)
             before = HttpxH1(bench.files)
-            clients: dict[str, Any] = {"ours h1": h1, "ours h3": h3, "httpx h1 (before)": before}
+            clients: dict[str, Any] = {"ours h1": h1, UNCHECKED: h1, "ours h3": h3, "httpx h1 (before)": before}
             for size in sizes:
                 bench.blocks[size] = block(descriptor(size), 1)
                 bench.bodies[size] = bench.blocks[size].tobytes()
@@ -332,8 +483,9 @@ async def main_async(args: argparse.Namespace) -> None:
             for op in ops:
                 for size in sizes:
                     for conc in concs:
-                        res = await bench.cell(op, size, conc, args.rounds, clients, subjects)
-                        base = res["mtls socket"]["mbps"]
+                        res = await bench.cell(op, size, conc, args.rounds, clients,
+                                               [*subjects, UNCHECKED] if op == "get" else subjects)
+                        base = res[MTLS]["mbps"]
                         for subject, r in res.items():
                             row = (f"| {op} | {size} | {conc} | {subject} | {r['mbps']:.0f} | {r['p50_ms']:.2f} | "
                                    f"{r['client_cpu_ms']:.2f} | {r['server_cpu_ms']:.2f} | {r['mbps'] / base:.2f} |")
@@ -343,10 +495,10 @@ async def main_async(args: argparse.Namespace) -> None:
             await h3.aclose()
             await before.aclose()
         finally:
-            holder.terminate()
-            raw.terminate()
-            holder.wait()
-            raw.wait()
+            for process in (holder, raw, floor):
+                process.terminate()
+            for process in (holder, raw, floor):
+                process.wait()
             bench.pool.shutdown()
 
 
@@ -366,9 +518,13 @@ def main() -> None:
     p.add_argument("--client-cpus", default="1", help="the CPUs of this (the client) process; 0,1 lets the client's "
                    "threads use the servers' CPU too (the servers stay on CPU 0)")
     p.add_argument("--serve-raw", nargs=2, metavar=("CERT_DIR", "NAME"), help=argparse.SUPPRESS)
+    p.add_argument("--serve-floor", nargs=2, metavar=("CERT_DIR", "NAME"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_raw:
         serve_raw(*args.serve_raw)
+        return
+    if args.serve_floor:
+        serve_floor(*args.serve_floor, args.event_loop)
         return
     event_loop.run(main_async(args), args.event_loop)
 
