@@ -278,6 +278,30 @@ def test_leases_need_every_key_and_respect_quotas(make, d: CompatDescriptor) -> 
     assert len(h.leases) == 0
 
 
+
+def test_stored_octets_per_owner_follow_every_change(make, d: CompatDescriptor) -> None:  # type: ignore[no-untyped-def]
+    """The per-principal totals the storage quota reads (kept as running sums, not summed per upload: that was
+    O(replicas) per PUT) match the replicas each principal holds after stores, evictions and withdrawals."""
+    size = len(body(d, 1))
+    h = make(host_capacity=3 * size)
+
+    def held(who: Principal) -> int:
+        return sum(size for n in range(1, 9)
+                   if h.replica(bid(d, n)) is not None and h._owner.get(bid(d, n)) == who.identity)
+
+    for n, who in ((1, ALICE), (2, BOB), (3, ALICE)):
+        put(h, d, n, who)
+    assert h.stored_by(ALICE.identity) == (2 * size, 0) and h.stored_by(BOB.identity) == (size, 0)
+    put(h, d, 4, BOB)  # the tier is full: its coldest replica is evicted
+    put(h, d, 5, ALICE)
+    for who in (ALICE, BOB):
+        assert h.stored_by(who.identity)[0] == held(who)
+    assert h.stored_by(ALICE.identity)[0] + h.stored_by(BOB.identity)[0] == 3 * size
+    for n in range(1, 6):
+        h._drop(bid(d, n))
+    assert h.stored_by(ALICE.identity) == h.stored_by(BOB.identity) == (0, 0)
+    assert not h._owned and not h._owned_octets
+
 # -- faults ---------------------------------------------------------------------------------------------------------
 
 

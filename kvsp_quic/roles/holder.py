@@ -219,6 +219,7 @@ class Holder:
         self._expiries: list[tuple[float, BlockId]] = []  # retention limits (heap; stale entries skipped)
         self._owner: dict[BlockId, str] = {}  # the principal that stored each replica (storage quotas)
         self._owned: dict[str, dict[BlockId, int]] = {}  # per principal: its replicas' sizes, oldest first
+        self._owned_octets: collections.Counter[str] = collections.Counter()  # per principal: their sum
         self._uploading: collections.Counter[str] = collections.Counter()  # octets reserved by uploads under way
         self.metrics: collections.Counter[str] = collections.Counter()
 
@@ -338,7 +339,7 @@ class Holder:
 
     def stored_by(self, owner: str) -> tuple[int, int]:
         """(octets of replicas *owner* stored here, octets its uploads under way have reserved)."""
-        return sum(self._owned.get(owner, {}).values()), self._uploading[owner]
+        return self._owned_octets[owner], self._uploading[owner]
 
     def reserve_upload(self, upload: BlockUpload, owner: str, size: int) -> Callable[[], Any]:
         """Count *size* octets of an upload under way against *owner*'s quota, before its buffer is allocated
@@ -384,16 +385,19 @@ class Holder:
                                       f"{size} more exceed its quota of {quota}")
 
     def _own(self, block: BlockId, owner: str, size: int) -> None:
+        self._disown(block)  # a replaced replica's octets are no longer anyone's
         self._owner[block] = owner
         self._owned.setdefault(owner, {})[block] = size
+        self._owned_octets[owner] += size
 
     def _disown(self, block: BlockId) -> None:
         owner = self._owner.pop(block, None)
         if owner is not None:
             owned = self._owned[owner]
-            owned.pop(block, None)
+            self._owned_octets[owner] -= owned.pop(block, 0)
             if not owned:
                 del self._owned[owner]
+                del self._owned_octets[owner]
 
     def _commit(self, block: BlockId, header: ContainerHeader, layer_digests: tuple[bytes, ...],
                 data: memoryview, allocation: Any = None, *, owner: str | None = None,
