@@ -248,12 +248,12 @@ def controller_app(service: IndexService, pc: ControllerService, policy: Policy,
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with running(sweeper(service, sweep_interval, sweep_limit) if sweep_interval else None,
-                           pc.run(tick_interval), liveness_sync(service)):
-            try:
+        try:
+            async with running(sweeper(service, sweep_interval, sweep_limit) if sweep_interval else None,
+                               pc.run(tick_interval), liveness_sync(service)):
                 yield
-            finally:
-                await pc.aclose()
+        finally:  # the ticker is stopped first: a replica going away starts no migration while it closes
+            await pc.aclose()
 
     on_status = pc.report_status if pc.shared is None else pc.report_status_shared
     routes = index_routes(service, max_body_bytes=max_body_bytes, report_status=on_status, metrics=registry)

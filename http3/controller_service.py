@@ -96,6 +96,7 @@ class ControllerService:
         self._locks: dict[uuid.UUID, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[bool]] = set()
         self._migrating: set[uuid.UUID] = set()
+        self._closing = False  # aclose() began: no migration starts any more
         self.maps = ShardMaps(role, link, shared, self.replica)  # the shard maps and their resharding
 
     # -- the shared store (several replicas): read before a decision, write after it ------------------------------
@@ -619,6 +620,8 @@ class ControllerService:
         assert self.shared is not None
         await self.refresh()
         due = await self.shared.candidates(self._failed_run)
+        if self._closing:
+            return []
         started = [self._spawn(i, self.migrate_shared(i)) for i in due if i not in self._migrating]
         for session_id in [i for i, lock in self._locks.items() if i not in self._migrating and not lock.locked()]:
             del self._locks[session_id]
@@ -626,6 +629,8 @@ class ControllerService:
 
     def tick(self) -> list[asyncio.Task[bool]]:
         """Start the migrations that are due (each in its own task, returned) and forget old sessions."""
+        if self._closing:
+            return []
         started = [self._spawn(s.id, self.migrate(s)) for s in self.role.tick() if s.id not in self._migrating]
         for session_id in [i for i, lock in self._locks.items() if i not in self.role.sessions and not lock.locked()]:
             del self._locks[session_id]
@@ -661,11 +666,16 @@ class ControllerService:
                     await self.kick.wait()
 
     async def aclose(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        """Stop: no migration starts from now on (a replica that is going away must not begin one it cannot
+        finish), and those under way are cancelled and awaited."""
+        self._closing = True
+        while self._tasks:
+            tasks = list(self._tasks)
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     # -- resharding (http3/controller_maps.py) ---------------------------------------------------------------------
 
