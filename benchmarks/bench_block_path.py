@@ -310,6 +310,7 @@ class Bench:
         self.work = work
         self.holder, self.raw, self.floor = holder, raw, floor
         self.floor_port = floor_port
+        self.per_client: int | None = None  # requests per client and round (None: ~64 MiB of blocks per round)
         self.base = ready["base_uri"]
         self.files = TlsFiles.of(ready["ca"], ready["client_cert"], ready["client_key"])
         self.raw_port = raw_port
@@ -401,7 +402,7 @@ class Bench:
     async def cell(self, op: str, size: str, conc: int, rounds: int, clients: dict[str, Any],
                    subjects: list[str]) -> dict[str, dict[str, float]]:
         n_bytes = len(self.bodies[size])
-        per_client = max(2, min(64, (64 << 20) // (n_bytes * conc)))
+        per_client = self.per_client or max(2, min(64, (64 << 20) // (n_bytes * conc)))
         key = self.get_key[size]
         results: dict[str, list[tuple[float, float, float, float]]] = {s: [] for s in subjects}
         raws = [RawClient(self.raw_port, self.files) for _ in range(conc)]
@@ -466,6 +467,7 @@ async def main_async(args: argparse.Namespace) -> None:
                 os.sched_setaffinity(pid, {0})
             os.sched_setaffinity(0, {int(x) for x in args.client_cpus.split(",")})
         bench = Bench(work, holder, ready, raw, raw_port, floor, floor_port)
+        bench.per_client = args.per_client
         rows: list[str] = []
         try:
             h1 = KvspClient(bench.files, prefer="tcp", timeout=120)
@@ -509,6 +511,8 @@ def main() -> None:
     p.add_argument("--conc", default="1,8")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-h3", action="store_true", help="only the TCP path and the ceiling")
+    p.add_argument("--per-client", type=int, help="requests per client and round (default: about 64 MiB of blocks "
+                   "per round, at most 64 requests); more makes steadier per-request CPU figures")
     p.add_argument("--host-capacity", default="2GiB",
                    help="the holder's host tier; a small one (e.g. 64MiB) makes PUTs evict, as a full holder does")
     p.add_argument("--before", action="store_true", help="also httpx over HTTP/1.1, the TCP path before")
