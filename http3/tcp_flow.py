@@ -79,6 +79,18 @@ class WriteFlow:
                 waiter.set_exception(ClientDisconnected("connection lost"))
         self._drain_waiters.clear()
 
+    @property
+    def write_paused(self) -> bool:
+        """The transport holds more than its high-water mark: writers wait (:meth:`writable`, :meth:`drain`)."""
+        return self._write_paused
+
+    async def writable(self) -> None:
+        """Return once the transport is not paused. Unlike :meth:`drain` it waits again when another writer woken
+        by the same resume filled the transport first: with many streams waiting (HTTP/2), each writes only while
+        the buffer is below its high-water mark, so a peer that reads nothing holds about one batch beyond it."""
+        while self._write_paused:
+            await self.drain()
+
     async def drain(self) -> None:
         """Return once the transport takes more data; a peer that stops reading for the idle timeout is cut."""
         if not self._write_paused:

@@ -504,6 +504,9 @@ class _Stream:
             if sent < total and window <= 0:
                 await self._wait_window()
                 continue
+            if sent < total and conn.write_paused:  # other streams filled the transport: wait for it to drain
+                await conn.writable()
+                continue
             batch = min(total - sent, window, WRITE_BATCH)
             frame = h2c.max_outbound_frame_size
             stop = sent + batch

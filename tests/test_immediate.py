@@ -1,6 +1,7 @@
 """Block GETs answered without the ASGI exchange (http3.immediate, BlockHotPath.respond_now, tcp_h1): the same
 octets as the ASGI path, pipelining kept in order, requests it must not take left to the ASGI path, and a peer
-that does not read bounded -- against real servers on 127.0.0.1 over raw TLS sockets."""
+that does not read bounded (over HTTP/1.1 pipelining and over many HTTP/2 streams) -- against real servers on
+127.0.0.1 over raw TLS sockets."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import h2.config
+import h2.connection
+import h2.events
+import h2.settings
 import pytest
 
 from http3.holder_app import holder_app
@@ -236,3 +241,41 @@ async def test_a_peer_that_does_not_read_is_bounded(pki: TestPki, servers: Serve
     conn.close()
     if path == "immediate":
         assert 0 < len(servers.spy.answers) < 64  # some answered at once, the rest once the peer read
+
+
+async def test_an_http2_peer_that_does_not_read_is_bounded(pki: TestPki, servers: Servers) -> None:
+    """32 HTTP/2 streams, each a GET of a 512 KiB block, from a peer that opens every flow-control window as wide
+    as it goes and reads nothing: each stream wrote its answer before waiting for the transport to drain, so the
+    server buffered every one (16 MiB); now a stream writes only while the transport is below its high-water mark.
+    Then the peer reads, and every answer arrives."""
+    small = servers.blocks["small"].tobytes()
+    ctx = ssl_client_context(pki.files("alice"), alpn=("h2",))
+    reader, writer = await asyncio.open_connection("127.0.0.1", servers.asgi.port, ssl=ctx,
+                                                   server_hostname="127.0.0.1")
+    conn = h2.connection.H2Connection(config=h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})
+    conn.increment_flow_control_window(2**31 - 1 - 65535)
+    streams = [1 + 2 * i for i in range(32)]
+    for stream in streams:
+        conn.send_headers(stream, [(":method", "GET"), (":scheme", "https"), (":authority", "127.0.0.1"),
+                                   (":path", block_path(SMALL))], end_stream=True)
+    writer.write(conn.data_to_send())
+    await asyncio.sleep(1.0)
+    assert servers.asgi.tcp is not None
+    (server_conn,) = servers.asgi.tcp._connections
+    buffered = _unsent(server_conn.transport)
+    assert buffered <= 3 * IMMEDIATE_MAX, buffered
+    bodies: dict[int, bytearray] = {stream: bytearray() for stream in streams}
+    ended: set[int] = set()
+    while len(ended) < len(streams):
+        data = await asyncio.wait_for(reader.read(1 << 20), 10)
+        assert data, "the server closed the connection"
+        for event in conn.receive_data(data):
+            if isinstance(event, h2.events.DataReceived):
+                bodies[event.stream_id] += event.data
+            elif isinstance(event, h2.events.StreamEnded):
+                ended.add(event.stream_id)
+        writer.write(conn.data_to_send())
+    assert all(bytes(body) == small for body in bodies.values())
+    writer.close()
