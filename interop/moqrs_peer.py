@@ -98,8 +98,18 @@ async def subscribe(args: argparse.Namespace) -> None:
         result: dict[str, Any] = {"groups": {str(g): d for g, d in groups.items()}}
         if args.fetch_last:
             last = max(groups)
-            fetched = await asyncio.wait_for(broadcast.fetch_group(args.track, last), args.timeout)
-            result["fetched"] = {str(last): [hashlib.sha256(p).hexdigest() for p in await read_group(fetched)]}
+            # moq-rs's fetch_group ends its own subscription when it returns, which can drop frames still arriving
+            # (see fetch below): a group shorter than the one read live is fetched again, at most twice more, and
+            # the attempts are reported
+            attempts = 0
+            while True:
+                attempts += 1
+                fetched = await asyncio.wait_for(broadcast.fetch_group(args.track, last), args.timeout)
+                digests = [hashlib.sha256(p).hexdigest() for p in await read_group(fetched)]
+                if len(digests) >= len(groups[last]) or attempts == 3:
+                    break
+            result["fetched"] = {str(last): digests}
+            result["fetch_attempts"] = attempts
         emit(**result)
 
 

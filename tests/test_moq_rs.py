@@ -161,8 +161,10 @@ async def test_moqrs_publisher_through_our_relay(certs: TestPki, draft: int) -> 
                 while "groups" not in got:
                     got = await json_line(subscriber)
             # every object of every live group and of the fetched group, checked against the publisher's payloads
-            for g, digests in [*got["groups"].items(), *got["fetched"].items()]:
-                assert digests == [hashlib.sha256(payload(int(g), i, 3000)).hexdigest() for i in range(4)], g
+            for kind in ("groups", "fetched"):
+                for g, digests in got[kind].items():
+                    assert digests == [hashlib.sha256(payload(int(g), i, 3000)).hexdigest() for i in range(4)], \
+                        (kind, g, got.get("fetch_attempts"))
             assert relay.metrics["upstream_subscriptions"] >= 1
             # our client: FETCH of a group the publisher still holds (moq-rs keeps the latest one), on both drafts
             # (the cross-draft case, our client on draft 14 under a draft 18 publisher, is the next test)
