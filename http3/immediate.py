@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 from http3.asgi_bridge import Buffer, Headers, reason_phrase
 
@@ -35,10 +34,6 @@ class Immediate:
     body: Sequence[Buffer]
 
 
-class RespondNow(Protocol):
-    def __call__(self, method: str, path: str, query: bytes, scope: dict[str, Any]) -> Immediate | None: ...
-
-
 def h1_head(status: int, headers: Headers) -> bytes:
     """The HTTP/1.1 response head of *status* and *headers*, octet for octet as h11 writes it (names as given)."""
     lines = [b"HTTP/1.1 %d %s\r\n" % (status, reason_phrase(status))]
@@ -48,4 +43,4 @@ def h1_head(status: int, headers: Headers) -> bytes:
     return b"".join(lines)
 
 
-__all__ = ["IMMEDIATE_MAX", "Immediate", "RespondNow", "h1_head"]
+__all__ = ["IMMEDIATE_MAX", "Immediate", "h1_head"]

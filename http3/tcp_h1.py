@@ -202,7 +202,10 @@ class H1Connection(WriteFlow, asyncio.BufferedProtocol):
         self._discarding = False
         self._discarded = 0
         headers: Headers = list(event.headers)  # h11 lowercases names
-        if self.ctx.respond_now is not None and self._respond_now(event, headers):
+        # h11 bounds only a head that arrives in pieces (max_incomplete_event_size), not one read whole
+        head_too_big = (len(event.target) + sum(len(k) + len(v) + 4 for k, v in headers)
+                        > self.settings.max_header_bytes)
+        if self.ctx.respond_now is not None and not head_too_big and self._respond_now(event, headers):
             return False  # answered; the next request, if one is in, is parsed by a fresh h11
         body = RequestBody(self.ctx, self._on_consumed, self._on_body_wait)
         scope = http_scope(self.ctx, http_version=event.http_version.decode("ascii"),
@@ -214,8 +217,7 @@ class H1Connection(WriteFlow, asyncio.BufferedProtocol):
         if not any(name == b"transfer-encoding" for name, _ in headers):
             length = next((value for name, value in headers if name == b"content-length"), None)
             declared = int(length) if length is not None else None  # h11 checked the digits
-        if len(event.target) + sum(len(k) + len(v) + 4 for k, v in headers) > self.settings.max_header_bytes:
-            # h11 bounds only a head that arrives in pieces (max_incomplete_event_size), not one read whole
+        if head_too_big:
             self._must_close = True
             self._track(exchange.reject(431))
         elif declared is not None and declared > self.settings.max_body_bytes:
@@ -237,7 +239,6 @@ class H1Connection(WriteFlow, asyncio.BufferedProtocol):
         if it has the answer at hand: the response is written at once, and h11 starts afresh after it."""
         if (event.method != b"GET" or event.http_version != b"1.1" or self.closing or self._must_close
                 or self._write_paused
-                or len(event.target) + sum(len(k) + len(v) + 4 for k, v in headers) > self.settings.max_header_bytes
                 or any(name in _NOT_IMMEDIATE or (name == b"connection" and b"close" in value.lower())
                        for name, value in headers)):
             return False
