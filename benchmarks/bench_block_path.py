@@ -52,8 +52,8 @@ import httpx
 from http3.body_sink import copy_into
 from http3.client import KvspClient
 from http3.h1_client import IntoBuffer
+from kvsp_app import event_loop
 from kvsp_quic import container as c
-from kvsp_quic.app import event_loop
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.repr_digest import parse_repr_digest
 from kvsp_quic.samples import random_sections
@@ -442,7 +442,7 @@ async def main_async(args: argparse.Namespace) -> None:
             p = work / f"d-{size}.json"
             p.write_text(json.dumps(descriptor(size).to_json()))
             paths.append(p)
-        cmd = [sys.executable, "-c", "import sys; from kvsp_quic.app.cli import main; sys.exit(main())",
+        cmd = [sys.executable, "-c", "import sys; from kvsp_app.cli import main; sys.exit(main())",
                "holder", "--dev", str(work / "dev"),
                "--host-capacity", args.host_capacity,
                "--workers", "1",  # one process: pinned, its CPU read (bench_workers scales)
@@ -517,7 +517,7 @@ def main() -> None:
                    help="the holder's host tier; a small one (e.g. 64MiB) makes PUTs evict, as a full holder does")
     p.add_argument("--before", action="store_true", help="also httpx over HTTP/1.1, the TCP path before")
     p.add_argument("--event-loop", default="auto", choices=event_loop.CHOICES,
-                   help="the loop of the holder and of this client (kvsp_quic/app/event_loop.py; auto: uvloop)")
+                   help="the loop of the holder and of this client (kvsp_app/event_loop.py; auto: uvloop)")
     p.add_argument("--no-pin", action="store_true", help="do not pin the processes to CPUs 0 and 1")
     p.add_argument("--client-cpus", default="1", help="the CPUs of this (the client) process; 0,1 lets the client's "
                    "threads use the servers' CPU too (the servers stay on CPU 0)")

@@ -44,18 +44,18 @@ from benchmarks.bench_prefill import model_config
 from benchmarks.bench_ttft import GREEDY
 from benchmarks.processes import Proc as ProcessProc
 from gpu.modelfiles import derive_descriptor, write_random_model
-from http3.api import KvspApi, Miss
 from http3.client import KvspClient
-from http3.instance_blocks import restrict
-from http3.retrieval import BlockFetcher
+from kvsp_app.serve import read_scope_key
+from kvsp_client.api import KvspApi, Miss
+from kvsp_client.retrieval import BlockFetcher
 from kvsp_moqt.source import MoqtSource, PreferMoqt
-from kvsp_quic.app.serve import read_scope_key
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.fields import BlockKey, CompatId, ScopeId
 from kvsp_quic.keys import BlockKeyer, scope_id
 from kvsp_quic.records import LookupMatch, LookupRequest, PrefetchBlock
 from kvsp_quic.roles.controller_records import SessionStart
 from kvsp_quic.roles.status import endpoint
+from kvsp_runtime.instance_blocks import restrict
 from moqt.aio import MoqtPool
 from quic.tls import TlsFiles
 

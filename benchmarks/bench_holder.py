@@ -36,8 +36,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from benchmarks.bench_h3 import DATAGRAM, SETTINGS, add_datagram_argument, per_datagram, raw_transfer
 from benchmarks.bench_h3 import start_server as start_raw_server
 from http3.client import KvspClient
-from http3.holder_app import holder_app
 from http3.server import RoleServer
+from kvsp_http.holder_app import holder_app
 from kvsp_quic import container as c
 from kvsp_quic.auth import ALL, Policy, Principal, Role
 from kvsp_quic.compat import CompatDescriptor

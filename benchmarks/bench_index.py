@@ -6,7 +6,7 @@
 
 * lookup of 8192 keys in-process (memory store, every key a hit), against a plain ``dict.get`` loop over the
   same keys: the chain walk alone, then with the matches rebuilt as ReplicaRecords, then the role's whole
-  lookup, then with the JSON body written from those records (``http3.index_app.lookup_body``), then that body
+  lookup, then with the JSON body written from those records (``kvsp_http.index_app.lookup_body``), then that body
   written by the store without building records (``IndexService.lookup_json``, what the HTTP edge sends); the
   role lookup and the store's JSON again from a store without a recent table (what a first lookup of entries
   costs), and the role lookup with the collector's passes not deferred;
@@ -38,7 +38,7 @@ from types import MappingProxyType
 from typing import Any
 
 from benchmarks.timing import acompare, compare
-from http3.index_app import lookup_body
+from kvsp_http.index_app import lookup_body
 from kvsp_quic import keys as k
 from kvsp_quic.auth import Policy
 from kvsp_quic.compat import InstanceState

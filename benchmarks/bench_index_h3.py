@@ -51,7 +51,7 @@ async def run(records: int, reps: int) -> list[tuple[str, str, str, float, str]]
     recs = [record(i) for i in range(records)]
     keys = [r.block_key for r in recs]
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.Popen([sys.executable, "-m", "kvsp_quic", "index", "--dev", tmp, "--log-level", "ERROR"],
+        proc = subprocess.Popen([sys.executable, "-m", "kvsp_app", "index", "--dev", tmp, "--log-level", "ERROR"],
                                 stdout=subprocess.PIPE, text=True)
         try:
             assert proc.stdout is not None

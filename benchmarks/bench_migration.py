@@ -7,7 +7,7 @@ Processes (``--dev`` with one directory: mutual TLS with the dev CA, 127.0.0.1):
 Service with the Placement Controller; ``--redis URL``: ``--store redis`` on that server) and three
 ``kvsp-quic instance --device cpu`` of a tiny random model (4 layers, hidden 64, vocabulary 256; blocks of 4
 tokens, a checkpoint every 4 tokens, status TTL ``--status-ttl-ms``). The front end is
-:class:`http3.frontend_session.Frontend` in this process, as ``kvsp-quic frontend`` runs it.
+:class:`kvsp_frontend.session.Frontend` in this process, as ``kvsp-quic frontend`` runs it.
 
 Each round creates a session (alternately greedy and seeded top-p, whose tokens wait for acknowledged
 checkpoints), reads its tokens, SIGKILLs the instance serving it after a random 12-27 tokens, and measures from
@@ -45,9 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.processes import Proc
-from http3.api import ServiceEndpoints
 from http3.client import KvspClient
-from http3.frontend_session import Completion, Frontend
+from kvsp_client.api import ServiceEndpoints
+from kvsp_frontend.session import Completion, Frontend
 from kvsp_quic.frontend import SamplingRequest
 from kvsp_quic.keys import BlockKeyer
 from quic.tls import TlsFiles

@@ -48,12 +48,12 @@ from gpu.kvcache import PagedKVCache
 from gpu.model import LlamaModel
 from gpu.modelfiles import ModelConfig, write_random_model
 from gpu.prefill import PrefillTrace, prefill, preloaded
-from http3.api import KvspApi
 from http3.client import KvspClient
-from http3.holder_app import holder_app
-from http3.index_app import index_app
-from http3.retrieval import BlockFetcher
 from http3.server import RoleServer
+from kvsp_client.api import KvspApi
+from kvsp_client.retrieval import BlockFetcher
+from kvsp_http.holder_app import holder_app
+from kvsp_http.index_app import index_app
 from kvsp_quic import container as c
 from kvsp_quic.auth import Policy
 from kvsp_quic.compat import CompatDescriptor

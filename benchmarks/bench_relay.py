@@ -137,7 +137,7 @@ idle_timeout = {SETTINGS.idle_timeout}
 cache_bytes = {2 << 30}
 open_prefixes = ["moq-test"]
 ''')
-    proc = subprocess.Popen([sys.executable, "-m", "kvsp_quic", "relay", "--config", str(config), "--log-level",
+    proc = subprocess.Popen([sys.executable, "-m", "kvsp_app", "relay", "--config", str(config), "--log-level",
                              "WARNING"], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     ready = json.loads(proc.stdout.readline())

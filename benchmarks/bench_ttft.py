@@ -52,9 +52,9 @@ from benchmarks.bench_h3 import SETTINGS
 from benchmarks.bench_prefill import model_config
 from benchmarks.processes import Proc
 from gpu.modelfiles import derive_descriptor, write_random_model
-from http3.api import KvspApi
 from http3.client import KvspClient
-from kvsp_quic.app.serve import read_scope_key
+from kvsp_app.serve import read_scope_key
+from kvsp_client.api import KvspApi
 from kvsp_quic.fields import BlockKey, CompatId, ScopeId
 from kvsp_quic.keys import BlockKeyer, scope_id
 from kvsp_quic.records import LookupRequest, PrefetchBlock, PrefetchDirective, PrefetchState, Sampler
@@ -133,7 +133,7 @@ async def bench(args: argparse.Namespace, tmp: Path) -> list[tuple[str, float | 
         procs["PRE"] = Proc("PRE", *common)
     others = [e for e in dict.fromkeys(args.engine or ()) if e != "reference"]
     for e in others:
-        # no Index Service: an instance looks up every block of a start that lists none (http3/instance_runs.py,
+        # no Index Service: an instance looks up every block of a start that lists none (kvsp_runtime/instance_runs.py,
         # block_inputs) and would load A's blocks (same Compatibility ID) instead of computing them
         procs[f"{e}-A"] = Proc(f"{e}-A", *alone, "--engine", e)
         procs[f"{e}-HTTP"] = Proc(f"{e}-HTTP", *common, "--engine", e, "--no-moqt")

@@ -27,7 +27,7 @@ several GETs in flight) and answers the driver in JSON lines. Two such stacks ru
 ``MOONCAKE_STORE_CHECKSUM=1`` (its per-object checksum) in the environment of all three processes of the other.
 
 Ours: ``kvsp-quic holder --dev DIR`` in its own process, and the public client API in this one --
-:class:`http3.api.KvspApi` over :class:`http3.client.KvspClient`, once over HTTP/3 and once over the TCP path
+:class:`kvsp_client.api.KvspApi` over :class:`http3.client.KvspClient`, once over HTTP/3 and once over the TCP path
 (``KvspClient(h3=False)``: HTTP/1.1 over TLS). A GET reads the container into a preallocated buffer (the
 response's ``readinto`` where the client has one, else its chunks) and checks it against the holder's
 ``Repr-Digest`` (SHA-256): verified, as Mooncake with checksums is and Mooncake without is not. A PUT sends the
@@ -78,7 +78,7 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlsplit
 
-from kvsp_quic.app import event_loop
+from kvsp_app import event_loop
 
 REPO = Path(__file__).resolve().parent.parent
 MOONCAKE_PACKAGE = "mooncake-transfer-engine-non-cuda"
@@ -330,7 +330,7 @@ def make_blocks(workdir: Path, names: list[str]) -> tuple[dict[str, Any], dict[s
 
 def start_holder(procs: Processes, workdir: Path, names: list[str], loop: str = "auto") -> dict[str, Any]:
     exe = Path(sys.executable).parent / "kvsp-quic"
-    argv = [os.fspath(exe)] if exe.exists() else [sys.executable, "-c", "from kvsp_quic.app.cli import main; main()"]
+    argv = [os.fspath(exe)] if exe.exists() else [sys.executable, "-c", "from kvsp_app.cli import main; main()"]
     # one process: the CPU figures read one pid (worker scaling is benchmarks.bench_workers)
     argv += ["holder", "--dev", os.fspath(workdir / "dev"), "--host-capacity", "4GiB", "--log-level", "WARNING",
              "--workers", "1", "--event-loop", loop]
@@ -347,8 +347,8 @@ class Ours:
 
     def __init__(self, ready: dict[str, Any], descriptors: dict[str, Any], bodies: dict[str, bytes], *,
                  h3: bool) -> None:
-        from http3.api import KvspApi
         from http3.client import KvspClient
+        from kvsp_client.api import KvspApi
         from quic.tls import TlsFiles
 
         files = TlsFiles.of(ready["ca"], ready["client_cert"], ready["client_key"])
@@ -366,7 +366,7 @@ class Ours:
         await self.api.put_block(self.base, d.compat_id, SCOPE, key, self.bodies[name])
 
     async def get(self, name: str, key: bytes, buffer: bytearray) -> None:
-        from http3.api import Miss
+        from kvsp_client.api import Miss
 
         d, want = self.descriptors[name], self.bodies[name]
         body = await self.api.get_block(self.base, d.compat_id, SCOPE, key)
@@ -735,7 +735,7 @@ def main() -> None:
     parser.add_argument("--ops", nargs="*", metavar="OP", help='only these rows, e.g. "get 16 MiB, c8"')
     parser.add_argument("--skip", action="append", default=[], choices=SUBJECTS, help="leave out this column")
     parser.add_argument("--event-loop", default="auto", choices=event_loop.CHOICES,
-                        help="the loop of our holder and client (kvsp_quic/app/event_loop.py; auto: uvloop)")
+                        help="the loop of our holder and client (kvsp_app/event_loop.py; auto: uvloop)")
     parser.add_argument("--timeout", type=float, default=600, help="stop everything after this many seconds")
     parser.add_argument("--serve-sockets", metavar="JSON", help=argparse.SUPPRESS)
     args = parser.parse_args()

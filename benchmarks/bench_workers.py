@@ -130,7 +130,7 @@ async def _load_async(base: str, files: dict[str, str], op: str, size: str, tran
 
 
 def _start_holder(work: Path, workers: int, paths: list[Path]) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    cmd = [sys.executable, "-m", "kvsp_quic", "holder", "--dev", str(work / "dev"), "--workers", str(workers),
+    cmd = [sys.executable, "-m", "kvsp_app", "holder", "--dev", str(work / "dev"), "--workers", str(workers),
            "--host-capacity", "4GiB", "--log-level", "WARNING"]
     for p in paths:
         cmd += ["--descriptor", str(p)]

@@ -15,13 +15,13 @@ from typing import Any
 
 
 class Proc:
-    """``python -m kvsp_quic ARGS`` named *name*; :meth:`wait_ready` reads its ready line. Its log (WARNING and
+    """``python -m kvsp_app ARGS`` named *name*; :meth:`wait_ready` reads its ready line. Its log (WARNING and
     above) goes to this process's stderr, or with *log* its INFO log to that file."""
 
     def __init__(self, name: str, *args: str, log: Path | None = None) -> None:
         self.name = name
         self.log = log
-        cmd = [sys.executable, "-m", "kvsp_quic", *args, "--log-level", "WARNING" if log is None else "INFO"]
+        cmd = [sys.executable, "-m", "kvsp_app", *args, "--log-level", "WARNING" if log is None else "INFO"]
         if log is None:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         else:

@@ -14,7 +14,7 @@ timeout notices it. With a :class:`~http3.h3_client.KeepAlive` (for
 every origin: *keepalive*; for one: :meth:`KvspClient.keep_alive`) pooled HTTP/3 connections PING their peer and
 end themselves when it stops answering, so a dead or frozen peer is noticed in about a second even between requests.
 
-The typed KVSP operations and their failure semantics (miss / retry elsewhere / refused) are :mod:`http3.api`'s.
+The typed KVSP operations and their failure semantics (miss / retry elsewhere / refused) are :mod:`kvsp_client.api`'s.
 
     async with KvspClient(TlsFiles.in_dir("certs", "alice")) as client:
         response = await client.request("GET", "https://127.0.0.1:8443/blocks/...")
@@ -47,7 +47,6 @@ from http3.h3_client import (
     H3StreamError,
     KeepAlive,
 )
-from kvsp_quic.problems import Problem, problem_from_json
 from quic.rtt import STALL_FLOOR, RttTable, path_timeout
 from quic.tls import TlsFiles, TransportSettings, identity_of_der, serves, ssl_client_context
 
@@ -199,17 +198,6 @@ class Response:
             raise RuntimeError("read the body first (await response.aread())")
         return json.loads(self.content)
 
-    def problem(self) -> Problem | None:
-        """The problem this response reports (status >= 400), after the body has been read."""
-        if self.status < 400:
-            return None
-        return problem_from_json(self.status, self.content or b"")
-
-    def raise_for_problem(self) -> None:
-        problem = self.problem()
-        if problem is not None:
-            raise problem
-
 
 class KvspClient:
     """*prefer*: the transport to try first -- ``"h3"`` (the default: HTTP/3, falling back to TCP when QUIC cannot
@@ -337,7 +325,7 @@ class KvspClient:
 
         *idempotent* says whether the request may be sent again after a transport failure (default: by its
         method, :data:`IDEMPOTENT`); a streamed body is never sent twice. *retries*: how many times at most
-        (default: the client's); :class:`http3.api.ServiceEndpoints` sends once per URI and retries elsewhere."""
+        (default: the client's); :class:`kvsp_client.api.ServiceEndpoints` sends once per URI and retries elsewhere."""
         method = method.upper()
         timeout = self.timeout if timeout is None else timeout
         if retries is None:

@@ -32,13 +32,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from http3.api import KvspApi
 from http3.client import KvspClient
-from http3.retrieval import BlockFetcher, HttpSource
 from interop.drivers import NO_HEADERS, Driver, Refused, Reply, Request, Unsupported
 from interop.moqrs_drivers import NEEDS_ANNOUNCEMENT
 from interop.moqt_drivers import ALPN, MoqtDriver, OursMoqt
 from interop.servers import DEV_IDENTITY, INSTANCES
+from kvsp_client.api import KvspApi
+from kvsp_client.retrieval import BlockFetcher, HttpSource
 from kvsp_moqt.source import MoqtSource, PreferMoqt
 from kvsp_moqt.tracks import moqt_record, track_name, track_namespace
 from kvsp_quic import container

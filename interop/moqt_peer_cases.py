@@ -23,6 +23,7 @@ import socket
 import tempfile
 from pathlib import Path
 
+import kvsp_devpki as pki
 from interop.cases import CASES, CaseInfo, Env, block_of, moqt_driver, relay_metrics
 from interop.drivers import Driver, Unsupported
 from interop.moqrs_drivers import (
@@ -42,7 +43,6 @@ from kvsp_quic.keys import holder_id
 from kvsp_quic.records import ReplicaRecord, encode_moqt_namespace, kvsp_track_namespace, moqt_record
 from kvsp_quic.roles.holder import Holder, HolderSettings
 from moqt.aio import connect_moqt
-from quic import pki
 from quic.tls import TlsFiles
 
 # the in-process holder's base URI; it serves the namespaces of the dev principal's holder-id, the only ones the

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import kvsp_devpki as pki
 from kvsp_quic.samples import example_descriptor
-from quic import pki
 
 INSTANCE_URI = "https://127.0.0.1:1/interop-instance/"
 DEV_IDENTITY = pki.CLIENT_URI_PREFIX + "dev"
@@ -112,7 +112,7 @@ class Servers:
 
 def _spawn(args: list[str], logs: Path, name: str) -> subprocess.Popen[str]:
     with (logs / f"{name}.log").open("w") as err:
-        return subprocess.Popen([sys.executable, "-m", "kvsp_quic", *args, "--log-level", "INFO"],
+        return subprocess.Popen([sys.executable, "-m", "kvsp_app", *args, "--log-level", "INFO"],
                                 stdout=subprocess.PIPE, stderr=err, text=True)
 
 
@@ -134,14 +134,14 @@ def _start(servers: Servers, args: list[str], logs: Path, name: str) -> dict[str
 
 def _tool(args: list[str], logs: Path, name: str) -> None:
     with (logs / f"{name}.log").open("w") as out:
-        done = subprocess.run([sys.executable, "-m", "kvsp_quic", *args], stdout=out, stderr=subprocess.STDOUT,
+        done = subprocess.run([sys.executable, "-m", "kvsp_app", *args], stdout=out, stderr=subprocess.STDOUT,
                               timeout=120, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"kvsp-quic {' '.join(args[:2])} failed; see {logs / f'{name}.log'}")
 
 
 def _stem(role: str, base_uri: str) -> str:
-    """The name of a --dev role's certificate in the dev directory (kvsp_quic.app.serve.prepare: ROLE-PORT)."""
+    """The name of a --dev role's certificate in the dev directory (kvsp_app.serve.prepare: ROLE-PORT)."""
     return f"{role}-{urlsplit(base_uri).port}"
 
 

@@ -50,7 +50,7 @@ from quic.listener import HandlerFactory
 
 log = logging.getLogger("kvsp.moqt.holder")
 
-# Who may FETCH blocks: the readers of the HTTP block resource (http3/holder_app.py RULES, GET).
+# Who may FETCH blocks: the readers of the HTTP block resource (kvsp_http/holder_app.py RULES, GET).
 READERS = (Role.CLIENT, Role.INSTANCE, Role.HOLDER)
 
 

@@ -21,7 +21,7 @@ to the relay, and Replica Records for the blocks it caches.
   relay's identity (the holder role and its ``moqt://`` URI in ``publish_for``) and by the namespace's publisher:
   either the relay may publish for it too, or the publisher's own record of the block carries the same digests.
 * **Liveness.** From its first record on, the relay keeps a liveness record of its ``moqt://`` URI fresh at the
-  Index Service (:class:`http3.publisher.LivenessReporter`): a relay that died drops out of lookups within
+  Index Service (:class:`kvsp_runtime.publisher.LivenessReporter`): a relay that died drops out of lookups within
   *liveness_ttl_ms* instead of being advertised until its records expire (docs/wire.md, "Holder liveness and
   failure reports").
 """
@@ -36,9 +36,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from http3.api import KvspApi, ServiceEndpoints
 from http3.client import KvspClient, TransportError
-from http3.publisher import DEFAULT_LIVENESS_TTL_MS, LivenessReporter
+from kvsp_client.api import KvspApi, ServiceEndpoints
 from kvsp_moqt.tracks import KvspTrack, parse_track
 from kvsp_quic.fields import BlockKey, CompatId, ScopeId
 from kvsp_quic.keys import holder_id
@@ -50,6 +49,7 @@ from kvsp_quic.records import (
     decode_moqt_namespace,
     encode_moqt_namespace,
 )
+from kvsp_runtime.publisher import DEFAULT_LIVENESS_TTL_MS, LivenessReporter
 from moqt.aio import MoqtConnectError, MoqtConnection, MoqtPool
 from moqt.relay.cache import TrackFetch
 from moqt.types import Namespace
@@ -83,8 +83,8 @@ class IndexLink:
     # -- upstreams -----------------------------------------------------------------------------------------------
 
     async def lookup(self, track: KvspTrack) -> list[ReplicaRecord]:
-        """The replicas of *track*'s block (:class:`~http3.api.KvspApi` failure semantics: raises
-        :class:`~http3.api.RetryElsewhere` or the refusal's Problem)."""
+        """The replicas of *track*'s block (:class:`~kvsp_client.api.KvspApi` failure semantics: raises
+        :class:`~kvsp_client.api.RetryElsewhere` or the refusal's Problem)."""
         request = LookupRequest(ScopeId(track.scope_id), CompatId(track.compat_id), (BlockKey(track.block_key),))
         answer = await self.api.lookup(self.index_base, request, timeout=self.timeout)
         return [r for match in answer.blocks if match.block_key == track.block_key for r in match.replicas]

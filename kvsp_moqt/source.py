@@ -1,5 +1,5 @@
-"""The ``moqt://`` source of :class:`http3.retrieval.BlockFetcher`: a replica's layers by MOQT FETCH, with the same
-verification as HTTP, and the fallback to the ``https`` replica when MOQT is not possible.
+"""The ``moqt://`` source of :class:`kvsp_client.retrieval.BlockFetcher`: a replica's layers by MOQT FETCH, with the
+same verification as HTTP, and the fallback to the ``https`` replica when MOQT is not possible.
 
     pool = MoqtPool(files)
     fetcher = BlockFetcher(client, index_uri, descriptors=[d], ranking=PreferMoqt(),
@@ -47,7 +47,7 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
 from typing import TypeVar
 
-from http3.retrieval import Lease, SourceBody
+from kvsp_client.retrieval import Lease, SourceBody
 from kvsp_moqt.tracks import (
     LayerAssembler,
     MalformedTrack,
@@ -87,7 +87,7 @@ WARM_EVERY = 5.0  # s: how often warm() may ask the pool for a connection to one
 
 
 class MoqtSource:
-    """:class:`http3.retrieval.BlockSource` for ``moqt://`` replicas (see the module docstring)."""
+    """:class:`kvsp_client.retrieval.BlockSource` for ``moqt://`` replicas (see the module docstring)."""
 
     kind = "moqt"
 
@@ -102,8 +102,8 @@ class MoqtSource:
 
     def warm(self, record: ReplicaRecord) -> None:
         """Open (in the background) a connection to *record*'s holder if there is none, at most once every
-        :data:`WARM_EVERY` seconds per holder: :class:`http3.retrieval.BlockFetcher` warms the source it would fall
-        back to, so that a failure of the first costs no handshake."""
+        :data:`WARM_EVERY` seconds per holder: :class:`kvsp_client.retrieval.BlockFetcher` warms the source it would
+        fall back to, so that a failure of the first costs no handshake."""
         now = time.monotonic()
         if not self.handles(record) or now < self._warm_until.get(record.holder, 0.0):
             return

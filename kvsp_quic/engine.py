@@ -2,8 +2,8 @@
 types they exchange. Pure: no torch, no asyncio.
 
 ``gpu/engine.py`` implements them (:class:`gpu.engine.Engine` is an :class:`InstanceEngine`,
-:class:`gpu.engine.CacheHolder` a :class:`PageHolder`); the composition root (:mod:`kvsp_quic.app`) builds them and
-hands them to ``http3.instance_service``, which never imports ``gpu``.
+:class:`gpu.engine.CacheHolder` a :class:`PageHolder`); the composition root (:mod:`kvsp_app`) builds them and
+hands them to ``kvsp_runtime.instance_service``, which never imports ``gpu``.
 
 * :class:`PageCache` -- the engine's paged KV cache: pages named by Block Keys, referenced while in use, and
   written layer by layer as blocks arrive.

@@ -20,7 +20,7 @@ from kvsp_quic.records import Sampler
 class FrontendOptions:
     """What a front end's operator sets: the ``[frontend]`` section of ``kvsp-quic frontend``'s file is these
     fields (plus the controller, model and scope key the composition root resolves:
-    ``kvsp_quic.app.config.FrontendSection``). Durations in milliseconds; the asyncio side reads seconds."""
+    ``kvsp_app.config.FrontendSection``). Durations in milliseconds; the asyncio side reads seconds."""
 
     max_tokens: int = 4096  # the largest max_tokens a request may ask for
     failover_timeout_ms: int = 30_000  # how long a session may take to resume elsewhere after its instance failed

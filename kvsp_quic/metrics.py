@@ -3,7 +3,7 @@
 Spec, Operational Considerations: "Implementations SHOULD report lookup hit ratio, fetched versus recomputed
 tokens, lease rejections, digest failures, and migrations." Every role keeps a :class:`Registry` (a
 ``prometheus_client.CollectorRegistry``, never the library's global default one); its HTTP app serves it at
-``GET {base}metrics`` (:mod:`http3.metrics_app`: ``generate_latest``, text format 0.0.4, or OpenMetrics 1.0.0 when
+``GET {base}metrics`` (:mod:`kvsp_http.metrics_app`: ``generate_latest``, text format 0.0.4, or OpenMetrics 1.0.0 when
 the scraper's ``Accept`` asks for it).
 
     registry = Registry()

@@ -31,7 +31,7 @@ class Problem(Exception):
                  retry_after_s: int | None = None) -> None:
         super().__init__(detail)
         self.detail = detail
-        self.retry_after_s = retry_after_s  # sent as Retry-After by the HTTP edge (http3/problem_response.py)
+        self.retry_after_s = retry_after_s  # sent as Retry-After by the HTTP edge (kvsp_http/problem_response.py)
         if status is not None:
             self.status = status  # type: ignore[misc]  # instance override for generic problems
         self._type_uri = type_uri

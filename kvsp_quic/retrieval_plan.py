@@ -1,5 +1,5 @@
 """Pure logic of block retrieval (no I/O, no clock of its own): which replica to try first, how an attempt
-failed, what to remember about it. ``http3/retrieval.py`` drives it; it verifies ``Repr-Digest`` with
+failed, what to remember about it. ``kvsp_client/retrieval.py`` drives it; it verifies ``Repr-Digest`` with
 :mod:`kvsp_quic.repr_digest` (re-exported here).
 
 Spec, "Block Retrieval and Storage": clients MUST verify Repr-Digest, and, when the returned codec is the

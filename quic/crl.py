@@ -1,7 +1,7 @@
 """Revocation: a server's certificate revocation list (``[tls] crl``), checked at every handshake and request.
 
 A server role may name a CRL file (PEM, one or more ``X509 CRL`` blocks, or one DER CRL) of the CA that issues its
-peers' certificates. :class:`Revocation` holds what was read last; ``kvsp_quic.app.reload`` re-reads it on SIGHUP
+peers' certificates. :class:`Revocation` holds what was read last; ``kvsp_app.reload`` re-reads it on SIGHUP
 (:meth:`Revocation.read`, :meth:`Revocation.install`), and a file that fails to load keeps the previous list.
 
 Where it is checked:

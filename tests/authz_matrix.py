@@ -3,12 +3,13 @@ transport, the expected answer derived from the rules, the actual one requested 
 
 * **Routes** come from the rule tables the role apps install (deny by default: a route without a rule answers 404 to
   everyone, so the rules are the whole authorizable surface): the Index Service with the Placement Controller
-  (``controller_app``'s default rules, :data:`http3.index_app.INDEX_RULES` + :data:`http3.controller_app.
-  CONTROLLER_RULES`), the holder (:data:`http3.holder_app.RULES`), the instance (:data:`http3.instance_app.RULES`),
-  the relay (:data:`http3.relay_app.RULES`), each with ``GET metrics`` (:data:`http3.metrics_app.METRICS_RULE`,
-  added by ``mount_metrics``), and the front end, which has no rule table: its routes are read from its starlette
-  app (:func:`frontend_routes`) and its requirement is :mod:`http3.frontend_auth`'s (the ``client`` role and the
-  front end's scope; ``GET`` of :data:`~http3.frontend_auth.OPEN_PATHS` open to anyone).
+  (``controller_app``'s default rules, :data:`kvsp_http.index_app.INDEX_RULES` + :data:`kvsp_http.controller_app.
+  CONTROLLER_RULES`), the holder (:data:`kvsp_http.holder_app.RULES`), the instance
+  (:data:`kvsp_http.instance_app.RULES`), the relay (:data:`kvsp_http.relay_app.RULES`), each with ``GET metrics``
+  (:data:`kvsp_http.metrics_app.METRICS_RULE`, added by ``mount_metrics``), and the front end, which has no rule table:
+  its routes are read from its starlette app (:func:`frontend_routes`) and its requirement is
+  :mod:`kvsp_frontend.auth`'s (the ``client`` role and the front end's scope; ``GET`` of
+  :data:`~kvsp_frontend.auth.OPEN_PATHS` open to anyone).
 * **Principals** (:data:`KINDS`): index and controller (every scope), holder and instance (the dev scope), a
   client with the dev scope, a client with another scope, an identity of the CA that is not in the policy, a
   certificate from a foreign CA, no certificate.
@@ -52,9 +53,10 @@ from typing import Any
 
 import httpx
 
-from http3.app_kit import BLOCK_MEDIA_TYPE, JSON_MEDIA_TYPE
-from http3.authz import Rule
-from http3.frontend_auth import OPEN_PATHS
+import kvsp_devpki as pki
+from kvsp_frontend.auth import OPEN_PATHS
+from kvsp_http.app_kit import BLOCK_MEDIA_TYPE, JSON_MEDIA_TYPE
+from kvsp_http.authz import Rule
 from kvsp_quic.auth import ALL, Policy, Principal, Role
 from kvsp_quic.compat import Codec, InstanceState
 from kvsp_quic.fields import BlockKey, CompatId, ScopeId
@@ -70,7 +72,6 @@ from kvsp_quic.records import (
 )
 from kvsp_quic.roles.controller_records import SessionRequest
 from kvsp_quic.samples import example_descriptor
-from quic import pki
 from quic.tls import TlsFiles, TransportSettings, ssl_client_context
 
 TRANSPORTS = ("HTTP/1.1", "HTTP/2", "HTTP/3")
@@ -125,7 +126,7 @@ def make_principals(dev: Path) -> Principals:
     """The dev CA of *dev* (as ``--dev DIR`` makes it), a certificate for each kind of principal, a foreign CA's
     client, and the policy file: the index and the controller have every scope, the holder, the instance and
     the client the dev scope, the other client another scope."""
-    from kvsp_quic.app.serve import dev_scope_key, read_scope_key
+    from kvsp_app.serve import dev_scope_key, read_scope_key
 
     scope = scope_id(read_scope_key(dev_scope_key(dev)))
     pki.init(dev, [pki.role(NAMES[k], ROLE_URIS[k]) if k in ROLE_URIS else pki.client(NAMES[k]) for k in NAMES])
@@ -178,8 +179,8 @@ class Probe:
 
 def app_rules(app: str) -> tuple[Rule, ...]:
     """The rules of *app* exactly as the server installs them (plus ``GET metrics``, as ``mount_metrics`` adds)."""
-    from http3 import controller_app, holder_app, instance_app, relay_app
-    from http3.metrics_app import METRICS_RULE
+    from kvsp_http import controller_app, holder_app, instance_app, relay_app
+    from kvsp_http.metrics_app import METRICS_RULE
 
     if app == "index":  # run_index passes no rules: controller_app's default, the index's and the PC's
         default = inspect.signature(controller_app.controller_app).parameters["rules"].default
@@ -192,12 +193,12 @@ def app_rules(app: str) -> tuple[Rule, ...]:
 
 def frontend_routes(files: TlsFiles) -> list[tuple[str, str]]:
     """(method, path) of every route of the front end's starlette app, read from the app ``frontend_app`` builds
-    for a real :class:`~http3.frontend_session.Frontend` (never used: its client connects lazily)."""
+    for a real :class:`~kvsp_frontend.session.Frontend` (never used: its client connects lazily)."""
     from starlette.routing import Route
 
     from gpu.modelfiles import ByteTokenizer
     from http3.client import KvspClient
-    from http3.frontend_app import Frontend, frontend_app
+    from kvsp_frontend.app import Frontend, frontend_app
     from kvsp_quic.keys import BlockKeyer
 
     frontend = Frontend(KvspClient(files), "https://127.0.0.1:9/",
@@ -327,7 +328,7 @@ def expect(probe: Probe, kind: str, principals: Principals) -> bool:
 def model_dir(root: Path) -> Path:
     """A tiny random-weights model for the instance and the front end (``kvsp-quic model init``)."""
     path = root / "model"
-    subprocess.run([sys.executable, "-m", "kvsp_quic", "model", "init", os.fspath(path), "--layers", "2",
+    subprocess.run([sys.executable, "-m", "kvsp_app", "model", "init", os.fspath(path), "--layers", "2",
                     "--kv-heads", "1", "--head-dim", "16", "--hidden", "32"], check=True, capture_output=True)
     return path
 

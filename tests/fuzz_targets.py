@@ -38,12 +38,12 @@ from aioquic.quic import events as qe
 from aioquic.quic.packet import QuicFrameType
 from pylsqpack import Encoder
 
-from http3.frontend_params import Limits, chat_params, completion_params
-from http3.frontend_text import ChatTemplateError, load_chat_template
+from kvsp_app import config
+from kvsp_frontend.params import Limits, chat_params, completion_params
+from kvsp_frontend.text import ChatTemplateError, load_chat_template
 from kvsp_quic import container as c
 from kvsp_quic import fields as f
 from kvsp_quic import records as r
-from kvsp_quic.app import config
 from kvsp_quic.auth import Policy, PolicyError
 from kvsp_quic.compat import CompatDescriptor, DescriptorError
 from kvsp_quic.problems import BadRequest, Problem, problem_from_json, to_problem_json
@@ -309,7 +309,7 @@ class ByteTokens:
 
 
 def _openai_object(data: bytes) -> dict[str, Any]:
-    body = f.loads_json(data)  # what http3.frontend_app.read_json_object does with the octets read
+    body = f.loads_json(data)  # what kvsp_frontend.app.read_json_object does with the octets read
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     return body
@@ -616,9 +616,9 @@ def _targets() -> list[Target]:
     out += [
         Target("problem+json", "kvsp_quic.problems.problem_from_json", _problem, (), PROBLEMS, "binary",
                encode=_problem_encode, label=lambda v: f"->{v[0].__name__}"),
-        Target("openai:completions", "http3.frontend_params.completion_params", _completion,
+        Target("openai:completions", "kvsp_frontend.params.completion_params", _completion,
                (BadRequest, Problem, ChatTemplateError), tuple(orjson.dumps(b) for b in COMPLETIONS), "json"),
-        Target("openai:chat", "http3.frontend_params.chat_params", _chat,
+        Target("openai:chat", "kvsp_frontend.params.chat_params", _chat,
                (BadRequest, Problem, ChatTemplateError), tuple(orjson.dumps(b) for b in CHATS), "json"),
     ]
     for draft in Draft:
@@ -642,7 +642,7 @@ def _targets() -> list[Target]:
                "binary", label=_h3_label),
         Target("toml:policy", "kvsp_quic.auth.Policy.loads", _policy, (PolicyError,), (POLICY,), "toml"),
     ]
-    out += [Target(f"toml:{name}", f"kvsp_quic.app.config.build({name})", _config(cls),
+    out += [Target(f"toml:{name}", f"kvsp_app.config.build({name})", _config(cls),
                    (config.ConfigError, tomllib.TOMLDecodeError), (_config_seed(cls, required),), "toml")
             for name, (cls, required) in CONFIG_FILES.items()]
     return out

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvsp_quic.app.cli import main
+from kvsp_app.cli import main
 
 
 class Clock:
@@ -37,12 +37,12 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
 
 
 class Process:
-    """A ``kvsp-quic`` server subcommand (``python -m kvsp_quic ARGS``); its one ready line on stdout is parsed into
+    """A ``kvsp-quic`` server subcommand (``python -m kvsp_app ARGS``); its one ready line on stdout is parsed into
     :attr:`ready`; :meth:`stop` ends it (SIGTERM, then SIGKILL) and returns what it wrote on stderr."""
 
     def __init__(self, *args: str) -> None:
         level = [] if "--log-level" in args else ["--log-level", "WARNING"]
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvsp_quic", *args, *level],
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvsp_app", *args, *level],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None and self.proc.stderr is not None
         line = self.proc.stdout.readline()  # exactly one JSON line once it serves

@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterator
 
 # One copy of the starters: the product's (``kvsp-quic chaos --redis-cluster`` starts its cluster with it).
-from kvsp_quic.app.redis_cluster import REDIS_SERVER, RedisClusterServers, RedisServer, command, free_port
+from kvsp_app.redis_cluster import REDIS_SERVER, RedisClusterServers, RedisServer, command, free_port
 
 SKIP_REASON = ("redis-server is not installed (Debian/Ubuntu: apt-get install -y redis-server); "
                "the Redis index tests need a real server")

@@ -1,4 +1,4 @@
-"""The typed KVSP API client (http3/api.py) against real role servers on 127.0.0.1.
+"""The typed KVSP API client (kvsp_client/api.py) against real role servers on 127.0.0.1.
 
 The Index Service and a holder are the real apps (``index_app``, ``holder_app``) on RoleServers with mutual TLS.
 The Placement Controller and instance resources are served by :class:`ControlPlane`, a small app that reads and
@@ -27,13 +27,13 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from http3.api import Acknowledged, BadResponse, BlockBody, KvspApi, Lease, Miss, RetryElsewhere, Stale
-from http3.app_kit import kvsp_json
 from http3.client import KvspClient
-from http3.holder_app import holder_app
-from http3.index_app import index_app
-from http3.problem_response import install
 from http3.server import RoleServer, bind_pair
+from kvsp_client.api import Acknowledged, BadResponse, BlockBody, KvspApi, Lease, Miss, RetryElsewhere, Stale
+from kvsp_http.app_kit import kvsp_json
+from kvsp_http.holder_app import holder_app
+from kvsp_http.index_app import index_app
+from kvsp_http.problem_response import install
 from kvsp_quic import container as c
 from kvsp_quic.auth import Policy
 from kvsp_quic.compat import CompatDescriptor, InstanceState
@@ -388,7 +388,7 @@ class IndexProcess:
     """``kvsp-quic index --dev DIR [--listen 127.0.0.1:PORT]``, a real server process."""
 
     def __init__(self, dev: Path, port: int = 0) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvsp_quic", "index", "--dev", str(dev), "--listen",
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvsp_app", "index", "--dev", str(dev), "--listen",
                                       f"127.0.0.1:{port}", "--log-level", "ERROR"], stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()

@@ -11,8 +11,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from http3 import problem_response
-from http3.authz import PRINCIPAL_KEY, Authorization, Rule, principal_of, route_path
+from kvsp_http import problem_response
+from kvsp_http.authz import PRINCIPAL_KEY, Authorization, Rule, principal_of, route_path
 from kvsp_quic import auth, fields
 from kvsp_quic.auth import Policy
 from kvsp_quic.problems import NotFound
@@ -241,7 +241,7 @@ async def _never(*_args: Any) -> Any:
 
 
 def test_principal_of_without_the_middleware() -> None:
-    with pytest.raises(RuntimeError, match=r"must run inside http3\.authz"):
+    with pytest.raises(RuntimeError, match=r"must run inside kvsp_http\.authz"):
         principal_of({"type": "http"})
     with pytest.raises(RuntimeError):
         principal_of({"state": {PRINCIPAL_KEY: "not a principal"}})

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from http3.holder_app import holder_routes
-from http3.index_app import index_routes
+from kvsp_http.holder_app import holder_routes
+from kvsp_http.index_app import index_routes
 from kvsp_quic.roles.holder import Holder, HolderSettings
 from kvsp_quic.roles.index import IndexService
 from kvsp_quic.samples import example_descriptor

@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 
 from http3.client import KvspClient
-from http3.retrieval import BlockFetcher
+from kvsp_app.config import ConfigError, HolderFile, build
+from kvsp_client.retrieval import BlockFetcher
 from kvsp_quic import container as c
-from kvsp_quic.app.config import ConfigError, HolderFile, build
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.storage import file_seal as fs
 from kvsp_quic.storage import tiers as t
@@ -337,7 +337,7 @@ async def test_a_restarted_holder_refuses_planted_foreign_and_tampered_files(
 
 
 def test_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from kvsp_quic.app.cli import main
+    from kvsp_app.cli import main
 
     dev = str(tmp_path / "dev")
     storage = tmp_path / "local"

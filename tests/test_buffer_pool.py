@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from http3.client import KvspClient
-from http3.holder_app import holder_app
 from http3.server import RoleServer
+from kvsp_http.holder_app import holder_app
 from kvsp_quic import container as c
 from kvsp_quic.auth import ALL, Policy, Principal, Role
 from kvsp_quic.compat import CompatDescriptor

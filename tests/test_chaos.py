@@ -24,7 +24,7 @@ pytest.importorskip("torch", reason="the chaos suite runs inference instances: p
 
 
 def chaos(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvsp_quic", "chaos", "--json", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvsp_app", "chaos", "--json", *args], capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -87,7 +87,7 @@ def test_on_a_redis_cluster() -> None:
 
 def test_without_redis_server_one_line_and_exit_2() -> None:
     env = {**os.environ, "PATH": "/nonexistent"}
-    run = subprocess.run([sys.executable, "-m", "kvsp_quic", "chaos"], capture_output=True, text=True, env=env,
+    run = subprocess.run([sys.executable, "-m", "kvsp_app", "chaos"], capture_output=True, text=True, env=env,
                          timeout=60)
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip().count("\n") == 0 and "redis-server" in run.stderr, run.stderr

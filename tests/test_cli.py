@@ -191,7 +191,7 @@ def test_usage_errors_and_help(capsys) -> None:
 
 def test_the_installed_console_script(tmp_path: Path) -> None:
     exe = Path(sys.executable).with_name("kvsp-quic")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "kvsp_quic"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "kvsp_app"]
     version = subprocess.run([*cmd, "--version"], capture_output=True, text=True, check=True)
     assert version.stdout.startswith("kvsp-quic ")
     bad = subprocess.run([*cmd, "container", "inspect", str(tmp_path / "missing.kvb")], capture_output=True,

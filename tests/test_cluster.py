@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from http3.client import KvspClient
-from http3.retrieval import BlockFetcher
+from kvsp_client.retrieval import BlockFetcher
 from kvsp_quic import container
 from kvsp_quic.keys import BlockKeyer
 from kvsp_quic.records import LeaseRequest
@@ -164,7 +164,7 @@ async def test_the_dev_client_has_every_right_and_strangers_none(cluster: dict[s
 
 def test_without_dev_certificates_and_a_policy_are_required(tmp_path: Path) -> None:
     for role in ("index", "holder"):
-        run = subprocess.run([sys.executable, "-m", "kvsp_quic", role, "--descriptor",
+        run = subprocess.run([sys.executable, "-m", "kvsp_app", role, "--descriptor",
                               str(Path(__file__).parent.parent / "examples" / "descriptor.json")],
                              capture_output=True, text=True, timeout=30, env={**os.environ})
         assert run.returncode == 1 and run.stdout == ""

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import pytest
 
-from kvsp_quic.app.config import (
+from kvsp_app.config import (
     ConfigError,
     FrontendFile,
     HolderFile,

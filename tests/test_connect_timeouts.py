@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from http3.client import KvspClient
-from http3.retrieval import BlockFetcher, HttpSource
+from kvsp_client.retrieval import BlockFetcher, HttpSource
 from kvsp_moqt.source import MoqtSource
 from kvsp_quic.records import LookupMatch, ReplicaRecord
 from kvsp_quic.retrieval_plan import LayerRange

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from http3.app_kit import dumps
-from http3.index_app import lookup_body, lookup_json
+from kvsp_http.app_kit import dumps
+from kvsp_http.index_app import lookup_body, lookup_json
 from kvsp_quic import fields as f
 from kvsp_quic.fields import BlockKey, RecordError
 from kvsp_quic.records import (

@@ -1,6 +1,6 @@
 """Shard maps and their contexts in the Placement Controller's shared state (issue 12, point 1): the
 :class:`~kvsp_quic.storage.redis_control.RedisControlStore` on a real redis-server and on a 3-node Redis Cluster,
-and :class:`http3.controller_maps.ShardMaps` with two replicas on one Redis and with none (one process), on the
+and :class:`kvsp_runtime.controller_maps.ShardMaps` with two replicas on one Redis and with none (one process), on the
 recording link of tests/test_controller.py.
 
 The context (extension member ``"context"`` of ``PUT maps/{map}``, docs/wire.md "Resharding") is stored with the map:
@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from http3.controller_maps import ShardMaps
 from kvsp_quic.fields import BlockKey, CompatId, ScopeId
 from kvsp_quic.problems import PlanConflict
 from kvsp_quic.records import ReshardPlan, Shard, ShardMap
 from kvsp_quic.roles.controller_reshard import ContextPlan, ReshardContext, context_bytes, context_of
 from kvsp_quic.storage.redis_control import RedisControlStore
+from kvsp_runtime.controller_maps import ShardMaps
 from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisClusterServers, command
 from tests.test_controller import Env
 

@@ -1,5 +1,5 @@
 """The Placement Controller: its role (kvsp_quic.roles.controller, the rules) driven by its asyncio adapter
-(http3.controller_service.ControllerService) with an injected clock, the Index Service in the same process, and a
+(kvsp_runtime.controller_service.ControllerService) with an injected clock, the Index Service in the same process, and a
 fake InstanceLink that records what would be sent to instances. Also the placement policy registry
 (kvsp_quic.roles.placement).
 
@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 
-from http3.controller_service import ControllerService
 from kvsp_quic import keys as k
 from kvsp_quic.auth import Policy, Principal
 from kvsp_quic.compat import InstanceState
@@ -62,6 +61,7 @@ from kvsp_quic.roles.placement import (
 )
 from kvsp_quic.roles.status import InstanceStatus, LifecyclePolicy, SleepMode, SleepPolicy, StatusTable
 from kvsp_quic.storage.memory_index import MemoryIndexStore
+from kvsp_runtime.controller_service import ControllerService
 from tests.helpers import Clock
 from tests.test_index import C1, S1, S2, bk, replica
 

@@ -1,4 +1,4 @@
-"""The Index Service + Placement Controller over real sockets (http3.controller_app behind RoleServer, mutual TLS),
+"""The Index Service + Placement Controller over real sockets (kvsp_http.controller_app behind RoleServer, mutual TLS),
 with fake inference instances: tiny ASGI apps behind RoleServer that record the PC's directives, take sessions,
 and count the octets a reshard would move. Also ``/metrics`` on the PC and on a holder."""
 
@@ -22,19 +22,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from http3.app_kit import JSON_MEDIA_TYPE, kvsp_json, read_json_body, role_app
-from http3.authz import Rule
 from http3.client import KvspClient
 from http3.client import Response as ClientResponse
-from http3.controller_app import controller_app
-from http3.controller_link import CommandStarter, HttpInstanceLink
-from http3.controller_service import ControllerService
-from http3.holder_app import holder_app
-from http3.problem_response import install
 from http3.server import RoleServer, bind_pair
+from kvsp_app.config import ConfigError, IndexFile, build
+from kvsp_app.serve import run_index
+from kvsp_http.app_kit import JSON_MEDIA_TYPE, kvsp_json, read_json_body, role_app
+from kvsp_http.authz import Rule
+from kvsp_http.controller_app import controller_app
+from kvsp_http.holder_app import holder_app
+from kvsp_http.problem_response import install
 from kvsp_quic import keys as k
-from kvsp_quic.app.config import ConfigError, IndexFile, build
-from kvsp_quic.app.serve import run_index
 from kvsp_quic.auth import ALL, Policy, Principal, Role
 from kvsp_quic.compat import InstanceState
 from kvsp_quic.metrics import CONTENT_TYPE, Registry
@@ -58,6 +56,8 @@ from kvsp_quic.roles.holder import Holder, HolderSettings
 from kvsp_quic.roles.index import Geometry, IndexConfig, IndexService
 from kvsp_quic.roles.status import LifecyclePolicy, SleepPolicy, StatusTable
 from kvsp_quic.storage.memory_index import MemoryIndexStore
+from kvsp_runtime.controller_link import CommandStarter, HttpInstanceLink
+from kvsp_runtime.controller_service import ControllerService
 from quic.tls import TlsFiles
 from tests.conftest import small_descriptor
 from tests.pki import make_pki

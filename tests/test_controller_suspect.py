@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from http3.frontend_session import StallWatch
+from kvsp_frontend.session import StallWatch
 from kvsp_quic.compat import InstanceState
 from kvsp_quic.problems import BadRequest, NotFound, StaleEpoch
 from kvsp_quic.records import InstanceStatusRecord

@@ -1,6 +1,6 @@
 """Dead holders cost little (issue 12, point 5), with real processes: ``kvsp-quic index --dev`` and two
 ``kvsp-quic holder --dev`` on 127.0.0.1, both holding the same blocks, fetched the way an instance fetches them
-(MOQT first, HTTP/3 next, :class:`http3.retrieval.BlockFetcher`). The preferred holder is killed with SIGKILL
+(MOQT first, HTTP/3 next, :class:`kvsp_client.retrieval.BlockFetcher`). The preferred holder is killed with SIGKILL
 after the fetcher has a connection to it: the rest of the prefix comes from the other holder at once (no connect
 or stall timeout), the dead holder is reported to the Index Service, which tries it last at once and leaves it out
 of lookups once its liveness record lapses."""
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from http3.client import KvspClient
-from http3.retrieval import BlockFetcher, HttpSource
+from kvsp_client.retrieval import BlockFetcher, HttpSource
 from kvsp_moqt.source import MoqtSource, PreferMoqt
 from kvsp_quic.records import ReplicaRecord
 from kvsp_quic.retrieval_plan import FailureMemory, LayerRange, endpoint_key

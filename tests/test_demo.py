@@ -16,7 +16,7 @@ pytest.importorskip("torch", reason="the demo runs inference instances: pip inst
 
 def test_demo_reports_no_lost_or_duplicated_tokens(tmp_path: Path) -> None:
     workdir = tmp_path / "demo"
-    run = subprocess.run([sys.executable, "-m", "kvsp_quic", "demo", "--json", "--requests", "2", "--prefix-tokens",
+    run = subprocess.run([sys.executable, "-m", "kvsp_app", "demo", "--json", "--requests", "2", "--prefix-tokens",
                           "512", "--layers", "2", "--hidden", "128", "--workdir", str(workdir)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

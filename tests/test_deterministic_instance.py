@@ -1,4 +1,4 @@
-"""A real instance (gpu.engine behind http3.instance_service, over sockets) reports its engine: the ``"engine"``
+"""A real instance (gpu.engine behind kvsp_runtime.instance_service, over sockets) reports its engine: the ``"engine"``
 status extension in its ``PUT instances/{id}/status`` to the PC and in ``GET status`` (docs/wire.md, "Placement
 Controller": deterministic samplers across engines). The PC side is tests/test_deterministic.py."""
 

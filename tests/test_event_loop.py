@@ -1,4 +1,4 @@
-"""The servers' event loop choice (kvsp_quic/app/event_loop.py): ``[server] event_loop`` / ``--event-loop``."""
+"""The servers' event loop choice (kvsp_app/event_loop.py): ``[server] event_loop`` / ``--event-loop``."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import asyncio
 import pytest
 import uvloop
 
-from kvsp_quic.app import event_loop
-from kvsp_quic.app.config import ConfigError, ServerSection
+from kvsp_app import event_loop
+from kvsp_app.config import ConfigError, ServerSection
 from tests.helpers import run_cli
 
 

@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 
-from http3.api import KvspApi, ServiceEndpoints
 from http3.client import KvspClient
-from http3.frontend_session import Completion, Frontend
+from kvsp_client.api import KvspApi, ServiceEndpoints
+from kvsp_frontend.session import Completion, Frontend
 from kvsp_quic.frontend import SamplingRequest
 from kvsp_quic.keys import BlockKeyer
 from kvsp_quic.problems import BadRequest

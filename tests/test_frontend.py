@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from http3.client import KvspClient
-from http3.frontend_app import Frontend, frontend_app
 from http3.server import RoleServer
+from kvsp_frontend.app import Frontend, frontend_app
 from kvsp_quic.auth import Policy
 from kvsp_quic.frontend import FrontendOptions, SamplingRequest, TokenGap, TokenRelay
 from kvsp_quic.keys import BlockKeyer

@@ -18,11 +18,11 @@ import pytest
 
 from http3.asgi_types import Receive, Scope, Send
 from http3.client import KvspClient
-from http3.frontend_app import Frontend, frontend_app
-from http3.frontend_auth import PrincipalLimits, dev_api_key, with_dev_key
-from http3.frontend_errors import RateLimited
-from http3.frontend_text import IncrementalText, StopText, load_chat_template
 from http3.server import RoleServer
+from kvsp_frontend.app import Frontend, frontend_app
+from kvsp_frontend.auth import PrincipalLimits, dev_api_key, with_dev_key
+from kvsp_frontend.errors import RateLimited
+from kvsp_frontend.text import IncrementalText, StopText, load_chat_template
 from kvsp_quic.auth import Policy, PolicyError, Principal, Role, api_key_hash
 from kvsp_quic.keys import BlockKeyer
 from kvsp_quic.roles.controller_records import SessionInfo, SessionRequest, SessionState, TokenLine

@@ -21,9 +21,9 @@ import httpx
 import pytest
 
 from http3.client import KvspClient
-from http3.frontend_app import Frontend, frontend_app
 from http3.h3_client import connect_h3
 from http3.server import RoleServer
+from kvsp_frontend.app import Frontend, frontend_app
 from kvsp_quic.auth import Policy
 from kvsp_quic.fields import MAX_JSON_DEPTH
 from kvsp_quic.keys import BlockKeyer

@@ -1,8 +1,8 @@
-"""OpenAI's log probability objects from the instance's token lines (http3/frontend_openai.py, no I/O)."""
+"""OpenAI's log probability objects from the instance's token lines (kvsp_frontend/openai_routes.py, no I/O)."""
 
 from __future__ import annotations
 
-from http3.frontend_openai import LogprobShape
+from kvsp_frontend.openai_routes import LogprobShape
 
 
 class Utf8:

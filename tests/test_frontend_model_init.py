@@ -15,14 +15,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from http3.frontend_text import load_chat_template
-from kvsp_quic.app.cli_model import CHAT_TEMPLATE
+from kvsp_app.cli_model import CHAT_TEMPLATE
+from kvsp_frontend.text import load_chat_template
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def init(directory: Path, *extra: str) -> None:
-    run = subprocess.run([sys.executable, "-m", "kvsp_quic", "model", "init", str(directory), "--layers", "1",
+    run = subprocess.run([sys.executable, "-m", "kvsp_app", "model", "init", str(directory), "--layers", "1",
                           "--kv-heads", "1", "--head-dim", "16", "--max-positions", "512", *extra],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 0, run.stderr
@@ -44,7 +44,7 @@ def test_init_writes_a_chat_template_and_can_leave_it_out(tmp_path: Path) -> Non
 def test_chat_on_a_freshly_initialised_model() -> None:
     pytest.importorskip("torch", reason="the inference instance needs torch: pip install 'kvsp-quic[gpu]'")
     openai = pytest.importorskip("openai", reason="pip install 'kvsp-quic[test]'")
-    from kvsp_quic.app.demo import Cluster
+    from kvsp_app.demo import Cluster
 
     root = Path(tempfile.mkdtemp(prefix="kvsp-fe-init-"))
     init(root / "model")

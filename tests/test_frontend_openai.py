@@ -33,7 +33,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[dict[str, Any]]:
     from gpu.modelfiles import ModelConfig, write_random_model
-    from kvsp_quic.app.demo import Cluster
+    from kvsp_app.demo import Cluster
 
     root = Path(tempfile.mkdtemp(prefix="kvsp-fe-openai-"))
     write_random_model(root / "model", ModelConfig(

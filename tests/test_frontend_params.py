@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from http3.frontend_errors import InvalidParameter, ModelNotFound, error_headers, error_json
-from http3.frontend_params import Limits, chat_params, completion_params
+from kvsp_frontend.errors import InvalidParameter, ModelNotFound, error_headers, error_json
+from kvsp_frontend.params import Limits, chat_params, completion_params
 from kvsp_quic.problems import Unavailable
 
 LIMITS = Limits(model="tiny", context=64, vocab_size=300, max_tokens=40, max_choices=8)
@@ -177,7 +177,7 @@ async def test_a_client_gone_mid_response_is_no_error(gone: str, caplog: pytest.
     from starlette.routing import Route
 
     from http3.asgi_bridge import ClientDisconnected
-    from http3.frontend_errors import install_errors
+    from kvsp_frontend.errors import install_errors
 
     async def endpoint(request: Request) -> None:
         raise ClientDisconnect() if gone == "starlette" else ClientDisconnected("the response can no longer be sent")

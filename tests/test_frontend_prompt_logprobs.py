@@ -36,7 +36,7 @@ TOP = 3
 @pytest.fixture(scope="module", params=["reference", "transformers"])
 def cluster(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     from gpu.modelfiles import ModelConfig, write_random_model
-    from kvsp_quic.app.demo import Cluster
+    from kvsp_app.demo import Cluster
 
     engine = request.param
     root = Path(tempfile.mkdtemp(prefix=f"kvsp-fe-prompt-lp-{engine}-"))
@@ -227,7 +227,7 @@ def test_a_resumed_run_computes_them_again(cluster: dict[str, Any]) -> None:
     import asyncio
 
     from http3.client import KvspClient
-    from kvsp_quic.app.serve import read_scope_key
+    from kvsp_app.serve import read_scope_key
     from kvsp_quic.keys import BlockKeyer
     from kvsp_quic.records import Sampler, SessionCheckpoint
     from kvsp_quic.roles.controller_records import SessionResume

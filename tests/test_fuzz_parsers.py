@@ -28,7 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from http3.frontend_params import completion_params
+from kvsp_frontend.params import completion_params
 from kvsp_quic import fields as f
 from kvsp_quic import records as r
 from kvsp_quic.roles import controller_records as cr

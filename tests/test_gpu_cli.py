@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpu.modelfiles import derive_descriptor
-from kvsp_quic.app import cli_model
+from kvsp_app import cli_model
 from kvsp_quic.compat import CompatDescriptor
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     """The commands through kvsp-quic's parser when it has them, else through cli_model's own."""
-    from kvsp_quic.app import cli
+    from kvsp_app import cli
 
     registered = any(isinstance(action, argparse._SubParsersAction) and "model" in action.choices
                      for action in cli.build_parser()._actions)
@@ -94,7 +94,7 @@ def test_add_commands_hooks_into_any_parser() -> None:
 def test_init_and_descriptor_work_without_torch(tmp_path: Path) -> None:
     code = ("import sys; sys.modules['torch'] = None; sys.modules['safetensors'] = None; "
             "sys.modules['tokenizers'] = None\n"
-            "from kvsp_quic.app.cli_model import main\n"
+            "from kvsp_app.cli_model import main\n"
             f"assert main(['model', 'init', {str(tmp_path / 'm')!r}, '--layers', '1', '--kv-heads', '1', "
             "'--head-dim', '8']) == 0\n"
             f"assert main(['model', 'descriptor', {str(tmp_path / 'm')!r}, '--block-tokens', '4']) == 0\n"

@@ -29,10 +29,10 @@ from gpu.modelfiles import ModelConfig, write_random_model  # noqa: E402
 from gpu.prefill import PrefillResult, PrefillTrace, prefill, prefill_sync, preloaded  # noqa: E402
 from gpu.sampling import TokenSampler  # noqa: E402
 from http3.client import KvspClient  # noqa: E402
-from http3.holder_app import holder_app  # noqa: E402
-from http3.index_app import index_app  # noqa: E402
-from http3.retrieval import BlockFetcher  # noqa: E402
 from http3.server import RoleServer  # noqa: E402
+from kvsp_client.retrieval import BlockFetcher  # noqa: E402
+from kvsp_http.holder_app import holder_app  # noqa: E402
+from kvsp_http.index_app import index_app  # noqa: E402
 from kvsp_quic import container as c  # noqa: E402
 from kvsp_quic.auth import ALL, Policy, Principal, Role  # noqa: E402
 from kvsp_quic.compat import CompatDescriptor  # noqa: E402

@@ -16,9 +16,9 @@ from http3.asgi_types import Receive, Scope, Send
 from http3.client import KvspClient, RequestTimeout, TransportError
 from http3.h1_client import HEAD_READ, H1Pool, IntoBuffer
 from http3.h1_deadlines import H1Timeout, H1TransportError
-from http3.holder_app import holder_app
 from http3.server import RoleServer
 from http3.tcp_server import TcpServer
+from kvsp_http.holder_app import holder_app
 from kvsp_quic import container as c
 from kvsp_quic.auth import Policy
 from kvsp_quic.compat import CompatDescriptor

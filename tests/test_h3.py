@@ -157,7 +157,7 @@ async def test_client_refuses_a_server_of_another_ca(server, certs: TestPki) -> 
 
 
 async def test_certificate_without_uri_reaches_the_app_without_identity(server, certs: TestPki) -> None:
-    # The handshake only proves the CA issued it; authorization (http3.authz) refuses it for want of an identity.
+    # The handshake only proves the CA issued it; authorization (kvsp_http.authz) refuses it for want of an identity.
     listener, _ = server
     async with KvspClient(certs.files("nouri"), settings=SMALL_WINDOWS) as client:
         response = await client.request("GET", url(listener))

@@ -21,11 +21,11 @@ from http3.asgi_types import ASGIApp, Receive, Scope, Send
 from http3.client import KvspClient, TransportError
 from http3.h3_client import H3Pool
 from http3.h3_server import h3_handler
-from http3.holder_app import holder_app
-from http3.retrieval import BlockFetcher
 from http3.server import RoleServer
+from kvsp_app.config import ConfigError, InstanceFile, build
+from kvsp_client.retrieval import BlockFetcher
+from kvsp_http.holder_app import holder_app
 from kvsp_quic import container as c
-from kvsp_quic.app.config import ConfigError, InstanceFile, build
 from kvsp_quic.auth import Policy
 from kvsp_quic.records import LookupMatch
 from kvsp_quic.roles.holder import Holder, HolderSettings

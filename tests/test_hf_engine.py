@@ -91,7 +91,7 @@ def full_and_loaded(engine: Engine, tokens: list[int], blocks: int) -> tuple[Any
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_both_engines_and_the_cli_derive_one_descriptor(tmp_path: Path, dtype: str,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    from kvsp_quic.app.cli import main
+    from kvsp_app.cli import main
 
     root = write_hf_model(tmp_path / "m", dtype=dtype, tie_word_embeddings=True)
     ref = Engine.load(str(root), block_tokens=B, device_pages=16)

@@ -21,22 +21,22 @@ pytest.importorskip("torch", reason="the gpu extra (torch) is not installed")
 pytest.importorskip("transformers", reason="the test extra (transformers) is not installed")
 
 from http3.client import KvspClient
-from kvsp_quic.app.serve import read_scope_key
+from kvsp_app.serve import read_scope_key
 from kvsp_quic.keys import BlockKeyer
 from quic.tls import TlsFiles
 from tests.test_hf_engine import write_hf_model
 
 
 def _has_engine_flag() -> bool:
-    from kvsp_quic.app.cli_serve import cmd_instance
+    from kvsp_app.cli_serve import cmd_instance
 
     return "\"engine\"" in inspect.getsource(cmd_instance)
 
 
-# kvsp_quic/app/cli_serve.py (--engine) and kvsp_quic/app/serve.py (Engine.load(engine=...), the ready line's engine)
+# kvsp_app/cli_serve.py (--engine) and kvsp_app/serve.py (Engine.load(engine=...), the ready line's engine)
 # are wired by the lead: the patch of issue 15. Until then this test cannot start `--engine transformers`.
 pytestmark = pytest.mark.skipif(not _has_engine_flag(), reason="kvsp-quic instance has no --engine yet (issue 15: "
-                                "kvsp_quic/app/cli_serve.py and serve.py lines)")
+                                "kvsp_app/cli_serve.py and serve.py lines)")
 
 B = 4
 PROMPT = [(7 * i + 3) % 300 for i in range(6 * B + 3)]
@@ -49,7 +49,7 @@ class Procs:
         self.procs: list[subprocess.Popen[str]] = []
 
     def start(self, *args: str) -> dict[str, Any]:
-        proc = subprocess.Popen([sys.executable, "-m", "kvsp_quic", *args, "--log-level", "WARNING"], cwd=self.cwd,
+        proc = subprocess.Popen([sys.executable, "-m", "kvsp_app", *args, "--log-level", "WARNING"], cwd=self.cwd,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.procs.append(proc)
         assert proc.stdout is not None

@@ -25,16 +25,16 @@ from gpu.engine import Engine  # noqa: E402
 from gpu.generate import generate_tokens  # noqa: E402
 from gpu.sampling import TokenSampler  # noqa: E402
 from http3.client import KvspClient  # noqa: E402
-from http3.index_app import index_app  # noqa: E402
-from http3.instance_service import ServiceOptions  # noqa: E402
 from http3.server import RoleServer, bind_pair  # noqa: E402
-from kvsp_quic.app.instance import InstanceNode, build_instance  # noqa: E402
+from kvsp_app.instance import InstanceNode, build_instance  # noqa: E402
+from kvsp_http.index_app import index_app  # noqa: E402
 from kvsp_quic.auth import Policy  # noqa: E402
 from kvsp_quic.compat import CompatDescriptor  # noqa: E402
 from kvsp_quic.keys import BlockKeyer  # noqa: E402
 from kvsp_quic.roles.index import IndexService  # noqa: E402
 from kvsp_quic.roles.instance import InstanceOptions  # noqa: E402
 from kvsp_quic.storage.memory_index import MemoryIndexStore  # noqa: E402
+from kvsp_runtime.instance_service import ServiceOptions  # noqa: E402
 from tests.asgi import Router  # noqa: E402
 from tests.pki import TestPki, make_pki  # noqa: E402
 from tests.test_hf_engine import write_hf_model  # noqa: E402

@@ -15,9 +15,8 @@ from typing import Any
 import pytest
 
 from http3.client import KvspClient, Response
-from http3.holder_app import holder_app
-from http3.publisher import ReplicaPublisher
 from http3.server import RoleServer
+from kvsp_http.holder_app import holder_app
 from kvsp_quic import container as c
 from kvsp_quic.auth import Policy
 from kvsp_quic.compat import CompatDescriptor
@@ -26,6 +25,7 @@ from kvsp_quic.records import LeaseRequest, LeaseResponse, ReplicaRecord
 from kvsp_quic.roles.holder import Holder, HolderSettings
 from kvsp_quic.roles.leases import LeaseLimits
 from kvsp_quic.samples import random_sections
+from kvsp_runtime.publisher import ReplicaPublisher
 from quic.tls import scope_identity
 from tests.asgi import read_body
 from tests.conftest import small_descriptor

@@ -19,10 +19,10 @@ import h2.events
 import h2.settings
 import pytest
 
-from http3.holder_app import holder_app
 from http3.immediate import IMMEDIATE_MAX, Immediate
 from http3.server import RoleServer
 from http3.tcp_server import _unsent
+from kvsp_http.holder_app import holder_app
 from kvsp_quic import container as c
 from kvsp_quic.auth import Policy
 from kvsp_quic.compat import CompatDescriptor

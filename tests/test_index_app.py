@@ -1,4 +1,4 @@
-"""The Index Service over real sockets: http3.index_app served by RoleServer (HTTP/3, and HTTP/2 over TLS),
+"""The Index Service over real sockets: kvsp_http.index_app served by RoleServer (HTTP/3, and HTTP/2 over TLS),
 called with KvspClient and mutual TLS. Covers every status and problem type the Index Service emits."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from http3.app_kit import JSON_MEDIA_TYPE as MEDIA_TYPE
 from http3.client import KvspClient, Response
-from http3.index_app import index_app, lookup_json
 from http3.server import RoleServer
+from kvsp_http.app_kit import JSON_MEDIA_TYPE as MEDIA_TYPE
+from kvsp_http.index_app import index_app, lookup_json
 from kvsp_quic import keys as k
 from kvsp_quic.auth import Policy
 from kvsp_quic.compat import InstanceState
@@ -29,6 +29,7 @@ from kvsp_quic.problems import (
     ScopeDenied,
     StaleEpoch,
     UnsupportedMediaType,
+    problem_from_json,
 )
 from kvsp_quic.records import (
     InstanceStatusRecord,
@@ -98,7 +99,7 @@ def replica_path(record: ReplicaRecord, holder: str | None = None) -> str:
 
 def problem(response: Response) -> Any:
     assert response.headers.get("content-type") == "application/problem+json"
-    return response.problem()
+    return problem_from_json(response.status, response.content or b"")
 
 
 @contextlib.asynccontextmanager

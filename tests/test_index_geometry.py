@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from http3.api import KvspApi
 from http3.client import KvspClient
+from kvsp_client.api import KvspApi
 from kvsp_quic.records import LookupRequest
 from kvsp_quic.roles.index import NO_GEOMETRY
 from tests.helpers import Process

@@ -158,8 +158,8 @@ async def test_the_role_has_the_store_build_its_matches() -> None:
 
 
 def test_the_config_sizes_the_recent_table() -> None:
-    from kvsp_quic.app.config import IndexSection
-    from kvsp_quic.app.serve import _index_store
+    from kvsp_app.config import IndexSection
+    from kvsp_app.serve import _index_store
 
     assert _index_store(IndexSection())._recent.limit == 8192
     assert _index_store(IndexSection(lookup_cache_records=0))._recent.limit == 0

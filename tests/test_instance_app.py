@@ -1,10 +1,10 @@
-"""The Inference Instance over real sockets (http3/instance_app.py and http3/instance_*.py, gpu/engine.py,
-kvsp_quic/roles/instance*.py, assembled by kvsp_quic/app/instance.py).
+"""The Inference Instance over real sockets (kvsp_http/instance_app.py and http3/instance_*.py, gpu/engine.py,
+kvsp_quic/roles/instance*.py, assembled by kvsp_app/instance.py).
 
 One RoleServer (HTTP/3 + HTTP/1.1/2, mutual TLS) serves the Index Service at ``/is/``, a Holder at ``/h1/`` and a
 fake Placement Controller at ``/pc/`` (a tiny ASGI app that records status reports and checkpoints and answers
 them); each instance is a RoleServer of its own (its resources, its replicas over HTTP and MOQT), built with
-:func:`kvsp_quic.app.instance.build_instance` around a tiny random model. Blocks reach the holder from a producer
+:func:`kvsp_app.instance.build_instance` around a tiny random model. Blocks reach the holder from a producer
 prefill in the test; the instances publish what they load and compute, and load from each other.
 """
 
@@ -32,12 +32,11 @@ from gpu.modelfiles import ModelConfig, write_random_model  # noqa: E402
 from gpu.prefill import prefill  # noqa: E402
 from gpu.sampling import TokenSampler  # noqa: E402
 from http3.client import KvspClient  # noqa: E402
-from http3.holder_app import holder_app  # noqa: E402
-from http3.index_app import index_app  # noqa: E402
-from http3.instance_service import ServiceOptions  # noqa: E402
 from http3.server import RoleServer, bind_pair  # noqa: E402
+from kvsp_app.instance import InstanceNode, build_instance  # noqa: E402
+from kvsp_http.holder_app import holder_app  # noqa: E402
+from kvsp_http.index_app import index_app  # noqa: E402
 from kvsp_quic import container as c  # noqa: E402
-from kvsp_quic.app.instance import InstanceNode, build_instance  # noqa: E402
 from kvsp_quic.auth import ALL, Policy, Principal, Role  # noqa: E402
 from kvsp_quic.compat import CompatDescriptor  # noqa: E402
 from kvsp_quic.keys import BlockKeyer, holder_id, scope_id  # noqa: E402
@@ -45,6 +44,7 @@ from kvsp_quic.roles.holder import Holder, HolderSettings  # noqa: E402
 from kvsp_quic.roles.index import IndexService  # noqa: E402
 from kvsp_quic.roles.instance import InstanceOptions  # noqa: E402
 from kvsp_quic.storage.memory_index import MemoryIndexStore  # noqa: E402
+from kvsp_runtime.instance_service import ServiceOptions  # noqa: E402
 from tests.asgi import Router, read_body  # noqa: E402
 from tests.pki import TestPki, make_pki  # noqa: E402
 

@@ -13,7 +13,7 @@ import pytest
 
 from gpu.modelfiles import ModelConfig, write_random_model
 from http3.client import KvspClient
-from kvsp_quic.app.config import ConfigError, InstanceFile, load
+from kvsp_app.config import ConfigError, InstanceFile, load
 from quic.tls import TlsFiles
 from tests.helpers import run_cli as run
 
@@ -61,7 +61,7 @@ def test_the_configuration_file(tmp_path: Path) -> None:
 
 async def test_dev_instance_starts_prints_its_ready_line_and_serves(model_dir: Path, tmp_path: Path) -> None:
     dev = tmp_path / "dev"
-    proc = subprocess.Popen([sys.executable, "-m", "kvsp_quic", "instance", "--dev", str(dev), "--device", "cpu",
+    proc = subprocess.Popen([sys.executable, "-m", "kvsp_app", "instance", "--dev", str(dev), "--device", "cpu",
                              "--model", str(model_dir), "--block-tokens", "4", "--warmup-tokens", "8",
                              "--log-level", "WARNING"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsp_quic.app.config import ConfigError, InstanceFile, build
+from kvsp_app.config import ConfigError, InstanceFile, build
 from kvsp_quic.roles.instance import InstanceOptions, next_instance_epoch
 from tests.helpers import Process
 
@@ -29,8 +29,8 @@ def test_next_epoch() -> None:
 
 
 def test_restarts_with_the_clock_set_back_give_increasing_epochs(tmp_path: Path) -> None:
-    pytest.importorskip("torch", reason="the gpu extra (torch) is not installed")  # kvsp_quic.app.instance: gpu
-    from kvsp_quic.app.instance import persisted_epoch
+    pytest.importorskip("torch", reason="the gpu extra (torch) is not installed")  # kvsp_app.instance: gpu
+    from kvsp_app.instance import persisted_epoch
 
     path = tmp_path / "state" / "instance.epoch"
     now = [T]
@@ -51,7 +51,7 @@ def test_restarts_with_the_clock_set_back_give_increasing_epochs(tmp_path: Path)
 
 def test_a_damaged_epoch_file_is_refused_in_one_line(tmp_path: Path) -> None:
     pytest.importorskip("torch", reason="the gpu extra (torch) is not installed")
-    from kvsp_quic.app.instance import persisted_epoch
+    from kvsp_app.instance import persisted_epoch
 
     path = tmp_path / "instance.epoch"
     for text in ("", "12x\n", "-5\n"):

@@ -9,7 +9,7 @@ instance was refused (429 kvsp-lease-quota, "the client holds 0 of its quota of 
 from an instance ended ``failed`` with nothing loaded. The cap is now what the cache's pages can hold.
 
 Real servers on 127.0.0.1, the cluster of tests/test_instance_app.py (Index Service, fake PC, instances built by
-:func:`kvsp_quic.app.instance.build_instance` around a tiny random model).
+:func:`kvsp_app.instance.build_instance` around a tiny random model).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not PEERS_PYTHON.exists(), reason=f"no niquests 
 
 @pytest.fixture
 def index(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    proc = subprocess.Popen([sys.executable, "-m", "kvsp_quic", "index", "--dev", "dev", "--log-level", "WARNING"],
+    proc = subprocess.Popen([sys.executable, "-m", "kvsp_app", "index", "--dev", "dev", "--log-level", "WARNING"],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None

@@ -4,7 +4,7 @@ by layer range), stored and served by real holders on 127.0.0.1.
 
 One RoleServer serves the Index Service (``/is/``) and two holders (``/h1/``, ``/h2/``) over HTTP/3 and HTTP/1.1 +
 HTTP/2 with mutual TLS; each holder publishes its own records with its ReplicaPublisher. Layers 0-15 of a 32-layer
-block go to h1, 16-31 to h2; the BlockFetcher (http3/retrieval.py) loads the block from the two, verifying every
+block go to h1, 16-31 to h2; the BlockFetcher (kvsp_client/retrieval.py) loads the block from the two, verifying every
 layer against each replica's record. Also: the answers of GET and PUT for ranges outside, bad ranges, a second
 range of a key, a restart from local storage, MOQT (only the layers held are objects), a worker process's
 upload path (the shared host tier)."""
@@ -21,12 +21,12 @@ from typing import Any, cast
 
 import pytest
 
+import kvsp_devpki as pki
 from http3.client import KvspClient
-from http3.holder_app import holder_app
-from http3.index_app import index_app
-from http3.publisher import ReplicaPublisher
-from http3.retrieval import BlockFetcher, HttpSource
 from http3.server import RoleServer, bind_pair
+from kvsp_client.retrieval import BlockFetcher, HttpSource
+from kvsp_http.holder_app import holder_app
+from kvsp_http.index_app import index_app
 from kvsp_moqt.holder_tracks import fetch_replica, holder_moqt_handlers
 from kvsp_moqt.source import MoqtSource, PreferMoqt
 from kvsp_moqt.tracks import invalid_range, moqt_record
@@ -36,7 +36,7 @@ from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.cost import plan_fetch
 from kvsp_quic.fields import BlockKey
 from kvsp_quic.keys import holder_id
-from kvsp_quic.problems import BadRequest, LayersUnavailable, PreconditionFailed
+from kvsp_quic.problems import BadRequest, LayersUnavailable, PreconditionFailed, problem_from_json
 from kvsp_quic.records import Link, LookupMatch, ReplicaRecord, ResidencyEntry
 from kvsp_quic.repr_digest import parse_repr_digest
 from kvsp_quic.retrieval_plan import DefaultRanking, LayerRange, held_through, next_parts
@@ -53,9 +53,9 @@ from kvsp_quic.storage.tiers import (
     TieredStore,
     eviction_policy,
 )
+from kvsp_runtime.publisher import ReplicaPublisher
 from moqt.aio import MoqtPool, MoqtRequestError
 from moqt.types import Draft
-from quic import pki
 from quic.tls import TlsFiles
 from tests.asgi import Router
 from tests.conftest import small_descriptor
@@ -231,7 +231,7 @@ async def test_get_and_put_of_ranges_a_holder_does_not_hold(net: Net, d: CompatD
     assert parse_repr_digest(part.headers["repr-digest"]) == hashlib.sha256(part.content).digest()
     for outside in ("layers=0-15", f"layers={HALF - 1}-{HALF}", "layers=30-32", "layers=40-41"):
         answer = await get(outside)
-        problem = answer.problem()
+        problem = problem_from_json(answer.status, answer.content or b"")
         assert answer.status == 404 and problem is not None, outside
         assert problem.type_uri.endswith("#kvsp-layers-unavailable"), outside
     for bad in ("layers=22-20", "layers=a-b", "layers=01-2", "layers=3"):
@@ -363,7 +363,7 @@ async def test_moqt_serves_only_the_layers_held(certs: TestPki, d: CompatDescrip
         await server.close()
 
 
-# -- a block assembled from partial replicas at several holders (http3/retrieval.py, BlockFetcher) ------------------
+# -- a block assembled from partial replicas at several holders (kvsp_client/retrieval.py, BlockFetcher) ---------------
 
 
 class Order:

@@ -30,3 +30,15 @@ def test_layering_contracts_are_kept() -> None:
     done = subprocess.run([command, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"lint-imports: a layering contract is broken\n{done.stdout}\n{done.stderr}"
     assert ", 0 broken." in done.stdout  # "Contracts: N kept, 0 broken."
+
+
+def test_no_contract_needs_an_exception() -> None:
+    """Issue 25: the composition root is on top, so no contract lists imports it lets through."""
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    assert len(contracts) >= 10
+    assert [c["name"] for c in contracts if c.get("ignore_imports")] == []
+    packaged = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    roots = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists() and p.name not in {"tests", "benchmarks"}}
+    assert roots <= packaged, f"packages missing from [tool.setuptools] packages: {sorted(roots - packaged)}"

@@ -1,6 +1,6 @@
 """Holders' liveness records and failure reports shared by every Index Service process on one Redis (issue 12,
 point 1; kvsp_quic.storage.redis_liveness, the load/merge rules of kvsp_quic.roles.liveness, the sync task of
-http3.index_app): a liveness record or a failure report received by one process leaves out or demotes the same
+kvsp_http.index_app): a liveness record or a failure report received by one process leaves out or demotes the same
 replicas in every other process's lookups, within the sync period; a Redis outage keeps the last view."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from http3.app_kit import JSON_MEDIA_TYPE
 from http3.client import KvspClient, Response
-from http3.index_app import index_app, liveness_syncer
 from http3.server import RoleServer
+from kvsp_http.app_kit import JSON_MEDIA_TYPE
+from kvsp_http.index_app import index_app, liveness_syncer
 from kvsp_quic import keys as k
 from kvsp_quic.records import LookupRequest
 from kvsp_quic.roles.index import IndexConfig, IndexService

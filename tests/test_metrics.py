@@ -1,6 +1,7 @@
 """kvsp_quic.metrics: families on prometheus_client, scrape-time sources, the shared KVSP families, one registry per
 role; and the ``/metrics`` route (text format 0.0.4 or OpenMetrics by ``Accept``) with transfer counting
-(http3.metrics_app), driven as a plain ASGI app. Outcomes are read back from real scrapes with the library's parsers."""
+(kvsp_http.metrics_app), driven as a plain ASGI app. Outcomes are read back from real scrapes with the library's
+parsers."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 
-from http3.app_kit import role_app
-from http3.authz import Rule
-from http3.metrics_app import OPENMETRICS_CONTENT_TYPE, TransferMetrics, mount_metrics, negotiate
+import kvsp_devpki as pki
+from kvsp_http.app_kit import role_app
+from kvsp_http.authz import Rule
+from kvsp_http.metrics_app import OPENMETRICS_CONTENT_TYPE, TransferMetrics, mount_metrics, negotiate
 from kvsp_quic.auth import Policy
 from kvsp_quic.metrics import (
     CONTENT_TYPE,
@@ -28,7 +30,6 @@ from kvsp_quic.metrics import (
     retrieval_collectors,
 )
 from kvsp_quic.retrieval_plan import RetrievalMetrics
-from quic import pki
 from tests.asgi import call, http_scope
 
 # One sample line of the text format: a classic name, optional labels, a value (no timestamps are written).

@@ -17,11 +17,10 @@ from typing import Any
 import pytest
 
 from http3.client import KvspClient
-from http3.holder_app import holder_app
-from http3.index_app import index_app
-from http3.publisher import ReplicaPublisher
-from http3.retrieval import BlockFetcher, HttpSource
 from http3.server import RoleServer, bind_pair
+from kvsp_client.retrieval import BlockFetcher, HttpSource
+from kvsp_http.holder_app import holder_app
+from kvsp_http.index_app import index_app
 from kvsp_moqt.holder_tracks import HolderTracks, fetch_layers, fetch_replica, holder_moqt_handlers
 from kvsp_moqt.source import MoqtSource, PreferMoqt
 from kvsp_moqt.tracks import (
@@ -48,6 +47,7 @@ from kvsp_quic.roles.index import IndexService
 from kvsp_quic.samples import random_sections
 from kvsp_quic.storage.memory_index import MemoryIndexStore
 from kvsp_quic.storage.tiers import BlockId
+from kvsp_runtime.publisher import ReplicaPublisher
 from moqt import Location
 from moqt.aio import MoqtApp, MoqtConnection, MoqtPool, MoqtRequestError, moqt_handlers
 from moqt.events import FetchRequested, ObjectReceived

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from http3.relay_app import audit_metrics
+from kvsp_http.relay_app import audit_metrics
 from kvsp_moqt.relay_policy import kvsp_relay
 from kvsp_moqt.relay_rules import RelayRules
 from kvsp_moqt.tracks import track_namespace

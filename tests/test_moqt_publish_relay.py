@@ -68,7 +68,7 @@ class Recorder(MoqtApp):
 @contextlib.asynccontextmanager
 async def relay_process(tmp_path: Path) -> AsyncIterator[tuple[int, TlsFiles, str]]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvsp_quic", "relay", "--dev", str(tmp_path / "dev"), "--open-prefix", "moq-test",
+        sys.executable, "-m", "kvsp_app", "relay", "--dev", str(tmp_path / "dev"), "--open-prefix", "moq-test",
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         assert proc.stdout is not None

@@ -21,15 +21,15 @@ from typing import Any
 import pytest
 
 from http3.client import KvspClient
-from http3.index_app import index_app
 from http3.server import RoleServer
+from kvsp_app.config import ConfigError, RelayFile, RelaySection, build
+from kvsp_http.index_app import index_app
 from kvsp_moqt.holder_tracks import HolderTracks, fetch_layers
 from kvsp_moqt.index_link import IndexLink
 from kvsp_moqt.relay_policy import kvsp_relay
 from kvsp_moqt.relay_rules import RelayRules, Verdict, parse_prefix
 from kvsp_moqt.tracks import does_not_exist, invalid_range, moqt_record, track_name, track_namespace, unauthorized
 from kvsp_quic import container as c
-from kvsp_quic.app.config import ConfigError, RelayFile, RelaySection, build
 from kvsp_quic.auth import Policy, Principal, Role
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.keys import holder_id
@@ -640,7 +640,7 @@ async def test_a_publisher_gone_before_subscribe_ok_is_does_not_exist(certs: Tes
 
 async def test_kvsp_quic_relay_dev_process(tmp_path: Path) -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvsp_quic", "relay", "--dev", str(tmp_path / "dev"), "--open-prefix", "moq-test",
+        sys.executable, "-m", "kvsp_app", "relay", "--dev", str(tmp_path / "dev"), "--open-prefix", "moq-test",
         "--cache-size", "64MiB", stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         assert proc.stdout is not None

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+import kvsp_devpki as pki
 from http3.client import KvspClient
 from moqt.aio import MoqtConnectError, connect_moqt
-from quic import pki
 from quic.tls import TlsFiles
 from tests.helpers import Process
 

@@ -2,9 +2,9 @@
 spec, "Block Retrieval and Storage": a client assembles a layer range from the replicas that hold its parts).
 
 The infrastructure of tests/test_instance_app.py (one RoleServer with the Index Service at ``/is/`` and a holder at
-``/h1/``, a fake PC, instances built by :func:`kvsp_quic.app.instance.build_instance` around a tiny random model),
+``/h1/``, a fake PC, instances built by :func:`kvsp_app.instance.build_instance` around a tiny random model),
 with a second holder at ``/h2/``: a producer's prefill stores layers 0-1 of each block at h1 and layers 2-3 at h2,
-and nowhere the whole block. The instance's BlockFetcher (http3/retrieval.py) assembles every block from the two
+and nowhere the whole block. The instance's BlockFetcher (kvsp_client/retrieval.py) assembles every block from the two
 halves; the tokens equal those of a run without a cache, and the blocks were loaded, not recomputed.
 """
 
@@ -20,7 +20,7 @@ from gpu.kvcache import PagedKVCache  # noqa: E402
 from gpu.model import LlamaModel  # noqa: E402
 from gpu.prefill import prefill  # noqa: E402
 from gpu.sampling import TokenSampler  # noqa: E402
-from http3.holder_app import holder_app  # noqa: E402
+from kvsp_http.holder_app import holder_app  # noqa: E402
 from kvsp_quic import container as c  # noqa: E402
 from kvsp_quic.auth import ALL, Policy, Principal, Role  # noqa: E402
 from kvsp_quic.keys import holder_id  # noqa: E402

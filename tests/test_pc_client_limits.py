@@ -1,4 +1,5 @@
-"""Issue 13: per-client session limits at the Placement Controller (``ClientSessionLimits``, http3/controller_app.py).
+"""Issue 13: per-client session limits at the Placement Controller (``ClientSessionLimits``,
+kvsp_http/controller_app.py).
 
 A real PC (``controller_app`` behind a RoleServer, mutual TLS, 127.0.0.1) and a recording instance: one client may
 own at most ``max_sessions`` sessions that are not done, and place at most ``max_in_flight`` at once; beyond
@@ -19,16 +20,16 @@ from typing import Any
 import pytest
 
 from http3.client import KvspClient
-from http3.controller_app import ClientSessionLimits, controller_app
-from http3.controller_link import HttpInstanceLink
-from http3.controller_service import ControllerService
 from http3.server import RoleServer, bind_pair
+from kvsp_http.controller_app import ClientSessionLimits, controller_app
 from kvsp_quic.auth import Policy
 from kvsp_quic.metrics import Registry
 from kvsp_quic.roles.controller import ControllerConfig, PlacementController
 from kvsp_quic.roles.index import Geometry, IndexConfig, IndexService
 from kvsp_quic.roles.status import LifecyclePolicy, SleepPolicy, StatusTable
 from kvsp_quic.storage.memory_index import MemoryIndexStore
+from kvsp_runtime.controller_link import HttpInstanceLink
+from kvsp_runtime.controller_service import ControllerService
 from tests.pki import make_pki
 from tests.test_controller_app import BLOCK, Cluster, FakeInstance, checkpoint, session_body
 from tests.test_index import C1, S1
@@ -136,7 +137,7 @@ def test_limits_are_positive() -> None:
 
 
 def test_the_limits_are_controller_settings() -> None:
-    from kvsp_quic.app.config import IndexFile, build
+    from kvsp_app.config import IndexFile, build
     from kvsp_quic.roles.controller import ControllerConfig
 
     cfg = build(IndexFile, {"controller": {"client_max_sessions": 7, "client_max_in_flight": 2}})

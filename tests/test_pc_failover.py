@@ -7,7 +7,7 @@
   as ``--controller`` and ``--index``; a greedy and a seeded top-p session (whose tokens wait for acknowledged
   checkpoints) are created through replica A, the replica the instance reports and checkpoints to; A is SIGKILLed
   mid-generation; both sessions complete through B with exactly the tokens of an uninterrupted run (read as the
-  front end reads them: :class:`http3.frontend_session.Completion`, every index once, across failures).
+  front end reads them: :class:`kvsp_frontend.session.Completion`, every index once, across failures).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
-from http3.api import KvspApi, ServiceEndpoints, Stale, Unknown
 from http3.client import KvspClient, Response
-from http3.frontend_session import Completion, Frontend
+from kvsp_client.api import KvspApi, ServiceEndpoints, Stale, Unknown
+from kvsp_frontend.session import Completion, Frontend
 from kvsp_quic.fields import CompatId, ScopeId
 from kvsp_quic.frontend import SamplingRequest
 from kvsp_quic.keys import BlockKeyer

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from http3.client import KvspClient
-from http3.retrieval import BlockFetcher
+from kvsp_client.retrieval import BlockFetcher
 from quic.tls import TlsFiles
 from tests.helpers import Process
 from tests.test_cluster import CONTAINER_SIZE, DESCRIPTOR, KEYER, block, block_url

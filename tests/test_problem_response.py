@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from http3 import problem_response
+from kvsp_http import problem_response
 from kvsp_quic.problems import LeaseQuota, Problem, problem_from_json
 from tests.asgi import Sent, call, http_scope
 

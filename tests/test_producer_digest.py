@@ -1,8 +1,8 @@
 """The producer-digest mode (issue 13; spec, Security Considerations, "Cache poisoning": "the producing instance can
 publish the digest itself, and consumers accept only replicas whose digest matches that of the producer"):
 kvsp_quic/producer_digests.py, kvsp_quic/roles/producer_digests.py, kvsp_quic/storage/*producer_digests.py,
-http3/producer_digests.py, the fetcher's ``require_producer_digest`` (http3/retrieval.py) and the instance's
-``publish_producer_digests`` / ``require_producer_digest`` (http3/instance_service.py).
+kvsp_client/producer_digests.py, the fetcher's ``require_producer_digest`` (kvsp_client/retrieval.py) and the instance's
+``publish_producer_digests`` / ``require_producer_digest`` (kvsp_runtime/instance_service.py).
 
 Real servers on 127.0.0.1: one RoleServer (HTTP/3 + HTTP/1.1/2, mutual TLS) serves the Index Service (``/is/``, a
 strict policy), an honest holder (``/h1/``) and a malicious one (``/h2/``) whose Replica Records and octets agree
@@ -24,12 +24,13 @@ from typing import Any
 
 import pytest
 
+import kvsp_devpki as pki
 from http3.client import KvspClient
-from http3.holder_app import holder_app
-from http3.index_app import INDEX_RULES, index_app
-from http3.producer_digests import ProducerDigestApi, ProducerDigestPublisher
-from http3.retrieval import BlockFetcher
 from http3.server import RoleServer
+from kvsp_client.producer_digests import ProducerDigestApi, ProducerDigestPublisher
+from kvsp_client.retrieval import BlockFetcher
+from kvsp_http.holder_app import holder_app
+from kvsp_http.index_app import INDEX_RULES, index_app
 from kvsp_quic.auth import Policy
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.fields import BlockKey, CompatId, ScopeId
@@ -41,7 +42,6 @@ from kvsp_quic.roles.holder import Holder, HolderSettings
 from kvsp_quic.roles.index import IndexService
 from kvsp_quic.storage.memory_index import MemoryIndexStore
 from kvsp_quic.storage.producer_digests import MemoryProducerDigests
-from quic import pki
 from quic.tls import TlsFiles
 from tests.asgi import Router
 from tests.conftest import small_descriptor
@@ -372,9 +372,9 @@ async def test_the_redis_store_keeps_producer_digests_beside_the_replicas(redis_
 async def instance(cl: Any, **service: Any) -> Any:
     """An instance of tests/test_instance_app.py's cluster (as ``Cluster.instance``) with these service options."""
     from gpu.engine import Engine
-    from http3.instance_service import ServiceOptions
     from http3.server import bind_pair
-    from kvsp_quic.app.instance import build_instance
+    from kvsp_app.instance import build_instance
+    from kvsp_runtime.instance_service import ServiceOptions
 
     ia = _instances()
     engine = Engine.load(str(cl.model_dir), block_tokens=ia.B, device_pages=256)
@@ -461,7 +461,7 @@ async def test_instances_in_the_mode_refuse_a_poisoned_replica_and_still_produce
 
 
 def test_the_instance_section_takes_the_mode() -> None:
-    from kvsp_quic.app.config import ConfigError, InstanceFile, build
+    from kvsp_app.config import ConfigError, InstanceFile, build
 
     section = build(InstanceFile, {"instance": {"require_producer_digest": True,
                                                 "publish_producer_digests": True}}).instance

@@ -21,11 +21,11 @@ from typing import Any
 import pytest
 
 from http3.client import KvspClient
-from http3.retrieval import BlockFetcher
+from kvsp_client.retrieval import BlockFetcher
 from kvsp_quic.compat import CompatDescriptor, DescriptorError, codec_known
 from kvsp_quic.fields import RecordError
 from kvsp_quic.keys import holder_id
-from kvsp_quic.problems import BadRequest
+from kvsp_quic.problems import BadRequest, problem_from_json
 from kvsp_quic.records import (
     InstanceStatusRecord,
     Link,
@@ -283,7 +283,7 @@ async def test_a_lookup_with_a_newer_holders_records_still_matches_and_retrieves
     bad["residency"][1]["tier"] = "CXL Pool"
     refused = await client.request("PUT", _replica_url(index, NEWER_HOLDER, block(0)[0]), headers=JSON,
                                    content=json.dumps(bad).encode())
-    problem = refused.problem()
+    problem = problem_from_json(refused.status, refused.content or b"")
     assert refused.status == 400 and refused.headers.get("content-type") == "application/problem+json"
     assert isinstance(problem, BadRequest) and "Storage Tiers" in problem.detail, problem
 

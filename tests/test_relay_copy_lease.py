@@ -1,4 +1,4 @@
-"""Leases of ``moqt://`` replicas (kvsp_quic/app/instance.py, ``LeasingMoqtSource``): MOQT has no leases, so an
+"""Leases of ``moqt://`` replicas (kvsp_app/instance.py, ``LeasingMoqtSource``): MOQT has no leases, so an
 instance leases a ``moqt://`` record at its publisher's ``https`` base URI. A relay's copy is served from the relay's
 cache whatever its publisher holds now: a lease the publisher refuses (it gave the block up: 404) no longer makes
 the instance skip the relay (found by ``kvsp-quic chaos``, fault relay-kill: every relay copy was skipped once the
@@ -14,9 +14,9 @@ import pytest
 
 pytest.importorskip("torch", reason="the instance's sources live with the gpu extra (torch)")
 
-from http3.retrieval import HttpSource
+from kvsp_app.instance import LeasingMoqtSource
+from kvsp_client.retrieval import HttpSource
 from kvsp_moqt.tracks import track_namespace
-from kvsp_quic.app.instance import LeasingMoqtSource
 from kvsp_quic.keys import uri_id
 from kvsp_quic.records import ReplicaRecord, encode_moqt_namespace
 from kvsp_quic.retrieval_plan import AttemptError, Failure

@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
+from kvsp_app.config import ConfigError, RelayFile, build
 from kvsp_moqt.holder_tracks import HolderTracks, fetch_layers
 from kvsp_moqt.relay_policy import kvsp_relay
 from kvsp_moqt.relay_rules import RelayRules
 from kvsp_moqt.tracks import moqt_record, parse_track, track_name
-from kvsp_quic.app.config import ConfigError, RelayFile, build
 from kvsp_quic.auth import Policy
 from kvsp_quic.roles.holder import Holder, HolderSettings
 from moqt import events as ev

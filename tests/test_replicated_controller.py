@@ -23,13 +23,11 @@ from typing import Any
 
 import pytest
 
-from http3.app_kit import JSON_MEDIA_TYPE
 from http3.client import KvspClient
 from http3.client import Response as ClientResponse
-from http3.controller_app import controller_app
-from http3.controller_link import HttpInstanceLink
-from http3.controller_service import ControllerService, Superseded
 from http3.server import RoleServer, bind_pair
+from kvsp_http.app_kit import JSON_MEDIA_TYPE
+from kvsp_http.controller_app import controller_app
 from kvsp_quic import keys as k
 from kvsp_quic.auth import ALL, Policy, Principal, Role
 from kvsp_quic.compat import InstanceState
@@ -43,6 +41,8 @@ from kvsp_quic.roles.status import LifecyclePolicy, SleepPolicy, StatusTable
 from kvsp_quic.storage.memory_index import MemoryIndexStore
 from kvsp_quic.storage.redis_control import RedisControlStore
 from kvsp_quic.storage.redis_index import RedisIndexStore
+from kvsp_runtime.controller_link import HttpInstanceLink
+from kvsp_runtime.controller_service import ControllerService, Superseded
 from tests.pki import make_pki
 from tests.redis_server import REDIS_SERVER, SKIP_REASON
 from tests.test_controller_app import BLOCK, FakeInstance, checkpoint, session_body
@@ -258,7 +258,7 @@ def test_a_wrong_redis_url_or_mode_is_one_line_and_exit_1(tmp_path: Path, redis_
     dev = str(tmp_path / "dev")
     for extra, expected in ((["--redis", "redis://127.0.0.1:1/0"], "does not answer"),
                             (["--redis", redis_url, "--redis-cluster"], "drop --redis-cluster")):
-        done = subprocess.run([sys.executable, "-m", "kvsp_quic", "index", "--dev", dev, *extra,
+        done = subprocess.run([sys.executable, "-m", "kvsp_app", "index", "--dev", dev, *extra,
                                "--log-level", "WARNING"], capture_output=True, text=True, timeout=60)
         assert done.returncode == 1 and done.stdout == ""
         lines = done.stderr.strip().splitlines()

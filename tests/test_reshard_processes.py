@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from http3.api import KvspApi
 from http3.client import KvspClient
-from http3.frontend_session import Completion, Frontend
+from kvsp_client.api import KvspApi
+from kvsp_frontend.session import Completion, Frontend
 from kvsp_quic.fields import BlockKey
 from kvsp_quic.frontend import SamplingRequest
 from kvsp_quic.keys import BlockKeyer

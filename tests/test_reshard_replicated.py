@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from http3.api import KvspApi
 from http3.client import KvspClient
+from kvsp_client.api import KvspApi
 from tests.helpers import Process
 from tests.redis_server import REDIS_SERVER, SKIP_REASON
 from tests.test_fast_migration import active, files_of, keyer_of, start_instances, tiny_model

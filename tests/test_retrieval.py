@@ -1,4 +1,4 @@
-"""The retrieval client (http3/retrieval.py, kvsp_quic/retrieval_plan.py) against real servers on 127.0.0.1.
+"""The retrieval client (kvsp_client/retrieval.py, kvsp_quic/retrieval_plan.py) against real servers on 127.0.0.1.
 
 One RoleServer (HTTP/3 and HTTP/1.1 + HTTP/2 over mutual TLS) serves, below separate base paths, the Index Service
 (``/is/``), two real holders (``/h1/``, ``/h2/``) and fake holders that misbehave on purpose (``/bad/``,
@@ -21,12 +21,12 @@ from typing import Any
 
 import pytest
 
+import kvsp_devpki as pki
 from http3.client import KvspClient
-from http3.holder_app import holder_app
-from http3.index_app import index_app
-from http3.publisher import ReplicaPublisher
-from http3.retrieval import BlockFetcher, FetchResult
 from http3.server import RoleServer
+from kvsp_client.retrieval import BlockFetcher, FetchResult
+from kvsp_http.holder_app import holder_app
+from kvsp_http.index_app import index_app
 from kvsp_quic import container as c
 from kvsp_quic.auth import ALL, Policy, Principal, Role
 from kvsp_quic.compat import CompatDescriptor
@@ -56,7 +56,7 @@ from kvsp_quic.roles.index import IndexService
 from kvsp_quic.roles.leases import LeaseLimits
 from kvsp_quic.samples import random_sections
 from kvsp_quic.storage.memory_index import MemoryIndexStore
-from quic import pki
+from kvsp_runtime.publisher import ReplicaPublisher
 from quic.tls import TlsFiles
 from tests.asgi import Router
 from tests.conftest import small_descriptor

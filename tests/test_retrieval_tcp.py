@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from http3.client import KvspClient
-from http3.retrieval import BlockFetcher
+from kvsp_client.retrieval import BlockFetcher
 from kvsp_quic import container as c
 from kvsp_quic.container import DecodedLayer
 from kvsp_quic.records import ReplicaRecord, ResidencyEntry

@@ -1,5 +1,5 @@
 """Issue 13: revocation reaches established MOQT sessions. On a reload of the policy and the CRL (SIGHUP;
-kvsp_quic.app.reload.reload_now, which the handler calls), every MOQT session of the process whose peer
+kvsp_app.reload.reload_now, which the handler calls), every MOQT session of the process whose peer
 certificate is now revoked, or whose identity lost every right it used, is closed with the session error
 UNAUTHORIZED (moqt/aio/revocation.py); the peer's next handshake is refused; other sessions are untouched.
 Real servers on 127.0.0.1: a relay and a holder in this process (the holder publishing to the relay over its own
@@ -14,17 +14,17 @@ from pathlib import Path
 
 import pytest
 
+import kvsp_devpki as pki
+from kvsp_app.reload import reload_now
 from kvsp_moqt.holder_tracks import HolderTracks
 from kvsp_moqt.relay_policy import kvsp_relay
 from kvsp_moqt.relay_rules import RelayRules
 from kvsp_moqt.tracks import moqt_record
-from kvsp_quic.app.reload import reload_now
 from kvsp_quic.auth import Policy
 from kvsp_quic.roles.holder import Holder, HolderSettings
 from moqt.aio import AUDIT, MoqtConnectError, MoqtConnection, connect_moqt, moqt_handlers
 from moqt.errors import SessionErrorCode
 from moqt.relay import RelayConfig
-from quic import pki
 from quic.crl import Revocation
 from quic.listener import QuicListener
 from tests.conftest import small_descriptor

@@ -1,6 +1,6 @@
 """Issue 13: revocation. A server role takes ``[tls] crl`` / ``--crl FILE`` (the CA's CRL) and refuses a peer
 certificate it revokes at the handshake, over TCP (HTTP/1.1, HTTP/2: OpenSSL's CRL check) and QUIC (HTTP/3, MOQT:
-quic.connection's client-certificate check); SIGHUP re-reads the policy and the CRL (kvsp_quic.app.reload): new
+quic.connection's client-certificate check); SIGHUP re-reads the policy and the CRL (kvsp_app.reload): new
 handshakes and the next request on an established connection see the new ones, a broken file keeps the old ones.
 A real ``kvsp-quic holder`` process on 127.0.0.1 with the test PKI (docs/security.md)."""
 
@@ -21,9 +21,9 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 
+import kvsp_devpki as pki
 from kvsp_quic.samples import example_descriptor
 from moqt.aio import MoqtConnectError, connect_moqt
-from quic import pki
 from quic.crl import CrlError, CrlSet
 from quic.tls import TlsFiles
 from tests.authz_matrix import TLS, Requester
@@ -82,7 +82,7 @@ class Holder:
         self.log = tmp_path / "holder.log"
         self._log = self.log.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvsp_quic", "holder", "--tls-dir", str(root), "--name", "server",
+            [sys.executable, "-m", "kvsp_app", "holder", "--tls-dir", str(root), "--name", "server",
              "--listen", "127.0.0.1:0", "--policy", str(policy), "--crl", str(crl), "--workers", str(workers),
              "--descriptor", str(DESCRIPTOR), "--log-level", "INFO"],
             stdout=subprocess.PIPE, stderr=self._log, text=True)
@@ -223,7 +223,7 @@ async def test_revoked_clients_are_refused_and_sighup_reloads_the_crl_and_policy
 
 
 def test_the_tls_section_takes_a_crl(tmp_path: Path) -> None:
-    from kvsp_quic.app.config import HolderFile, build
+    from kvsp_app.config import HolderFile, build
 
     cfg = build(HolderFile, {"tls": {"ca": "ca.pem", "cert": "h.pem", "key": "h.key", "crl": "ca.crl"}},
                 root=tmp_path)

@@ -17,9 +17,9 @@ import pytest
 
 from http3.asgi_types import Receive, Scope, Send
 from http3.client import KvspClient
-from http3.frontend_app import Frontend, frontend_app
-from http3.frontend_auth import with_dev_key
 from http3.server import RoleServer
+from kvsp_frontend.app import Frontend, frontend_app
+from kvsp_frontend.auth import with_dev_key
 from kvsp_quic.auth import Policy
 from kvsp_quic.keys import BlockKeyer
 from quic.tls import TransportSettings

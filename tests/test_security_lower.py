@@ -9,9 +9,9 @@ import stat
 from pathlib import Path
 
 from http3.client import KvspClient
-from http3.relay_app import relay_app
 from http3.server import RoleServer
-from kvsp_quic.app.serve import DEV_SCOPE_KEY, dev_scope_key
+from kvsp_app.serve import DEV_SCOPE_KEY, dev_scope_key
+from kvsp_http.relay_app import relay_app
 from moqt.relay.namespaces import render
 from tests.pki import TestPki
 from tests.test_moqt_relay import RELAY_POLICY, certs, world

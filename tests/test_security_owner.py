@@ -24,11 +24,11 @@ pytest.importorskip("torch", reason="the gpu extra (torch) is not installed")
 from gpu.engine import Engine
 from gpu.model import LlamaModel
 from http3.client import KvspClient
-from http3.instance_service import ServiceOptions
 from http3.server import RoleServer, bind_pair
-from kvsp_quic.app.instance import InstanceNode, build_instance
+from kvsp_app.instance import InstanceNode, build_instance
 from kvsp_quic.auth import Policy
 from kvsp_quic.roles.instance import InstanceOptions
+from kvsp_runtime.instance_service import ServiceOptions
 from tests import test_instance_app as ia
 from tests.pki import TestPki, make_pki
 from tests.test_instance_app import Cluster

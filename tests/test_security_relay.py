@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from http3.client import KvspClient
-from http3.index_app import index_app
 from http3.server import RoleServer
+from kvsp_http.index_app import index_app
 from kvsp_moqt.index_link import IndexLink
 from kvsp_moqt.tracks import moqt_record, track_namespace
 from kvsp_quic.auth import Policy

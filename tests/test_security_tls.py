@@ -2,7 +2,7 @@
 name the origin of the base URI called (host, and port when the identity states one -- every ``--dev``
 certificate does), and a QUIC server's certificate must allow serverAuth. Real servers on 127.0.0.1 with ``--dev``-style
 certificates: every role's certificate names 127.0.0.1 and localhost, exactly as ``kvsp-quic ... --dev`` issues
-them (``kvsp_quic.app.serve``)."""
+them (``kvsp_app.serve``)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+import kvsp_devpki as pki
 from http3.client import KvspClient, TransportError
 from http3.h3_client import H3ConnectError, connect_h3
 from http3.server import RoleServer, bind_pair
@@ -20,7 +21,6 @@ from kvsp_moqt.relay_policy import kvsp_relay
 from kvsp_moqt.relay_rules import RelayRules
 from kvsp_quic.auth import Policy
 from moqt.aio import MoqtConnectError, connect_moqt, moqt_handlers
-from quic import pki
 from quic.listener import QuicListener
 from quic.tls import TlsFiles, TransportSettings, serves
 

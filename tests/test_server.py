@@ -14,11 +14,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from http3.authz import Authorization, Rule, principal_of
 from http3.client import KvspClient, TransportError
 from http3.h3_client import H3ConnectError, connect_h3
-from http3.problem_response import install
 from http3.server import RoleServer, bind_pair
+from kvsp_http.authz import Authorization, Rule, principal_of
+from kvsp_http.problem_response import install
 from kvsp_quic.auth import Policy, require_scope
 from quic.tls import TlsFiles, TransportSettings, scope_identity, ssl_client_context
 from tests.pki import TestPki, make_pki

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from http3.api import KvspApi, RetryElsewhere, ServiceEndpoints
 from http3.client import KvspClient, TransportError
 from http3.h3_client import KeepAlive
+from kvsp_app.config import ConfigError, FrontendFile, HolderFile, InstanceFile, RelayFile, build
+from kvsp_client.api import KvspApi, RetryElsewhere, ServiceEndpoints
 from kvsp_quic import container
-from kvsp_quic.app.config import ConfigError, FrontendFile, HolderFile, InstanceFile, RelayFile, build
 from kvsp_quic.fields import BlockKey, CompatId, ScopeId
 from kvsp_quic.keys import BlockKeyer
 from kvsp_quic.records import LookupRequest

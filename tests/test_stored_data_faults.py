@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from http3.client import KvspClient
-from http3.retrieval import BlockFetcher
+from kvsp_client.retrieval import BlockFetcher
 from kvsp_quic.problems import KVSP_TYPE_BASE
 from tests.helpers import Process
 from tests.test_cluster import CONTAINER_SIZE, DESCRIPTOR, KEYER, block, block_url

@@ -1,6 +1,6 @@
 """Tenants who distrust each other (issue 13): scope-aware placement, over real sockets.
 
-The Index Service + Placement Controller (http3.controller_app behind RoleServer, mutual TLS) with two tenants:
+The Index Service + Placement Controller (kvsp_http.controller_app behind RoleServer, mutual TLS) with two tenants:
 tenant A's instance ``ia`` and client ``alice`` hold scope S1, tenant B's instance ``ib`` and client ``bob`` hold
 S2. The instances are the recording instance apps of ``tests.test_controller_app`` behind their own RoleServers:
 whatever the PC sends them arrives over HTTP/3 and is recorded, so "tenant B received nothing of tenant A" is an
@@ -19,10 +19,8 @@ from pathlib import Path
 import pytest
 
 from http3.client import KvspClient
-from http3.controller_app import controller_app
-from http3.controller_link import HttpInstanceLink
-from http3.controller_service import ControllerService
 from http3.server import RoleServer, bind_pair
+from kvsp_http.controller_app import controller_app
 from kvsp_quic import keys as k
 from kvsp_quic.auth import ALL, Policy, Principal, Role
 from kvsp_quic.compat import InstanceState
@@ -32,6 +30,8 @@ from kvsp_quic.roles.controller_records import SessionInfo
 from kvsp_quic.roles.index import Geometry, IndexConfig, IndexService
 from kvsp_quic.roles.status import LifecyclePolicy, SleepPolicy, StatusTable
 from kvsp_quic.storage.memory_index import MemoryIndexStore
+from kvsp_runtime.controller_link import HttpInstanceLink
+from kvsp_runtime.controller_service import ControllerService
 from tests.pki import make_pki
 from tests.test_controller_app import BLOCK, Cluster, FakeInstance, session_body
 from tests.test_index import C1, S1, S2, bk, replica

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from http3.client import KvspClient
-from http3.holder_app import holder_app
 from http3.server import RoleServer
+from kvsp_http.holder_app import holder_app
 from kvsp_quic import container as c
 from kvsp_quic.auth import Policy
 from kvsp_quic.compat import CompatDescriptor

@@ -22,7 +22,7 @@ pytest.importorskip("torch", reason="the demo runs inference instances: pip inst
 
 def test_two_tenants_share_the_services_and_nothing_else(tmp_path: Path) -> None:
     workdir = tmp_path / "demo"
-    run = subprocess.run([sys.executable, "-m", "kvsp_quic", "demo", "--tenants", "2", "--json", "--requests", "2",
+    run = subprocess.run([sys.executable, "-m", "kvsp_app", "demo", "--tenants", "2", "--json", "--requests", "2",
                           "--prefix-tokens", "256", "--layers", "2", "--hidden", "128", "--workdir", str(workdir)],
                          capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

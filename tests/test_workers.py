@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from http3.client import KvspClient
-from http3.retrieval import BlockFetcher
+from kvsp_client.retrieval import BlockFetcher
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.records import LeaseRenewal, LeaseRequest, LeaseResponse
 from kvsp_quic.storage.shared_host import STAGED_PREFIX, Allocation, SharedHostReader, SharedHostTier
@@ -337,7 +337,7 @@ def test_published_namespaces_need_one_relay_process(tmp_path: Path, extra: list
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-m", "kvsp_quic", "relay", "--dev", str(tmp_path / "dev"), "--workers", "2",
+    run = subprocess.run([sys.executable, "-m", "kvsp_app", "relay", "--dev", str(tmp_path / "dev"), "--workers", "2",
                           *extra], capture_output=True, text=True, timeout=60)
     assert run.returncode != 0 and run.stdout == ""
     assert "--workers 1" in run.stderr and "Traceback" not in run.stderr

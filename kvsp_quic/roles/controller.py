@@ -3,9 +3,9 @@ Directives", "Session Checkpoints and Migration", "Sequence-Sharded Caches and R
 
 Protocol rules only: no HTTP, no asyncio, no processes. :class:`PlacementController` holds the PC's state
 (sessions, shard maps, sessions assigned since the last reports, the start hook's timing) and decides; its asyncio
-adapter, ``http3.controller_service.ControllerService``, carries out what it decides (lookups on the Index Service,
-requests to instances, the start hook, the tick loop, the reshard fan-out) and reports the results back, which the
-role judges (the outcome types of :mod:`kvsp_quic.roles.controller_sessions`). It runs in the Index Service's
+adapter, ``kvsp_runtime.controller_service.ControllerService``, carries out what it decides (lookups on the Index
+Service, requests to instances, the start hook, the tick loop, the reshard fan-out) and reports the results back,
+which the role judges (the outcome types of :mod:`kvsp_quic.roles.controller_sessions`). It runs in the Index Service's
 process (the spec allows combining them; docs/wire.md, "Placement Controller") and reads instance states from the
 :class:`~kvsp_quic.roles.status.StatusTable`; the clock (monotonic seconds) and identifiers are injected.
 

@@ -21,7 +21,7 @@ context (*(extension)* ``"context"``: Compatibility ID, scope and the context's 
 
 A reshard in progress is a :class:`ReshardRound` (the plans, who must acknowledge by when); what it came to is a
 :class:`ReshardOutcome` with a :class:`ReshardResult`. The fan-out itself is the adapter's
-(``http3.controller_service.ControllerService.reshard``).
+(``kvsp_runtime.controller_service.ControllerService.reshard``).
 """
 
 from __future__ import annotations

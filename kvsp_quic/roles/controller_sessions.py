@@ -3,7 +3,7 @@
 :class:`PlacedSession` is what the PC holds per session (spec, "Session Checkpoints and Migration"): its request,
 epochs, the instance serving it and the highest checkpoint. The other types are what the role
 (:class:`~kvsp_quic.roles.controller.PlacementController`) returns to its asyncio adapter
-(``http3.controller_service.ControllerService``) and what the adapter reports back: each step of a placement is a
+(``kvsp_runtime.controller_service.ControllerService``) and what the adapter reports back: each step of a placement is a
 decision of the role, carried out by the adapter, whose result the role then judges.
 """
 

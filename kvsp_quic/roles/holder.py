@@ -1,7 +1,7 @@
 """The Holder role (spec: "Block Retrieval and Storage", "Leases", "Publishing and Withdrawing Replicas").
 
-Plain objects with an injected monotonic clock (seconds); no HTTP, no asyncio. ``http3/holder_app.py`` translates
-requests into calls on :class:`Holder`; ``http3/publisher.py`` drains the :class:`ReplicaOutbox` to the Index
+Plain objects with an injected monotonic clock (seconds); no HTTP, no asyncio. ``kvsp_http/holder_app.py`` translates
+requests into calls on :class:`Holder`; ``kvsp_runtime/publisher.py`` drains the :class:`ReplicaOutbox` to the Index
 Service and drives the holder's timers (:meth:`Holder.tick`). docs/wire.md ("Holder") records the decisions:
 
 * a holder stores complete blocks and **layer ranges** of blocks (``block_tokens`` tokens; the container's First
@@ -80,7 +80,7 @@ from kvsp_quic.storage.tiers import (
 class HolderOptions:
     """What a holder's operator sets: the ``[holder]`` section of ``kvsp-quic holder``'s file is these fields
     (plus what the composition root resolves: the Index Service, the descriptor files, the local-storage tier with
-    its key file -- ``kvsp_quic.app.config.HolderSection``). Durations in milliseconds, sizes in octets."""
+    its key file -- ``kvsp_app.config.HolderSection``). Durations in milliseconds, sizes in octets."""
 
     host_capacity: int = 1 << 30  # octets of containers kept in memory
     host_read_mbit_per_s: int | None = None  # advertised for the host tier, when set

@@ -1,6 +1,6 @@
 """A holder's outbox of publish / withdraw intents for its Replica Records (spec: "Publishing and Withdrawing
 Replicas"): the latest wanted state per replica, due times, retries with backoff. Pure bookkeeping; the holder
-(:mod:`kvsp_quic.roles.holder`) fills it, ``http3/publisher.py`` drains it."""
+(:mod:`kvsp_quic.roles.holder`) fills it, ``kvsp_runtime/publisher.py`` drains it."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The holder's state has one owner, the primary process and its :class:`~kvsp_quic.roles.holder.Holder`: what is
 stored where, placement and eviction, leases, the records it publishes (one set of Replica Records, however many
-workers serve). A :class:`HolderWorker` has the same surface for the HTTP and MOQT edges (``http3/holder_app.py``,
+workers serve). A :class:`HolderWorker` has the same surface for the HTTP and MOQT edges (``kvsp_http/holder_app.py``,
 ``kvsp_moqt/holder_tracks.py``) and does the per-octet work itself:
 
 * reads come straight from the shared store: the shared host tier's files mapped into this process

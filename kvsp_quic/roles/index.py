@@ -102,7 +102,7 @@ class Geometry:
 @dataclass(frozen=True)
 class IndexOptions:
     """What an Index Service's operator sets: the ``[index]`` section of ``kvsp-quic index``'s file is these fields
-    (plus the store and the descriptor files the composition root resolves: ``kvsp_quic.app.config.IndexSection``)."""
+    (plus the store and the descriptor files the composition root resolves: ``kvsp_app.config.IndexSection``)."""
 
     max_ttl_ms: int = DEFAULT_MAX_TTL_MS  # replica TTLs are capped at this
     max_lookup_keys: int = DEFAULT_MAX_LOOKUP_KEYS

@@ -2,7 +2,7 @@
 and Migration", "Sequence-Sharded Caches and Resharding") as plain objects with an injected monotonic clock.
 
 No torch, no asyncio, no HTTP: the engine (``gpu/engine.py``, behind :mod:`kvsp_quic.engine`) runs the model,
-``http3/instance_service.py`` drives the timers and loads, ``http3/instance_app.py`` translates requests
+``kvsp_runtime/instance_service.py`` drives the timers and loads, ``kvsp_http/instance_app.py`` translates requests
 (docs/inference.md is the contract with the Placement Controller and the front end).
 
 * :class:`Lifecycle` -- ``active`` / ``draining`` / ``sleeping``: new sessions only when active; a draining
@@ -81,7 +81,7 @@ def next_instance_epoch(previous: int | None, now_ms: int) -> int:
 @dataclass(frozen=True, kw_only=True)
 class InstanceOptions:
     """What an instance's operator sets: the ``[instance]`` section of ``kvsp-quic instance``'s file has these
-    fields (with the engine's and the service's: ``kvsp_quic.app.config.InstanceSection``). Durations in
+    fields (with the engine's and the service's: ``kvsp_app.config.InstanceSection``). Durations in
     milliseconds; the role reads seconds (``*_s``)."""
 
     status_ttl_ms: int = 3000  # ttl_ms of status records; reported every third of it
@@ -150,7 +150,7 @@ class InstanceSettings(InstanceOptions):
 
 @dataclass(frozen=True)
 class ServiceOptions:
-    """The settings of the instance's asyncio service (``http3.instance_service``), in ``[instance]`` of
+    """The settings of the instance's asyncio service (``kvsp_runtime.instance_service``), in ``[instance]`` of
     ``kvsp-quic instance``'s file with :class:`InstanceOptions`. Durations in milliseconds; read in seconds."""
 
     # The Placement Controller's base URIs (status reports, checkpoints; the client fails over between them)

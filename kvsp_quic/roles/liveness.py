@@ -25,7 +25,7 @@ a cache of shared tables (:class:`~kvsp_quic.storage.liveness_store.LivenessStor
 there first (a write that fails fails the request) and then applied to the receiving process's tables at once;
 every process reloads the shared tables periodically (:meth:`LivenessTable.load`, :meth:`FailureReports.load`: one
 read of a :class:`~kvsp_quic.storage.liveness_store.SharedLiveness`; every 250 ms in
-``http3.index_app.liveness_syncer``), so another process's news reaches its lookups within one period plus a
+``kvsp_http.index_app.liveness_syncer``), so another process's news reaches its lookups within one period plus a
 round trip. A load never undoes a newer local write: a holder keeps its latest report (by report time), a demotion
 its latest end. While the shared store cannot be read, a process keeps its last view (and its own writes). Without
 a shared store (the memory store: one process) the tables are the process's own, with no reload.

@@ -12,7 +12,7 @@ Handshakes: :func:`~moqt.aio.endpoints.connect_moqt` reports a refused or failed
 through :meth:`SessionAudit.handshake_refused` -- the QUIC listener, which sees them before any MOQT handler
 exists, calls it (``side="server"``).
 
-``/metrics`` exposes the counters (http3/relay_app.py: ``kvsp_moqt_sessions_closed_total{by,draft,reason}`` and
+``/metrics`` exposes the counters (kvsp_http/relay_app.py: ``kvsp_moqt_sessions_closed_total{by,draft,reason}`` and
 ``kvsp_moqt_handshakes_refused_total{side,reason}``).
 """
 

@@ -3,7 +3,7 @@ session of the process is judged again, and one whose peer may no longer be serv
 
 A session's identity is fixed at its handshake, and its requests are judged by the policy as they come; but what a
 session holds -- published namespaces, subscriptions, namespace subscriptions, FETCHes under way -- outlives the
-rights that let it in. So :func:`recheck_sessions` (``kvsp_quic.app.reload`` calls it on SIGHUP, once the new
+rights that let it in. So :func:`recheck_sessions` (``kvsp_app.reload`` calls it on SIGHUP, once the new
 policy and CRL are installed) closes each open session of the process (server side: every connection our
 listeners accepted; client side too, for a revoked server certificate)
 
