@@ -126,6 +126,16 @@ class Legit:
         return (f"legit: {len(self.latencies)} GETs verified, {len(self.failures)} failed, latency p50 "
                 f"{statistics.median(self.latencies) * 1000:.0f} ms, max {max(self.latencies) * 1000:.0f} ms")
 
+    def done(self) -> int:
+        return len(self.latencies) + len(self.failures)
+
+    async def one_more(self, timeout: float = 30.0) -> None:
+        """Until the legitimate client has finished one more GET than now (it runs in its own thread)."""
+        seen = self.done()
+        async with asyncio.timeout(timeout):
+            while self.done() == seen:
+                await asyncio.sleep(0.005)
+
     def check(self, max_latency: float, at_least: int = 3) -> None:
         assert not self.failures, self.failures[:5]
         assert len(self.latencies) >= at_least, self.text()
@@ -498,15 +508,25 @@ class LeaseFlood:
 
 
 async def flood_leases(ready: dict[str, Any], files: TlsFiles, requests: int, concurrency: int,
-                       keys: Sequence[int] = range(BLOCKS)) -> LeaseFlood:
+                       keys: Sequence[int] = range(BLOCKS), legit: Legit | None = None,
+                       legit_every: int = 100) -> LeaseFlood:
     """*requests* POST leases (each of the blocks numbered *keys*), *concurrency* at a time, as the principal of
-    *files*."""
+    *files*. With *legit*, at each multiple of *legit_every* requests no worker sends another until the legitimate
+    client has finished one more GET (the requests in flight go on): its GETs are interleaved with the flood however
+    fast the machine is."""
     result = LeaseFlood()
     todo = iter(range(requests))
     body = lease_body(keys)
+    gate = asyncio.Event()
+    gate.set()
 
     async def worker(client: KvspClient) -> None:
-        for _ in todo:
+        for n in todo:
+            if legit is not None and n and n % legit_every == 0:
+                gate.clear()
+                await legit.one_more()
+                gate.set()
+            await gate.wait()
             r = await client.request("POST", ready["base_uri"] + "leases", content=body,
                                      headers={"content-type": "application/kvsp+json"})
             answer = await r.aread()
@@ -540,7 +560,7 @@ async def run_lease_flood(tmp_path: Path, procs: list[Process], *, requests: int
     with RssProbe(holder.proc.pid) as probe:
         async with legit_during(ready, legit):
             started = time.monotonic()
-            flood = await flood_leases(ready, flooder, requests, concurrency=16)
+            flood = await flood_leases(ready, flooder, requests, concurrency=16, legit=legit)
             took = time.monotonic() - started
             legit_status = await legit_lease(ready)  # another client's lease, once the flooder is at its quota
     probe.settle()
