@@ -36,6 +36,12 @@ class Unsupported(Exception):
     """The implementation cannot play this case (a missing feature, or a peer that is not installed)."""
 
 
+class PeerMissing(Unsupported):
+    """The implementation is an independent peer that is not installed here: its cells are unsupported, and a cell
+    expected to pass is a regression only where peers are required (``--require-peers``, ``KVSP_REQUIRE_PEERS=1``:
+    .ci/run installs them all)."""
+
+
 @dataclass
 class Reply:
     status: int

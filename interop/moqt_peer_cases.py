@@ -25,7 +25,7 @@ from pathlib import Path
 
 import kvsp_devpki as pki
 from interop.cases import CASES, CaseInfo, Env, block_of, moqt_driver, relay_metrics
-from interop.drivers import Driver, Unsupported
+from interop.drivers import Driver, PeerMissing, Unsupported
 from interop.moqrs_drivers import (
     NEEDS_ANNOUNCEMENT,
     MoqrsMoqt,
@@ -56,7 +56,7 @@ MOQ_SERVER_URI = "https://127.0.0.1:1/interop-moq-server/"
 def _needs_moqrs(role: str) -> None:
     missing = moqrs_missing()
     if missing is not None:
-        raise Unsupported(f"the {role} of this case is moq-rs: {missing}")
+        raise PeerMissing(f"the {role} of this case is moq-rs: {missing}")
 
 
 def _digests(payloads: list[bytes]) -> list[bytes]:

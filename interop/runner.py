@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -24,7 +25,7 @@ from typing import Any
 from http3.client import KvspClient
 from interop import report
 from interop.cases import CaseInfo, Env, Inference
-from interop.drivers import Driver, Unsupported, all_drivers
+from interop.drivers import Driver, PeerMissing, Unsupported, all_drivers
 from interop.moqrs_drivers import moqrs_drivers
 from interop.moqt_drivers import MoqtDriver, moqt_drivers
 from interop.moqt_peer_cases import ALL_CASES as CASES
@@ -51,6 +52,7 @@ class Cell:
     detail: str
     seconds: float
     log: str  # path of the cell's log, relative to the output directory
+    peer_missing: bool = False  # unsupported because the implementation (an independent peer) is not installed
 
     @property
     def key(self) -> str:
@@ -61,11 +63,11 @@ async def run_cell(case: CaseInfo, driver: Driver, env: Env | None, logs: Path) 
     log_name = f"logs/{case.name}--{driver.name}.log"
     lines: list[str] = []
     started = time.perf_counter()
-    result, detail = "pass", ""
+    result, detail, peer_missing = "pass", "", False
     try:
         missing = driver.available()
         if missing is not None:
-            raise Unsupported(missing)
+            raise PeerMissing(missing)
         if case.run is None or env is None:
             raise Unsupported(case.why_not)
         if isinstance(driver, MoqtDriver):  # it logs into the cell itself
@@ -74,7 +76,7 @@ async def run_cell(case: CaseInfo, driver: Driver, env: Env | None, logs: Path) 
         else:
             await asyncio.wait_for(case.run(env, _Logged(driver, lines)), 120)
     except Unsupported as exc:
-        result, detail = "unsupported", str(exc)
+        result, detail, peer_missing = "unsupported", str(exc), isinstance(exc, PeerMissing)
     except AssertionError as exc:
         result, detail = "fail", str(exc) or "assertion failed"
         lines.append(traceback.format_exc())
@@ -83,7 +85,7 @@ async def run_cell(case: CaseInfo, driver: Driver, env: Env | None, logs: Path) 
         lines.append(traceback.format_exc())
     (logs / Path(log_name).name).write_text("\n".join([f"{case.name} / {driver.name}: {result} {detail}", *lines]))
     return Cell(case.name, driver.name, SERVER, driver.transport, result, detail,
-                round(time.perf_counter() - started, 2), log_name)
+                round(time.perf_counter() - started, 2), log_name, peer_missing)
 
 
 class _Logged(Driver):
@@ -149,9 +151,10 @@ async def run(cases: list[CaseInfo], drivers: list[Driver], out: Path) -> list[C
     return cells
 
 
-def regressions(cells: list[Cell], expected: dict[str, str]) -> list[Cell]:
-    """Cells expected to pass that did not."""
-    return [c for c in cells if expected.get(c.key) == "pass" and c.result != "pass"]
+def regressions(cells: list[Cell], expected: dict[str, str], *, require_peers: bool = True) -> list[Cell]:
+    """Cells expected to pass that did not; without *require_peers*, not those whose peer is not installed."""
+    return [c for c in cells if expected.get(c.key) == "pass" and c.result != "pass"
+            and (require_peers or not c.peer_missing)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--expected", type=Path, default=EXPECTED)
     parser.add_argument("--write-expected", action="store_true", help="record this run's results as expected")
     parser.add_argument("--list", action="store_true", help="list the cases and implementations, then exit")
+    parser.add_argument("--require-peers", action="store_true", default=os.environ.get("KVSP_REQUIRE_PEERS") == "1",
+                        help="a cell expected to pass whose peer is not installed is a regression (the default with "
+                             "KVSP_REQUIRE_PEERS=1; without it such cells are listed as set aside)")
     args = parser.parse_args(argv)
     drivers = all_drivers() + moqt_drivers() + moqrs_drivers()
     if args.list:
@@ -184,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     drivers = [d for d in drivers if d.name in impls]
     cells = asyncio.run(run(cases, drivers, args.out))
     expected: dict[str, str] = json.loads(args.expected.read_text()) if args.expected.exists() else {}
-    bad = regressions(cells, expected)
+    bad = regressions(cells, expected, require_peers=args.require_peers)
+    set_aside = [c for c in regressions(cells, expected) if c not in bad]
     report.write(args.out, [asdict(c) for c in cells], bad_keys={c.key for c in bad})
     if args.write_expected:
         merged = dict(expected)
@@ -195,4 +202,9 @@ def main(argv: list[str] | None = None) -> int:
           f"matrix in {args.out}/matrix.md, .json, .html", file=sys.stderr)
     for c in bad:
         print(f"interop: REGRESSION {c.case} / {c.client}: {c.detail}", file=sys.stderr)
+    if set_aside:
+        peers = sorted({c.client for c in set_aside})
+        print(f"interop: {len(set_aside)} cells expected to pass were not run: not installed here: {', '.join(peers)} "
+              "(.ci/run installs them; --require-peers or KVSP_REQUIRE_PEERS=1 counts them as regressions)",
+              file=sys.stderr)
     return 1 if bad else 0

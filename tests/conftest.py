@@ -11,7 +11,15 @@ import pytest
 from kvsp_quic.compat import CompatDescriptor
 from tests import vectors
 from tests.helpers import Process
+from tests.peers import missing_peer
 from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers("needs_peer"):  # tests/peers.py
+        if mark.args and mark.args[0] is not None:
+            missing_peer(mark.args[0])
 
 
 @pytest.fixture
@@ -36,7 +44,7 @@ if os.environ.get("KVSP_TEST_LOOP") == "uvloop":  # the in-process tests on uvlo
 def redis_url(tmp_path: Path) -> Iterator[str]:
     """A redis-server of the test's own (skipped where it is not installed)."""
     if REDIS_SERVER is None:
-        pytest.skip(SKIP_REASON)
+        missing_peer(SKIP_REASON)
     with RedisServer.start(tmp_path / "redis") as server:
         yield server.url
 

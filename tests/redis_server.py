@@ -6,7 +6,8 @@
     with RedisClusterServers.start(tmp_path, nodes=3) as cluster:   # primaries only, slots split evenly
         client = redis.asyncio.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
 
-Tests skip with :data:`SKIP_REASON` when ``redis-server`` is not on PATH (Debian: ``apt-get install -y
+Tests skip with :data:`SKIP_REASON` when ``redis-server`` is not on PATH (``needs_redis``; they fail instead under
+``KVSP_REQUIRE_PEERS=1``: tests/peers.py) (Debian: ``apt-get install -y
 redis-server``; it does not start a service by itself in a container). The ``redis`` Python package is the
 ``redis`` extra of the project (``pip install -e '.[test,redis]'``).
 """
@@ -19,9 +20,11 @@ from collections.abc import Iterator
 
 # One copy of the starters: the product's (``kvsp-quic chaos --redis-cluster`` starts its cluster with it).
 from kvsp_app.redis_cluster import REDIS_SERVER, RedisClusterServers, RedisServer, command, free_port
+from tests.peers import needs_peer
 
 SKIP_REASON = ("redis-server is not installed (Debian/Ubuntu: apt-get install -y redis-server); "
                "the Redis index tests need a real server")
+needs_redis = needs_peer(SKIP_REASON if REDIS_SERVER is None else None)
 
 
 @contextlib.contextmanager
@@ -33,4 +36,5 @@ def running(directory: str | os.PathLike[str]) -> Iterator[RedisServer]:
         server.stop()
 
 
-__all__ = ["REDIS_SERVER", "SKIP_REASON", "RedisClusterServers", "RedisServer", "command", "free_port", "running"]
+__all__ = ["REDIS_SERVER", "SKIP_REASON", "RedisClusterServers", "RedisServer", "command", "free_port", "needs_redis",
+           "running"]

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.redis_server import REDIS_SERVER, SKIP_REASON
+from tests.redis_server import needs_redis
 
 SOURCE_FAULTS = {"holder-kill": "holder-b", "relay-kill": "relay", "holder-restart": "holder-a"}
 SLOW = "every fault takes minutes: KVSP_SLOW=1 runs it"
@@ -46,7 +46,7 @@ def check(run: subprocess.CompletedProcess[str], faults: set[str]) -> list[dict[
     return rows
 
 
-@pytest.mark.skipif(REDIS_SERVER is None, reason=SKIP_REASON)
+@needs_redis
 def test_a_bounded_round_loses_no_token() -> None:
     """An instance SIGKILLed mid-generation (the sessions move: epoch 2) and the PC replica receiving its
     checkpoints SIGKILLed mid-generation (the sessions go on through the other replica)."""
@@ -57,7 +57,7 @@ def test_a_bounded_round_loses_no_token() -> None:
     assert next(r for r in rows if r["fault"] == "pc-kill")["target"].startswith("index-")
 
 
-@pytest.mark.skipif(REDIS_SERVER is None, reason=SKIP_REASON)
+@needs_redis
 def test_a_holder_kill_cuts_a_load_from_that_holder() -> None:
     """holder-b holds a fresh prefix, nobody else does; it is SIGKILLed at the first block it serves: the instances'
     transfers from it fail (``cut``), they recompute, and every token is still the reference's."""
@@ -68,7 +68,7 @@ def test_a_holder_kill_cuts_a_load_from_that_holder() -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("KVSP_SLOW") != "1", reason=SLOW)
-@pytest.mark.skipif(REDIS_SERVER is None, reason=SKIP_REASON)
+@needs_redis
 def test_every_fault_loses_no_token() -> None:
     check(chaos(timeout=1500), {"instance-kill", "instance-stop", "pc-kill", "is-kill", "holder-kill", "relay-kill",
                                 "holder-restart"})
@@ -76,7 +76,7 @@ def test_every_fault_loses_no_token() -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("KVSP_SLOW") != "1", reason=SLOW)
-@pytest.mark.skipif(REDIS_SERVER is None, reason=SKIP_REASON)
+@needs_redis
 def test_on_a_redis_cluster() -> None:
     """The IS+PC replicas on a 3-node Redis Cluster: either one killed, the PC replica receiving checkpoints killed,
     an instance, a holder and the relay killed mid-load."""

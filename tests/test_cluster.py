@@ -24,6 +24,7 @@ from kvsp_quic.records import LeaseRequest
 from kvsp_quic.samples import example_descriptor, random_sections
 from quic.tls import TlsFiles
 from tests.helpers import Process
+from tests.peers import missing_peer
 from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
 
 DESCRIPTOR = example_descriptor()  # 32 layers, 4-token blocks, 8 heads x 128 bf16: 512 KiB of K and V a block
@@ -39,7 +40,7 @@ def index_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[list
         yield []
         return
     if REDIS_SERVER is None:
-        pytest.skip(SKIP_REASON)
+        missing_peer(SKIP_REASON)
     with RedisServer.start(tmp_path / "redis") as server:
         yield ["--redis", server.url]
 

@@ -23,7 +23,7 @@ from kvsp_quic.records import ReshardPlan, Shard, ShardMap
 from kvsp_quic.roles.controller_reshard import ContextPlan, ReshardContext, context_bytes, context_of
 from kvsp_quic.storage.redis_control import RedisControlStore
 from kvsp_runtime.controller_maps import ShardMaps
-from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisClusterServers, command
+from tests.redis_server import RedisClusterServers, command, needs_redis
 from tests.test_controller import Env
 
 I1, I2, I3 = "https://ii1.example/kvsp/", "https://ii2.example/kvsp/", "https://ii3.example/kvsp/"
@@ -70,7 +70,7 @@ async def _maps_with_contexts(one: RedisControlStore, two: RedisControlStore) ->
     assert await one.map_context("bare") is None and bare is not None and bare.version == 3
 
 
-@pytest.mark.skipif(REDIS_SERVER is None, reason=SKIP_REASON)
+@needs_redis
 async def test_redis_keeps_a_map_with_its_context(redis_url: str) -> None:
     one, two = RedisControlStore.from_url(redis_url), RedisControlStore.from_url(redis_url)
     try:
@@ -80,7 +80,7 @@ async def test_redis_keeps_a_map_with_its_context(redis_url: str) -> None:
         await two.aclose()
 
 
-@pytest.mark.skipif(REDIS_SERVER is None, reason=SKIP_REASON)
+@needs_redis
 async def test_redis_cluster_keeps_a_map_with_its_context(tmp_path: Path) -> None:
     """The scripts that write a map and its context touch two keys: on a cluster they must share a slot."""
     with RedisClusterServers.start(tmp_path / "cluster", nodes=3) as cluster:

@@ -17,6 +17,7 @@ from kvsp_quic.records import InstanceStatusRecord
 from kvsp_quic.roles.controller_records import SessionState, SuspectAnswer, SuspectReport, Verdict
 from kvsp_quic.roles.controller_sessions import RunHealth, judge_probe
 from kvsp_quic.storage.control_store import StoredStatus
+from tests.peers import missing_peer
 from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
 from tests.test_controller import FRONT, IA, IB, OTHER, Env, FakeLink, checkpoint, request, who
 
@@ -133,7 +134,7 @@ async def test_the_shared_store_holds_a_probed_run_failed(tmp_path: Path) -> Non
     """``fail_status`` of :class:`RedisControlStore` (a real redis-server): the stored status of that run is dropped
     (every replica then holds it failed), its highest epoch kept; a status of another run is left alone."""
     if REDIS_SERVER is None:
-        pytest.skip(SKIP_REASON)
+        missing_peer(SKIP_REASON)
     from kvsp_quic.storage.redis_control import RedisControlStore
 
     with RedisServer.start(tmp_path / "redis") as server:

@@ -18,15 +18,16 @@ import pytest
 from http3.h3_server import h3_handler
 from quic.listener import QuicListener
 from quic.tls import TlsFiles, scope_identity
+from tests.peers import needs_peer
 from tests.pki import TestPki, make_pki
 
 ROOT = Path(__file__).resolve().parent.parent
 GTLSCLIENT = shutil.which("gtlsclient")
 NIQUESTS_PYTHON = Path(os.environ.get("KVSP_PEERS_PYTHON", ROOT / ".venv-peers" / "bin" / "python"))
-needs_gtls = pytest.mark.skipif(GTLSCLIENT is None, reason="ngtcp2's gtlsclient is not installed "
-                                "(apt-get install ngtcp2-client; .ci/run does)")
-needs_niquests = pytest.mark.skipif(not NIQUESTS_PYTHON.exists(), reason=f"no niquests environment at "
-                                    f"{NIQUESTS_PYTHON} (.ci/run creates it; or set KVSP_PEERS_PYTHON)")
+needs_gtls = needs_peer("ngtcp2's gtlsclient is not installed (apt-get install ngtcp2-client; .ci/run does)"
+                        if GTLSCLIENT is None else None)
+needs_niquests = needs_peer(None if NIQUESTS_PYTHON.exists() else f"no niquests environment at {NIQUESTS_PYTHON} "
+                            "(.ci/run creates it; or set KVSP_PEERS_PYTHON)")
 
 NIQUESTS_SCRIPT = """
 import sys, niquests

@@ -37,6 +37,7 @@ from kvsp_quic.roles.status import InstanceStatus, StatusTable
 from kvsp_quic.storage.index_store import IndexStore, pack_body, unpack_body
 from kvsp_quic.storage.memory_index import MemoryIndexStore
 from tests.helpers import Clock
+from tests.peers import missing_peer
 from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
 
 S1, S2 = bytes([1]) * 16, bytes([2]) * 16
@@ -117,7 +118,7 @@ class Env:
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     if REDIS_SERVER is None:
-        pytest.skip(SKIP_REASON)
+        missing_peer(SKIP_REASON)
     pytest.importorskip("redis", reason="the redis extra is not installed (pip install -e '.[redis]')")
     with RedisServer.start(tmp_path_factory.mktemp("redis")) as server:
         yield server

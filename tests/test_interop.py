@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from interop import report
 from interop.moqrs_drivers import moqrs_missing
 from interop.moqt_peer_cases import ALL_CASES as CASES
 from interop.runner import EXPECTED, QUICK_CASES, Cell, regressions
+from tests.peers import REQUIRED, needs_peer
 
 INFERENCE_CASES = [c.name for c in CASES if c.needs_instance]
 MOQRS = moqrs_missing() is None
@@ -29,7 +31,8 @@ def test_the_quick_subset_passes_against_expected(tmp_path: Path) -> None:
     # our client passes every quick case on every transport, and curl over TCP; the MOQT one, our MOQT client on
     # both drafts and moq-rs on draft 18 (when its environment exists)
     for case in QUICK_CASES:
-        clients: tuple[str, ...] = ("kvsp-quic-h1", "kvsp-quic-h2", "kvsp-quic-h3", "curl-h1", "curl-h2")
+        clients: tuple[str, ...] = ("kvsp-quic-h1", "kvsp-quic-h2", "kvsp-quic-h3")
+        clients += ("curl-h1", "curl-h2") if shutil.which("curl") or REQUIRED else ()
         if case.startswith("moqt-"):
             clients = ("kvsp-quic-moqt14", "kvsp-quic-moqt18") + (("moq-rs-moqt18",) if MOQRS else ())
         for client in clients:
@@ -70,7 +73,7 @@ def test_the_inference_cases_pass_against_a_real_instance(tmp_path: Path) -> Non
             assert cell["result"] == "unsupported" and cell["detail"] and cell["seconds"] < 1, cell
 
 
-@pytest.mark.skipif(not MOQRS, reason=moqrs_missing() or "")
+@needs_peer(moqrs_missing())
 def test_the_moqrs_columns(tmp_path: Path) -> None:
     """moq-rs (issue 17 point 4) as a client on draft 18 -- through the relay: a block a holder published there
     (layers checked on moq-rs's side against the record's digests), a moq-rs publisher under the open prefix -- and
@@ -110,6 +113,11 @@ def test_regressions_are_cells_expected_to_pass() -> None:
     expected = {"a|x|kvsp-quic": "pass", "b|x|kvsp-quic": "pass", "c|x|kvsp-quic": "pass"}
     assert [c.case for c in regressions(cells, expected)] == ["a", "b"]
     assert regressions(cells, {}) == []
+    # a peer that is not installed: set aside unless peers are required (KVSP_REQUIRE_PEERS=1, .ci/run)
+    absent = Cell("d", "x", "kvsp-quic", "h3", "unsupported", "x is not installed", 0.0, "logs/d", peer_missing=True)
+    expected["d|x|kvsp-quic"] = "pass"
+    assert [c.case for c in regressions([*cells, absent], expected)] == ["a", "b", "d"]
+    assert [c.case for c in regressions([*cells, absent], expected, require_peers=False)] == ["a", "b"]
 
 
 def test_report_formats() -> None:

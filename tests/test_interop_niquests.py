@@ -16,9 +16,10 @@ import pytest
 
 from interop.drivers import PEERS_PYTHON, NiquestsDriver, Refused, Reply, Request
 from quic.tls import TlsFiles
+from tests.peers import needs_peer
 from tests.pki import make_pki
 
-pytestmark = pytest.mark.skipif(not PEERS_PYTHON.exists(), reason=f"no niquests environment at {PEERS_PYTHON}")
+pytestmark = needs_peer(None if PEERS_PYTHON.exists() else f"no niquests environment at {PEERS_PYTHON}")
 
 
 @pytest.fixture

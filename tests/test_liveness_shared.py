@@ -29,8 +29,9 @@ from kvsp_quic.roles.liveness import FailureReports, LivenessTable, SharedDemoti
 from kvsp_quic.storage.memory_index import MemoryIndexStore
 from quic.tls import TlsFiles
 from tests.helpers import Clock, Process
+from tests.peers import missing_peer
 from tests.pki import make_pki
-from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisClusterServers, RedisServer, free_port
+from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisClusterServers, RedisServer, free_port, needs_redis
 from tests.test_index import C1, H1, H2, PC, S1, S2, bk, hid, make_config, replica, who
 from tests.test_index_app import POLICY
 
@@ -40,7 +41,6 @@ from redis.asyncio import Redis, RedisCluster
 
 from kvsp_quic.storage.redis_liveness import RedisLivenessStore
 
-needs_redis = pytest.mark.skipif(REDIS_SERVER is None, reason=SKIP_REASON)
 INDEX = "https://127.0.0.1/kvsp/"
 EP1 = ("h1.example", 443)
 
@@ -140,7 +140,7 @@ async def test_the_store_is_bounded(redis_url: str) -> None:
 
 async def test_the_store_on_a_redis_cluster(tmp_path: Path) -> None:
     if REDIS_SERVER is None:
-        pytest.skip(SKIP_REASON)
+        missing_peer(SKIP_REASON)
     with RedisClusterServers.start(tmp_path / "cluster", nodes=3) as cluster:
         client = RedisCluster(host="127.0.0.1", port=cluster.ports[0])
         try:
@@ -303,7 +303,7 @@ async def eventually(check: Any, timeout: float = 10.0) -> float:
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     if REDIS_SERVER is None:
-        pytest.skip(SKIP_REASON)
+        missing_peer(SKIP_REASON)
     with RedisServer.start(tmp_path / "redis") as server:
         yield server
 

@@ -40,6 +40,7 @@ from moqt.relay import Relay, RelayConfig
 from moqt.types import Location
 from quic.listener import QuicListener
 from tests.conftest import small_descriptor
+from tests.peers import needs_peer
 from tests.pki import TestPki, make_pki
 from tests.test_moqt_relay import ALICE, HOLDER_URI, SCOPE, WRITER, block, key
 
@@ -64,7 +65,7 @@ def _missing() -> str | None:
 
 
 MISSING = _missing()
-pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+pytestmark = needs_peer(MISSING)
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +191,7 @@ async def test_moqrs_publisher_on_draft18_our_client_on_draft14(certs: TestPki) 
             assert objects == [payload(0, i, 20000) for i in range(8)]
 
 
-@pytest.mark.skipif(not AIOMOQT.exists(), reason=f"aiomoqt is not installed: no {AIOMOQT}")
+@needs_peer(None if AIOMOQT.exists() else f"aiomoqt is not installed: no {AIOMOQT}")
 @DRAFTS
 async def test_moqrs_publisher_through_our_relay_to_aiomoqt(certs: TestPki, draft: int) -> None:
     async with our_relay(certs, draft) as (_relay, port):

@@ -40,6 +40,7 @@ from moqt.aio import MoqtConnectError, connect_moqt, moqt_handlers
 from moqt.relay import Relay, RelayConfig
 from quic.listener import QuicListener
 from tests.conftest import small_descriptor
+from tests.peers import needs_peer
 from tests.pki import TestPki, make_pki
 from tests.test_moqt_relay import ALICE, HOLDER_URI, SCOPE, WRITER, block, key
 
@@ -63,7 +64,7 @@ def _aiomoqt_missing() -> str | None:
 
 
 MISSING = _aiomoqt_missing()
-pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+pytestmark = needs_peer(MISSING)
 
 
 @pytest.fixture(scope="module")

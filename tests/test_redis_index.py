@@ -9,11 +9,9 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisClusterServers, RedisServer, command
+from tests.redis_server import RedisClusterServers, RedisServer, command, needs_redis
 from tests.test_index import C1, H1, H2, II7, PC, S1, S2, bk, hid, replica, who
 
-if REDIS_SERVER is None:
-    pytest.skip(SKIP_REASON, allow_module_level=True)
 pytest.importorskip("redis", reason="the redis extra is not installed (pip install -e '.[redis]')")
 
 from redis.asyncio import Redis, RedisCluster
@@ -21,6 +19,8 @@ from redis.asyncio import Redis, RedisCluster
 from kvsp_quic.records import LookupRequest
 from kvsp_quic.roles.index import IndexConfig, IndexService
 from kvsp_quic.storage.redis_index import RedisIndexStore
+
+pytestmark = needs_redis
 
 
 @pytest.fixture(scope="module")

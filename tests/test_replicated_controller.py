@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from http3.client import KvspClient
 from http3.client import Response as ClientResponse
 from http3.server import RoleServer, bind_pair
@@ -44,11 +42,11 @@ from kvsp_quic.storage.redis_index import RedisIndexStore
 from kvsp_runtime.controller_link import HttpInstanceLink
 from kvsp_runtime.controller_service import ControllerService, Superseded
 from tests.pki import make_pki
-from tests.redis_server import REDIS_SERVER, SKIP_REASON
+from tests.redis_server import needs_redis
 from tests.test_controller_app import BLOCK, FakeInstance, checkpoint, session_body
 from tests.test_index import C1, S1
 
-pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason=SKIP_REASON)
+pytestmark = needs_redis
 
 NAMES = ("pc1", "pc2", "ia", "ic", "h1")
 

@@ -10,13 +10,11 @@ import dataclasses
 import time
 from pathlib import Path
 
-import pytest
-
-from tests.redis_server import REDIS_SERVER, SKIP_REASON
+from tests.redis_server import needs_redis
 from tests.test_controller_app import session_body
 from tests.test_replicated_controller import Replicas, replicas
 
-pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason=SKIP_REASON)
+pytestmark = needs_redis
 
 
 class ReportsTo:

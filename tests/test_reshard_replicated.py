@@ -19,12 +19,12 @@ import pytest
 from http3.client import KvspClient
 from kvsp_client.api import KvspApi
 from tests.helpers import Process
-from tests.redis_server import REDIS_SERVER, SKIP_REASON
+from tests.redis_server import needs_redis
 from tests.test_fast_migration import active, files_of, keyer_of, start_instances, tiny_model
 from tests.test_reshard_processes import PROMPT, B, block_at, fetched, map_with_context, published_at, put_map
 
 pytest.importorskip("torch", reason="the gpu extra (torch) is not installed")
-pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason=SKIP_REASON)
+pytestmark = needs_redis
 
 
 async def test_a_reshard_at_one_replica_sends_the_context_given_to_another(tmp_path: Path, redis_url: str,

@@ -6,19 +6,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from http3.client import KvspClient
 from kvsp_quic.problems import problem_from_json
 from quic.tls import TlsFiles
 from tests.helpers import Process
+from tests.peers import missing_peer
 from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
 from tests.test_cluster import DESCRIPTOR, KEYER, block
 
 
 async def test_a_lookup_while_redis_is_down_is_a_503(tmp_path: Path) -> None:
     if REDIS_SERVER is None:
-        pytest.skip(SKIP_REASON)
+        missing_peer(SKIP_REASON)
     redis = RedisServer.start(tmp_path / "redis")
     index = Process("index", "--dev", str(tmp_path / "dev"), "--store", "redis", "--redis", redis.url)
     err = ""

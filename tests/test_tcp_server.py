@@ -30,6 +30,7 @@ from http3.asgi_bridge import LifespanFailure, split_target
 from http3.tcp_h2 import H2Core
 from http3.tcp_server import TcpServer
 from quic.tls import TlsFiles, TransportSettings, scope_identity, ssl_client_context
+from tests.peers import needs_peer
 from tests.pki import TestPki, make_pki
 
 MiB = 1 << 20
@@ -686,7 +687,7 @@ def test_split_target() -> None:
 CURL = shutil.which("curl")
 
 
-@pytest.mark.skipif(CURL is None, reason="curl is not installed (Debian: apt-get install curl)")
+@needs_peer("curl is not installed (Debian: apt-get install curl)" if CURL is None else None)
 @pytest.mark.parametrize("proto", PROTOCOLS)
 async def test_curl(pki: TestPki, proto: str, tmp_path: Path) -> None:
     assert CURL is not None
