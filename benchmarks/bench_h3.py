@@ -266,8 +266,8 @@ class TcpPath:
     def __init__(self, size: int) -> None:
         import multiprocessing as mp
 
-        import kvsp_devpki as pki
         from benchmarks.bench_tcp import Clients, _serve
+        from kvsp_dev import pki
 
         self._tmp = tempfile.TemporaryDirectory()
         pki.init(self._tmp.name, [pki.role("server", "https://127.0.0.1/"), pki.client("bench")])

@@ -45,8 +45,8 @@ import h2.connection
 import h2.events
 import h2.settings
 
-import kvsp_devpki as pki
 from http3.tcp_h2 import H2Core
+from kvsp_dev import pki
 from quic.tls import TlsFiles, ssl_client_context, ssl_server_context
 
 CHUNK = 1 << 20

@@ -23,7 +23,6 @@ import socket
 import tempfile
 from pathlib import Path
 
-import kvsp_devpki as pki
 from interop.cases import CASES, CaseInfo, Env, block_of, moqt_driver, relay_metrics
 from interop.drivers import Driver, PeerMissing, Unsupported
 from interop.moqrs_drivers import (
@@ -36,6 +35,7 @@ from interop.moqrs_drivers import (
     tls_args,
 )
 from interop.servers import DEV_IDENTITY
+from kvsp_dev import pki
 from kvsp_moqt.holder_tracks import HolderTracks
 from kvsp_moqt.tracks import moqt_address, track_name
 from kvsp_quic.auth import Policy, Principal, Role

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import kvsp_devpki as pki
+from kvsp_dev import pki
 from kvsp_quic.samples import example_descriptor
 
 INSTANCE_URI = "https://127.0.0.1:1/interop-instance/"

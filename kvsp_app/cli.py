@@ -72,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _is_user_error(exc: Exception) -> bool:
     """Errors that are the user's to fix (bad input, configuration, files): one line, no traceback."""
     from kvsp_app.config import ConfigError
-    from kvsp_devpki import PkiError
+    from kvsp_dev.pki import PkiError
     from kvsp_quic.auth import PolicyError
     from quic.tls import TlsConfigError
 
@@ -298,7 +298,7 @@ def cmd_container_pack(args: argparse.Namespace) -> int:
 
 
 def cmd_certs_init(args: argparse.Namespace) -> int:
-    import kvsp_devpki as pki  # imported here: the other commands need no X.509
+    from kvsp_dev import pki  # imported here: the other commands need no X.509
 
     try:
         principals = []

@@ -131,9 +131,9 @@ def _policy(uris: dict[str, str], tenants: list[Tenant]) -> str:
 
 
 async def run_tenants(options: TenantsOptions, progress: Callable[[str], None]) -> dict[str, Any]:
-    import kvsp_devpki as pki
     from gpu.modelfiles import ModelConfig, derive_descriptor, load_tokenizer, write_random_model
     from http3.client import KvspClient
+    from kvsp_dev import pki
     from kvsp_quic.compat import dumps_descriptor
     from kvsp_quic.keys import BlockKeyer
     from quic.tls import TlsFiles

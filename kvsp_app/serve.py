@@ -84,8 +84,8 @@ def prepare(role: str, server: ServerSection, tls: TlsSection | None, transport:
             dev_dir: Path | None, policy_path: Path | None = None, reuse_port: bool = False) -> Prepared:
     """Bind the sockets (*reuse_port*: shareable with worker processes), and find (or, with *dev_dir*, make) the
     certificates and the policy."""
-    import kvsp_devpki as pki
     from http3.server import bind_pair
+    from kvsp_dev import pki
     from kvsp_quic.auth import Policy
     from quic.tls import TlsFiles
 

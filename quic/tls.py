@@ -244,7 +244,7 @@ def identity_of_pem(pem: str) -> str | None:
 # certificate's SAN URI (the role's base URI, its identity) must cover the URL called (:func:`serves`). Without
 # this, any certificate of the CA naming the host -- every ``--dev`` certificate names 127.0.0.1 and localhost --
 # would answer for any role there. A server certificate must also allow serverAuth (a client's certificate,
-# which ``kvsp_devpki`` issues with clientAuth only, never serves).
+# which ``kvsp_dev.pki`` issues with clientAuth only, never serves).
 
 
 class ServerIdentityError(ConnectionError):

@@ -53,7 +53,7 @@ from typing import Any
 
 import httpx
 
-import kvsp_devpki as pki
+from kvsp_dev import pki
 from kvsp_frontend.auth import OPEN_PATHS
 from kvsp_http.app_kit import BLOCK_MEDIA_TYPE, JSON_MEDIA_TYPE
 from kvsp_http.authz import Rule

@@ -1,6 +1,6 @@
 """Test PKI: a CA with certificates for roles and clients, plus the bad ones every transport must refuse.
 
-``make_pki(tmp_path)`` writes, with ``kvsp_devpki``:
+``make_pki(tmp_path)`` writes, with ``kvsp_dev.pki``:
   ca.pem/ca.key, server.pem/.key (role "server" at https://127.0.0.1:<any>/ -- hosts 127.0.0.1 and localhost),
   alice.pem/.key (client "alice"), expired.pem/.key, notyet.pem/.key (clients of the same CA, out of validity),
   foreign/ca.pem + foreign/mallory.pem/.key (a client of another CA), nouri.pem/.key (same CA, no SAN URI),
@@ -18,7 +18,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from cryptography.x509.oid import NameOID
 
-import kvsp_devpki as pki
+from kvsp_dev import pki
 from quic.tls import TlsFiles
 
 SERVER_URI = "https://127.0.0.1/"

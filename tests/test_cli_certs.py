@@ -10,7 +10,7 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-import kvsp_devpki as pki
+from kvsp_dev import pki
 from quic.tls import scope_identity
 from tests.asgi import http_scope
 from tests.helpers import run_cli

@@ -21,10 +21,10 @@ from typing import Any, cast
 
 import pytest
 
-import kvsp_devpki as pki
 from http3.client import KvspClient
 from http3.server import RoleServer, bind_pair
 from kvsp_client.retrieval import BlockFetcher, HttpSource
+from kvsp_dev import pki
 from kvsp_http.holder_app import holder_app
 from kvsp_http.index_app import index_app
 from kvsp_moqt.holder_tracks import fetch_replica, holder_moqt_handlers

@@ -17,7 +17,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 
-import kvsp_devpki as pki
+from kvsp_dev import pki
 from kvsp_http.app_kit import role_app
 from kvsp_http.authz import Rule
 from kvsp_http.metrics_app import OPENMETRICS_CONTENT_TYPE, TransferMetrics, mount_metrics, negotiate

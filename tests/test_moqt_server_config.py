@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import kvsp_devpki as pki
 from http3.client import KvspClient
+from kvsp_dev import pki
 from moqt.aio import MoqtConnectError, connect_moqt
 from quic.tls import TlsFiles
 from tests.helpers import Process

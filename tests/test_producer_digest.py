@@ -24,11 +24,11 @@ from typing import Any
 
 import pytest
 
-import kvsp_devpki as pki
 from http3.client import KvspClient
 from http3.server import RoleServer
 from kvsp_client.producer_digests import ProducerDigestApi, ProducerDigestPublisher
 from kvsp_client.retrieval import BlockFetcher
+from kvsp_dev import pki
 from kvsp_http.holder_app import holder_app
 from kvsp_http.index_app import INDEX_RULES, index_app
 from kvsp_quic.auth import Policy

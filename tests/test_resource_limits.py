@@ -42,11 +42,11 @@ from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 
-import kvsp_devpki as pki
 from http3.asgi_types import Receive, Scope, Send
 from http3.client import KvspClient
 from http3.tcp_h1 import HEAD_READ_SIZE, READ_SIZE, H1Connection
 from http3.tcp_server import TcpServer
+from kvsp_dev import pki
 from kvsp_quic.fields import BlockKey
 from kvsp_quic.records import LeaseRequest
 from kvsp_quic.repr_digest import parse_repr_digest

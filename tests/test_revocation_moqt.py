@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-import kvsp_devpki as pki
 from kvsp_app.reload import reload_now
+from kvsp_dev import pki
 from kvsp_moqt.holder_tracks import HolderTracks
 from kvsp_moqt.relay_policy import kvsp_relay
 from kvsp_moqt.relay_rules import RelayRules

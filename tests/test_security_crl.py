@@ -21,7 +21,7 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 
-import kvsp_devpki as pki
+from kvsp_dev import pki
 from kvsp_quic.samples import example_descriptor
 from moqt.aio import MoqtConnectError, connect_moqt
 from quic.crl import CrlError, CrlSet

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-import kvsp_devpki as pki
 from http3.client import KvspClient, TransportError
 from http3.h3_client import H3ConnectError, connect_h3
 from http3.server import RoleServer, bind_pair
+from kvsp_dev import pki
 from kvsp_moqt.relay_policy import kvsp_relay
 from kvsp_moqt.relay_rules import RelayRules
 from kvsp_quic.auth import Policy
