@@ -7,7 +7,7 @@ an :class:`Immediate` -- the whole response, known at once -- or None, and then 
 exchange as every other. The HTTP/1.1 server (:mod:`http3.tcp_h1`) asks it for keep-alive ``GET`` requests and
 writes the answer straight away: no scope, task, receive/send messages or h11 response events for it (the request
 head is still parsed, and checked, by h11 as every other). The holder's block GETs take it
-(:meth:`kvsp_http.holder_app.BlockHotPath.respond_now`), with the same answers as its ASGI path, byte for byte.
+(:meth:`kvsp_http.holder_app.BlockResource.respond_now`), with the same answers as its ASGI path, byte for byte.
 
 Bounded: an app answers only with what it holds already, at most :data:`IMMEDIATE_MAX` octets of body (a larger
 answer goes the ASGI way, whose writes wait for the transport to drain), and the server asks only while the

@@ -141,15 +141,7 @@ class Authorization:
 
     def authorize(self, scope: Mapping[str, Any]) -> Principal:
         """The principal of the request if the policy and the rules allow it, else raise the Problem to send."""
-        try:
-            identity = scope_identity(scope)
-        except ValueError:  # a chain the server passed but we cannot parse
-            identity = None
-        if identity is None:
-            raise Forbidden("the request carries no verified client certificate with a single SAN URI")
-        principal = self.policy.principal(identity)
-        if principal is None:
-            raise Forbidden(f"identity {identity!r} is not in the authorization policy")
+        principal = authenticate(self.policy, scope)
         method = scope["method"]
         path = route_path(scope)
         for rule in self.rules:
@@ -157,7 +149,26 @@ class Authorization:
                 if rule.allowed is not None:
                     require_role(principal, *rule.allowed)
                 return principal
-        raise NoSuchResource(f"no resource {'/' + path!r} for {method}")
+        raise no_such_resource(method, path)
+
+
+def authenticate(policy: Policy, scope: Mapping[str, Any]) -> Principal:
+    """The principal of the request's verified client certificate, else raise the 403 to send."""
+    try:
+        identity = scope_identity(scope)  # quic.tls caches the parse of each certificate
+    except ValueError:  # a chain the server passed but we cannot parse
+        identity = None
+    if identity is None:
+        raise Forbidden("the request carries no verified client certificate with a single SAN URI")
+    principal = policy.principal(identity)
+    if principal is None:
+        raise Forbidden(f"identity {identity!r} is not in the authorization policy")
+    return principal
+
+
+def no_such_resource(method: str, path: str) -> NoSuchResource:
+    """The 404 of a request no rule covers (*path* relative to the app's root, without the leading ``/``)."""
+    return NoSuchResource(f"no resource {'/' + path!r} for {method}")
 
 
 def route_path(scope: Mapping[str, Any]) -> str:

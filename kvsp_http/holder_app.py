@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -33,18 +35,17 @@ from kvsp_http.app_kit import (
     read_json_body,
     role_app,
 )
-from kvsp_http.authz import Rule, principal_of
+from kvsp_http.authz import Rule, authenticate, no_such_resource, principal_of
 from kvsp_http.metrics_app import TransferMetrics, audit_metrics, mount_metrics
 from kvsp_http.problem_response import INTERNAL_ERROR_DETAIL, install, problem_parts, send_problem
 from kvsp_quic import fields as f
-from kvsp_quic.auth import Policy, Principal, Role
+from kvsp_quic.auth import Policy, Principal, Role, require_role
 from kvsp_quic.metrics import Registry, holder_collectors
 from kvsp_quic.problems import ContentTooLarge, NotFound, Problem, UnsupportedMediaType
 from kvsp_quic.records import LeaseRenewal, LeaseRequest
 from kvsp_quic.roles.holder import Fetched, Holder
 from kvsp_quic.roles.holder_requests import parse_codec, parse_layers, parse_position
 from kvsp_quic.roles.holder_worker import HolderWorker
-from quic.tls import scope_identity
 
 ServedHolder = Holder | HolderWorker  # the holder, or one of its worker processes (--workers N)
 
@@ -76,28 +77,26 @@ def _block_head(fetched: Fetched) -> list[tuple[bytes, bytes]]:
             (b"cache-control", b"private, immutable, max-age=%d" % fetched.max_age_s)]
 
 
-async def serve_block_get(holder: ServedHolder, principal: Principal, path: tuple[str, str, str], query_string: bytes,
-                          method: str, send: Send) -> int:
+async def serve_block_get(holder: ServedHolder, request: BlockRequest, send: Send) -> int:
     """``GET`` (or ``HEAD``) ``blocks/{compat}/{scope}/{block_key}[?layers=a-b][&codec=n]``: 200 with the
     container streamed from its parts (the header octets, then each K and V section view; a HEAD gets the headers
     of the GET with no content). Returns the body octets sent."""
-    compat, scope_id, key = _block_ids(path)
     layers = codec = None
-    if query_string:
-        query = dict(parse_qsl(query_string.decode("latin-1"), keep_blank_values=True))
+    if request.query:
+        query = dict(parse_qsl(request.query.decode("latin-1"), keep_blank_values=True))
         layers = parse_layers(query["layers"]) if "layers" in query else None
         codec = parse_codec(query["codec"]) if "codec" in query else None
-    fetched = holder.fetch(principal, compat, scope_id, key, layers=layers, codec=codec)
+    fetched = holder.fetch(request.principal, request.compat, request.scope_id, request.key, layers=layers, codec=codec)
     await send({"type": "http.response.start", "status": 200, "headers": _block_head(fetched)})
-    if method == "HEAD":
+    if request.method == "HEAD":
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return 0
     await _send_sections(fetched, send)
     return fetched.size
 
 
-async def serve_block_put(holder: ServedHolder, principal: Principal, path: tuple[str, str, str], scope: Scope,
-                          receive: Receive, send: Send) -> tuple[int, int]:
+async def serve_block_put(holder: ServedHolder, request: BlockRequest, scope: Scope, receive: Receive,
+                          send: Send) -> tuple[int, int]:
     """``PUT blocks/{compat}/{scope}/{block_key}[?layers=a-b][&chain=<hex32>&position=<i>]``: the body fed chunk by
     chunk into the holder's incremental decoder; 201 with the Replica Record. Returns (octets received, octets
     sent); (n, 0) when the client left. The container may hold a layer range of the block (its header names it;
@@ -106,12 +105,10 @@ async def serve_block_put(holder: ServedHolder, principal: Principal, path: tupl
     ``kvsp.receive_into`` (ours does, on every transport), the body goes straight into the replica's buffer as it
     arrives (over HTTP/1.1 TLS decrypts into it), with no chunk queued or copied on the way."""
     headers: list[tuple[bytes, bytes]] = scope["headers"]
-    query_string: bytes = scope.get("query_string", b"")
-    compat, scope_id, key = _block_ids(path)
     position = layers = None
-    if query_string:
-        query = dict(parse_qsl(query_string.decode("latin-1"), keep_blank_values=True))
-        position = parse_position(query, key)
+    if request.query:
+        query = dict(parse_qsl(request.query.decode("latin-1"), keep_blank_values=True))
+        position = parse_position(query, request.key)
         layers = parse_layers(query["layers"]) if "layers" in query else None
     content_type = declared = if_none_match = None
     for name, value in headers:
@@ -126,7 +123,7 @@ async def serve_block_put(holder: ServedHolder, principal: Principal, path: tupl
     limit = holder.settings.max_block_bytes
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ContentTooLarge(f"the request body of {declared} octets exceeds the limit of {limit}")
-    upload = holder.begin_store(principal, compat, scope_id, key, if_none_match)
+    upload = holder.begin_store(request.principal, request.compat, request.scope_id, request.key, if_none_match)
     upload.position = position
     upload.layers = layers
     receive_into = scope.get("extensions", {}).get("kvsp.receive_into")
@@ -161,23 +158,6 @@ async def serve_block_put(holder: ServedHolder, principal: Principal, path: tupl
     return received, len(out)
 
 
-class _BlockEndpoint:
-    """The block resource as a raw ASGI endpoint of the starlette app (behind :class:`kvsp_http.authz.Authorization`):
-    the same :func:`serve_block_get` / :func:`serve_block_put` as :class:`BlockHotPath`."""
-
-    def __init__(self, holder: ServedHolder) -> None:
-        self.holder = holder
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        p = scope["path_params"]
-        path = (p["compat"], p["scope"], p["block_key"])
-        if scope["method"] == "PUT":
-            await serve_block_put(self.holder, principal_of(scope), path, scope, receive, send)
-        else:
-            await serve_block_get(self.holder, principal_of(scope), path, scope["query_string"], scope["method"],
-                                  send)
-
-
 # -- request helpers ---------------------------------------------------------------------------------------------
 
 
@@ -193,7 +173,7 @@ def _lease_id(request: Request) -> uuid.UUID:
         raise NotFound(f"no lease {request.path_params['lease_id']!r}") from None
 
 
-# -- the block hot path ------------------------------------------------------------------------------------------
+# -- the block resource ------------------------------------------------------------------------------------------
 
 
 _TRANSPORTS = {"3": "HTTP/3", "2": "HTTP/2", "1.1": "HTTP/1.1", "1.0": "HTTP/1.0"}
@@ -203,41 +183,60 @@ _JSON_TYPE = (b"content-type", b"application/kvsp+json")
 _MAX_IDENTITIES = 4096
 
 
-class BlockHotPath:
-    """ASGI: block ``GET`` and ``PUT`` served straight from the holder, everything else by *app*.
+@dataclass(frozen=True, slots=True)
+class BlockRequest:
+    """A request of the block resource, parsed and authorized: what the serving functions take."""
 
-    The same answers as the full app (:class:`_BlockEndpoint` behind :class:`kvsp_http.authz.Authorization`,
-    :class:`kvsp_http.app_kit.BasePath` and :class:`kvsp_http.metrics_app.TransferMetrics`: the same
-    :func:`serve_block_get` / :func:`serve_block_put`) without its per-request layers: the block resource's rule
-    is a role-set lookup, no scope is copied, no router runs, and transferred octets are counted once per request,
-    not per message. A request the hot path would refuse (no identity, a role the rules deny) goes to *app*, which
-    renders the refusal exactly as before; so do HEAD and every other resource."""
+    method: str  # GET, HEAD or PUT
+    principal: Principal
+    compat: bytes
+    scope_id: bytes
+    key: bytes
+    query: bytes  # the raw query string (its parameters are checked by the operation)
 
-    def __init__(self, app: ASGIApp, holder: ServedHolder, policy: Policy, base_path: str,
+
+class BlockResource:
+    """ASGI: ``blocks/{compat}/{scope}/{block_key}`` below *base_path*, the one serving path of a holder's (or an
+    instance's) block resource; every other request goes to *app*.
+
+    Each request is parsed and authorized once, here (:meth:`request`: the identity as
+    :class:`kvsp_http.authz.Authorization` checks it, the roles of the *rules* that cover the block path, then the
+    path's identifiers), answered by :func:`serve_block_get` / :func:`serve_block_put`, and a refusal or an error
+    rendered by :func:`kvsp_http.problem_response.problem_parts` (``Retry-After`` included): on every transport
+    through ASGI, and for a keep-alive HTTP/1.1 GET of a whole block held in memory through the server's
+    ``respond_now`` hook (:meth:`respond_now`, :mod:`http3.immediate`), with the same answers. No router, no scope
+    copy; transferred octets are counted once per request (*transfer*)."""
+
+    def __init__(self, app: ASGIApp, holder: ServedHolder, policy: Policy, rules: Sequence[Rule], base_path: str,
                  transfer: TransferMetrics | None = None) -> None:
         self.app = app
         self.holder = holder
         self.policy = policy
-        self.prefix = base_path.rstrip("/") + "/blocks/"
-        self.readers = frozenset(_READERS)
-        self.producers = frozenset(_PRODUCERS)
+        self.root = base_path.rstrip("/")
+        self.prefix = self.root + "/blocks/"
+        self.allowed: dict[str, frozenset[Role] | None] = {}  # method -> roles (None: any principal)
+        for method in ("GET", "HEAD", "PUT"):
+            rule = next((r for r in rules if r.match(method, "blocks/c/s/k") is not None), None)
+            if rule is not None:
+                self.allowed[method] = rule.allowed
         self._transfer = transfer
         self._counters: dict[tuple[str, str], Any] = {}
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        method = scope["method"]
-        path: str = scope["path"]
-        if (method != "GET" and method != "PUT") or not path.startswith(self.prefix):
-            await self.app(scope, receive, send)
-            return
+    def request(self, method: str, path: str, query: bytes, scope: Scope) -> BlockRequest:
+        """The request of *method* on *path* (below :attr:`prefix`) parsed and authorized, else raise its Problem."""
+        principal = authenticate(self.policy, scope)
         parts = path[len(self.prefix):].split("/")
-        principal = self._principal(scope)
-        if (len(parts) != 3 or not all(parts) or principal is None
-                or principal.roles.isdisjoint(self.readers if method == "GET" else self.producers)):
-            await self.app(scope, receive, send)  # renders the refusal (or the 404) as it always did
+        if method not in self.allowed or len(parts) != 3 or not all(parts):
+            raise no_such_resource(method, path[len(self.root) + 1:])
+        roles = self.allowed[method]
+        if roles is not None and principal.roles.isdisjoint(roles):
+            require_role(principal, *roles)  # raises the 403, worded as the middleware words it
+        compat, scope_id, key = _block_ids((parts[0], parts[1], parts[2]))
+        return BlockRequest(method, principal, compat, scope_id, key, query)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
+            await self.app(scope, receive, send)
             return
         started = False
 
@@ -246,16 +245,14 @@ class BlockHotPath:
             started = True
             await send(message)
 
-        block = (parts[0], parts[1], parts[2])
         try:
-            if method == "GET":
-                out = await serve_block_get(self.holder, principal, block, scope["query_string"], method,
-                                            tracking_send)
-                self._count(scope, "out", out)
-            else:
-                received, out = await serve_block_put(self.holder, principal, block, scope, receive, tracking_send)
+            request = self.request(scope["method"], scope["path"], scope.get("query_string", b""), scope)
+            if request.method == "PUT":
+                received, out = await serve_block_put(self.holder, request, scope, receive, tracking_send)
                 self._count(scope, "in", received)
-                self._count(scope, "out", out)
+            else:
+                out = await serve_block_get(self.holder, request, tracking_send)
+            self._count(scope, "out", out)
         except Problem as problem:
             if started:
                 raise
@@ -264,47 +261,30 @@ class BlockHotPath:
             if started:
                 raise
             await send_problem(send, Problem(INTERNAL_ERROR_DETAIL, status=500))
-            raise  # the server logs it, as starlette's handler lets it do
+            raise  # the server logs it
 
     def respond_now(self, method: str, path: str, query: bytes, scope: Scope) -> Immediate | None:
         """The HTTP/1.1 server's hook (:mod:`http3.immediate`): a GET of a whole block of at most
-        :data:`~http3.immediate.IMMEDIATE_MAX` octets, answered at once from the stored buffer with the response
-        of :func:`serve_block_get`, octet for octet (or its problem). Anything else -- a layer range or codec, a
-        larger block, a block not held in memory, a request the rules refuse -- is None: the ASGI path serves it."""
+        :data:`~http3.immediate.IMMEDIATE_MAX` octets answered at once from the stored buffer, or its refusal, with
+        the answer :meth:`__call__` gives, octet for octet. Anything else -- a layer range or codec, a larger block,
+        a block not held in memory -- is None: the ASGI path serves it."""
         if method != "GET" or query or not path.startswith(self.prefix):
             return None
-        parts = path[len(self.prefix):].split("/")
-        principal = self._principal(scope)
-        if (len(parts) != 3 or not all(parts) or principal is None
-                or principal.roles.isdisjoint(self.readers)):
-            return None
         try:
-            compat, scope_id, key = _block_ids((parts[0], parts[1], parts[2]))
-        except Problem:
-            return None
-        size = self.holder.served_size(compat, scope_id, key)
-        if size is None or size > IMMEDIATE_MAX:
-            return None
-        try:
-            fetched = self.holder.fetch(principal, compat, scope_id, key)
+            request = self.request(method, path, query, scope)
+            size = self.holder.served_size(request.compat, request.scope_id, request.key)
+            if size is None or size > IMMEDIATE_MAX:
+                return None
+            fetched = self.holder.fetch(request.principal, request.compat, request.scope_id, request.key)
         except Problem as problem:
-            status, headers, body = problem_parts(problem)
-            return Immediate(status, headers, (body,))
+            return _immediate_problem(problem)
         except Exception:
             log.exception("the holder failed to serve GET %s", path)
-            status, headers, body = problem_parts(Problem(INTERNAL_ERROR_DETAIL, status=500))
-            return Immediate(status, headers, (body,))
+            return _immediate_problem(Problem(INTERNAL_ERROR_DETAIL, status=500))
         whole = fetched.container.whole
         self._count(scope, "out", fetched.size)
         return Immediate(200, _block_head(fetched),
                          (whole,) if whole is not None else tuple(fetched.container.chunks()))
-
-    def _principal(self, scope: Scope) -> Principal | None:
-        try:
-            identity = scope_identity(scope)  # quic.tls caches the parse of each certificate
-        except ValueError:
-            return None
-        return self.policy.principal(identity) if identity is not None else None
 
     def _count(self, scope: Scope, direction: str, n: int) -> None:
         if self._transfer is None or not n:
@@ -317,6 +297,11 @@ class BlockHotPath:
                                                     direction=direction)
             self._counters[(version, direction)] = counter
         counter.inc(n)
+
+
+def _immediate_problem(problem: Problem) -> Immediate:
+    status, headers, body = problem_parts(problem)
+    return Immediate(status, headers, (body,))
 
 
 async def _send_sections(fetched: Fetched, send: Send) -> None:
@@ -348,9 +333,8 @@ async def _send_sections(fetched: Fetched, send: Send) -> None:
 
 
 def holder_routes(holder: ServedHolder, *, max_json_bytes: int = MAX_JSON_BYTES) -> Starlette:
-    """The starlette app of the holder's resources, without authorization (see :func:`holder_app`)."""
-
-    block = _BlockEndpoint(holder)
+    """The starlette app of the holder's lease resources, without authorization (see :func:`holder_app`; the block
+    resource is :class:`BlockResource`, in front of it)."""
 
     async def post_lease(request: Request) -> Response:
         lease_request = LeaseRequest.loads(await read_json_body(request, max_json_bytes))
@@ -367,7 +351,6 @@ def holder_routes(holder: ServedHolder, *, max_json_bytes: int = MAX_JSON_BYTES)
         return Response(status_code=204, headers=NO_STORE)
 
     app = Starlette(routes=[
-        Route("/blocks/{compat}/{scope}/{block_key}", block, methods=["GET", "PUT"]),
         Route("/leases", post_lease, methods=["POST"]),
         Route("/leases/{lease_id}", put_lease, methods=["PUT"]),
         Route("/leases/{lease_id}", delete_lease, methods=["DELETE"]),
@@ -377,12 +360,11 @@ def holder_routes(holder: ServedHolder, *, max_json_bytes: int = MAX_JSON_BYTES)
 
 
 def holder_app(holder: ServedHolder, policy: Policy, *, base_path: str | None = None,
-               max_json_bytes: int = MAX_JSON_BYTES, metrics: Registry | None = None,
-               hot_path: bool = True) -> ASGIApp:
+               max_json_bytes: int = MAX_JSON_BYTES, metrics: Registry | None = None) -> ASGIApp:
     """The holder's ASGI app: authorization by certificate identity and :data:`RULES`, served below *base_path*
-    (default: the path of the holder's base URI, e.g. ``"/kvsp/"``). With *metrics*, ``GET metrics`` (any
-    principal) serves it, with the holder's counters and the body octets it moved by transport. Block GET and PUT
-    take :class:`BlockHotPath` (same answers, less work per request) unless *hot_path* is false."""
+    (default: the path of the holder's base URI, e.g. ``"/kvsp/"``): the block resource (:class:`BlockResource`)
+    in front of the lease routes. With *metrics*, ``GET metrics`` (any principal) serves it, with the holder's
+    counters and the body octets it moved by transport."""
     routes = holder_routes(holder, max_json_bytes=max_json_bytes)
     path = urlsplit(holder.base_uri).path if base_path is None else base_path
     app: ASGIApp
@@ -394,4 +376,4 @@ def holder_app(holder: ServedHolder, policy: Policy, *, base_path: str | None = 
         audit_metrics(metrics)
         rules = mount_metrics(routes, metrics, RULES)
         app = transfer = TransferMetrics(role_app(routes, policy, rules, path), metrics, component="holder")
-    return BlockHotPath(app, holder, policy, path, transfer) if hot_path else app
+    return BlockResource(app, holder, policy, RULES, path, transfer)

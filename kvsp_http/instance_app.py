@@ -18,8 +18,9 @@ PC names in the start or resume; docs/wire.md, "Session owner"): another client 
     GET  blocks/{compat}/{scope}/{key}  client, instance, holder   its own replicas (holder resources)
     POST leases, PUT/DELETE leases/{id} client, instance, holder
 
-The instance is a holder of its own tiers (:class:`kvsp_quic.engine.PageHolder`), so the block and lease routes are
-:func:`kvsp_http.holder_app.holder_routes`; ``PUT blocks`` is not offered. The instance is assembled by the composition
+The instance is a holder of its own tiers (:class:`kvsp_quic.engine.PageHolder`), so its block resource is the holder's
+(:class:`kvsp_http.holder_app.BlockResource`, GET only: ``PUT blocks`` is not offered) and its lease routes are
+:func:`kvsp_http.holder_app.holder_routes`. The instance is assembled by the composition
 root (:func:`kvsp_app.instance.build_instance`).
 """
 
@@ -37,7 +38,7 @@ from starlette.routing import Route
 from http3.asgi_types import ASGIApp
 from kvsp_http.app_kit import NO_STORE, kvsp_json, read_json_body, role_app
 from kvsp_http.authz import Rule, principal_of
-from kvsp_http.holder_app import holder_routes
+from kvsp_http.holder_app import BlockResource, holder_routes
 from kvsp_http.metrics_app import TransferMetrics, mount_metrics
 from kvsp_http.problem_response import install
 from kvsp_quic import fields as f
@@ -157,7 +158,7 @@ def instance_routes(service: InstanceService[Any], *, max_json_bytes: int = MAX_
         Route("/reshard", post_reshard, methods=["POST"]),
         Route("/state", put_state, methods=["PUT"]),
         Route("/status", get_status, methods=["GET"]),
-        *holder.routes,  # the holder's block and lease routes (no catch-all mount: GET metrics is added later)
+        *holder.routes,  # the holder's lease routes (no catch-all mount: GET metrics is added later)
     ])
     install(app)
     return app
@@ -174,7 +175,8 @@ def instance_app(service: InstanceService[Any], policy: Policy, *, base_path: st
     holder_collectors(registry, service.holder.metrics, component="instance")
     retrieval_collectors(registry, service.retrieval, component="retrieval")
     rules = mount_metrics(routes, registry, RULES)
-    return TransferMetrics(role_app(routes, policy, rules, path), registry, component="instance")
+    transfer = TransferMetrics(role_app(routes, policy, rules, path), registry, component="instance")
+    return BlockResource(transfer, service.holder, policy, RULES, path, transfer)
 
 
 __all__ = ["MAX_JSON_BYTES", "NDJSON", "RULES", "instance_app", "instance_routes"]

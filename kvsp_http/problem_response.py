@@ -38,11 +38,14 @@ def _raw(value: str | bytes) -> bytes:
 
 
 def problem_parts(problem: Problem, headers: HeaderItems = ()) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    """Status, raw headers and body of *problem* as a complete response; *headers* are added."""
+    """Status, raw headers and body of *problem* as a complete response; *headers* are added, and ``Retry-After``
+    of the problem's ``retry_after_s`` unless *headers* name one. Every problem answer is made here."""
     status, body = to_problem_json(problem)
     raw_headers = [*_BASE_HEADERS, (b"content-length", str(len(body)).encode("ascii"))]
-    raw_headers += [(_raw(name).lower(), _raw(value)) for name, value in headers]
-    return status, raw_headers, body
+    extra = [(_raw(name).lower(), _raw(value)) for name, value in headers]
+    if problem.retry_after_s is not None and not any(name == b"retry-after" for name, _ in extra):
+        raw_headers.append((b"retry-after", str(problem.retry_after_s).encode("ascii")))
+    return status, raw_headers + extra, body
 
 
 async def send_problem(send: Send, problem: Problem, headers: HeaderItems = ()) -> None:
@@ -53,13 +56,10 @@ async def send_problem(send: Send, problem: Problem, headers: HeaderItems = ()) 
 
 
 def problem_response(problem: Problem, headers: HeaderItems = ()) -> Response:
-    status, body = to_problem_json(problem)
-    response = Response(body, status_code=status, media_type=PROBLEM_MEDIA_TYPE)
-    response.headers["cache-control"] = "no-store"
-    if problem.retry_after_s is not None and not any(_raw(name).lower() == b"retry-after" for name, _ in headers):
-        response.headers["retry-after"] = str(problem.retry_after_s)
-    for name, value in headers:
-        response.headers.append(_raw(name).decode("latin-1"), _raw(value).decode("latin-1"))
+    """:func:`problem_parts` as a starlette response."""
+    status, raw_headers, body = problem_parts(problem, headers)
+    response = Response(body, status_code=status)
+    response.raw_headers = raw_headers
     return response
 
 

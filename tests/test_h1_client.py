@@ -298,23 +298,19 @@ def container(d: CompatDescriptor, seed: int) -> c.EncodedContainer:
 
 
 @pytest.fixture
-async def holders(pki: TestPki) -> AsyncIterator[dict[str, tuple[RoleServer, Holder]]]:
+async def holder_server(pki: TestPki) -> AsyncIterator[tuple[RoleServer, Holder]]:
     d = small_descriptor(layers=8)
-    out: dict[str, tuple[RoleServer, Holder]] = {}
-    for name, hot in (("hot", True), ("full", False)):
-        holder = Holder(HolderSettings(HOLDER_URI, (d,), host_capacity=64 * MiB))
-        srv = RoleServer(holder_app(holder, POLICY, hot_path=hot), pki.files("holder"))
-        await srv.start("127.0.0.1", 0)
-        out[name] = (srv, holder)
+    holder = Holder(HolderSettings(HOLDER_URI, (d,), host_capacity=64 * MiB))
+    srv = RoleServer(holder_app(holder, POLICY), pki.files("holder"))
+    await srv.start("127.0.0.1", 0)
     try:
-        yield out
+        yield srv, holder
     finally:
-        for srv, _ in out.values():
-            await srv.close()
+        await srv.close()
 
 
-async def test_receive_into_a_verifying_decoder(pki: TestPki, holders: dict[str, tuple[RoleServer, Holder]]) -> None:
-    srv, holder = holders["hot"]
+async def test_receive_into_a_verifying_decoder(pki: TestPki, holder_server: tuple[RoleServer, Holder]) -> None:
+    srv, holder = holder_server
     d = holder.settings.descriptors[0]
     block = container(d, 7)
     url = srv.base_uri("/kvsp/") + f"blocks/{d.compat_id.hex()}/{SCOPE}/{'ab' * 32}"
@@ -343,10 +339,17 @@ async def test_receive_into_a_verifying_decoder(pki: TestPki, holders: dict[str,
             assert await response.receive_into(sink) == len(block) and bytes(sink.view) == block.tobytes()
 
 
-async def test_hot_path_answers_as_the_full_app(pki: TestPki, holders: dict[str, tuple[RoleServer, Holder]]) -> None:
+async def test_the_block_resource_answers_alike_on_every_transport(pki: TestPki) -> None:
+    """Issue 25 point 3: one serving path (kvsp_http.holder_app.BlockResource) answers the block resource on HTTP/1.1
+    (small GETs through respond_now), HTTP/2 and HTTP/3 -- refusals, errors and successes alike."""
     answers: dict[str, list[tuple[Any, ...]]] = {}
-    for name, (srv, holder) in holders.items():
-        d = holder.settings.descriptors[0]
+    transports = {"HTTP/1.1": {"prefer": "tcp"}, "HTTP/2": {"prefer": "tcp", "fallback_http2": True},
+                  "HTTP/3": {"prefer": "h3", "fallback": False}}
+    for name, options in transports.items():
+        d = small_descriptor(layers=8)
+        holder = Holder(HolderSettings(HOLDER_URI, (d,), host_capacity=64 * MiB))
+        srv = RoleServer(holder_app(holder, POLICY), pki.files("holder"))
+        await srv.start("127.0.0.1", 0)
         block = container(d, 3).tobytes()
 
         def url(key: str = "cd" * 32, query: str = "", compat: str = d.compat_id.hex(), scope: str = SCOPE,
@@ -354,8 +357,7 @@ async def test_hot_path_answers_as_the_full_app(pki: TestPki, holders: dict[str,
             return srv.base_uri("/kvsp/") + f"blocks/{compat}/{scope}/{key}" + (f"?{query}" if query else "")
 
         put = {"content-type": "application/kvsp-block", "if-none-match": "*"}
-        async with KvspClient(pki.files("alice"), prefer="tcp") as alice, \
-                KvspClient(pki.files("bob"), prefer="tcp") as bob:
+        async with KvspClient(pki.files("alice"), **options) as alice, KvspClient(pki.files("bob"), **options) as bob:
             cases = [
                 await bob.request("PUT", url(), headers=put, content=block),  # a client may not store: 403
                 await alice.request("PUT", url(), headers={"content-type": "text/plain", "if-none-match": "*"},
@@ -373,8 +375,11 @@ async def test_hot_path_answers_as_the_full_app(pki: TestPki, holders: dict[str,
                 await alice.request("GET", url(key="EF" * 32)),  # not lowercase hex: 400
                 await alice.request("GET", url(scope="00" * 16)),  # no such scope for alice: 403
                 await alice.request("GET", url() + "/extra"),  # no such resource: 404
-                await alice.request("HEAD", url()),  # the slow path, as before
+                await alice.request("HEAD", url()),  # 200, no body
+                await alice.request("DELETE", url()),  # no such resource: 404
             ]
+        await srv.close()
+        assert {r.http_version for r in cases} == {name}, name
         rows = []
         for r in cases:
             body: Any = r.content
@@ -387,9 +392,9 @@ async def test_hot_path_answers_as_the_full_app(pki: TestPki, holders: dict[str,
             rows.append((r.status, r.headers.get("content-type"), r.headers.get("content-length"),
                          r.headers.get("repr-digest"), cache, body))
         answers[name] = rows
-    assert [row[0] for row in answers["hot"]] == [403, 415, 428, 400, 201, 412, 200, 200, 404, 400, 404, 400, 403,
-                                                  404, 200]
-    assert answers["hot"] == answers["full"]
+    assert [row[0] for row in answers["HTTP/1.1"]] == [403, 415, 428, 400, 201, 412, 200, 200, 404, 400, 404, 400,
+                                                       403, 404, 200, 404]
+    assert answers["HTTP/1.1"] == answers["HTTP/2"] == answers["HTTP/3"]
 
 
 async def test_kvsp_client_refuses_urls_it_cannot_send(pki: TestPki, server: TcpServer) -> None:

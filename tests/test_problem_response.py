@@ -111,3 +111,29 @@ async def test_handlers_given_another_exception_answer_500() -> None:
         assert response.status_code == 500 and json.loads(bytes(response.body))["status"] == 500
     response = await problem_response.problem_handler(request, Problem("odd", status=599))
     assert response.status_code == 599 and json.loads(bytes(response.body))["title"] == "Error"
+
+
+async def test_every_problem_answer_honours_retry_after() -> None:
+    """Issue 25 point 3: a problem's retry_after_s is its Retry-After on every path -- the raw ASGI answer (the
+    middlewares, the block resource), the immediate HTTP/1.1 answer (problem_parts) and starlette's handlers --
+    and a Retry-After the caller names wins."""
+    problem = LeaseQuota("at the quota", retry_after_s=7)
+    status, headers, body = problem_response.problem_parts(problem)
+    assert status == 429 and dict(headers)[b"retry-after"] == b"7"
+    assert [name for name, _ in headers].count(b"retry-after") == 1
+    _, named, _ = problem_response.problem_parts(problem, [("Retry-After", "3")])
+    assert [v for n, v in named if n == b"retry-after"] == [b"3"]
+    messages: list[Any] = []
+
+    async def send(message: Any) -> None:
+        messages.append(message)
+
+    await problem_response.send_problem(send, problem)
+    assert Sent(messages).headers["retry-after"] == "7"
+    response = problem_response.problem_response(problem)
+    assert response.status_code == 429 and response.headers["retry-after"] == "7"
+    assert response.headers["content-type"] == "application/problem+json"
+    assert int(response.headers["content-length"]) == len(response.body) == len(body)
+    assert problem_response.problem_parts(Problem("no hint", status=503))[1] == problem_response.problem_parts(
+        Problem("no hint", status=503), [])[1]
+    assert b"retry-after" not in dict(problem_response.problem_parts(Problem("no hint", status=503))[1])
