@@ -42,12 +42,12 @@ from typing import Any
 from benchmarks.bench_h3 import SETTINGS
 from benchmarks.bench_prefill import model_config
 from benchmarks.bench_ttft import GREEDY
-from benchmarks.processes import Proc as ProcessProc
 from gpu.modelfiles import derive_descriptor, write_random_model
 from http3.client import KvspClient
 from kvsp_app.serve import read_scope_key
 from kvsp_client.api import KvspApi, Miss
 from kvsp_client.retrieval import BlockFetcher
+from kvsp_dev.processes import RoleProcess, stop_all
 from kvsp_moqt.source import MoqtSource, PreferMoqt
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.fields import BlockKey, CompatId, ScopeId
@@ -60,9 +60,16 @@ from moqt.aio import MoqtPool
 from quic.tls import TlsFiles
 
 
-class Proc(ProcessProc):
-    """A ``kvsp-quic`` process; with *log*, its INFO log goes to that file (the FAULT instance's: the retrieval
-    failures it met show that the kill happened while it was loading from the victim)."""
+class Proc(RoleProcess):
+    """A ``kvsp-quic`` process, its log (WARNING) on this process's stderr; with *log*, its INFO log goes to that
+    file (the FAULT instance's: the retrieval failures it met show that the kill happened while it was loading from
+    the victim)."""
+
+    def __init__(self, name: str, *args: str, log: Path | None = None) -> None:
+        if log is None:
+            super().__init__(name, *args)
+        else:
+            super().__init__(name, *args, stderr=log, log_level="INFO")
 
     def failures_at(self, since: int, uris: tuple[str, ...]) -> tuple[int, int]:
         """(retrieval failures at *uris* logged after offset *since*, the log's size now)."""
@@ -220,9 +227,8 @@ async def bench(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                           f"{felt} transfers from {victim} failed",
                           file=sys.stderr)
     finally:
-        for p in procs:
-            p.stop()
-        index.stop()
+        stop_all(procs, 20)
+        index.stop(20)
     out: dict[str, Any] = {"tokens": args.tokens, "block_tokens": b, "reps": args.reps,
                            "kill_after": args.kill_after, "cases": {}}
     for case, t in times.items():

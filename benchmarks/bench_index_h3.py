@@ -14,13 +14,12 @@ import hashlib
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from http3.client import KvspClient
+from kvsp_dev.processes import RoleProcess
 from kvsp_quic.auth import Policy
 from kvsp_quic.keys import holder_id
 from kvsp_quic.records import LookupRequest, ReplicaRecord, ResidencyEntry
@@ -51,11 +50,9 @@ async def run(records: int, reps: int) -> list[tuple[str, str, str, float, str]]
     recs = [record(i) for i in range(records)]
     keys = [r.block_key for r in recs]
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.Popen([sys.executable, "-m", "kvsp_app", "index", "--dev", tmp, "--log-level", "ERROR"],
-                                stdout=subprocess.PIPE, text=True)
+        proc = RoleProcess("index", "index", "--dev", tmp, log_level="ERROR")
         try:
-            assert proc.stdout is not None
-            ready = json.loads(proc.stdout.readline())
+            ready = proc.wait_ready()
             base = ready["base_uri"]
             files = TlsFiles(Path(ready["ca"]), Path(ready["client_cert"]), Path(ready["client_key"]))
             async with KvspClient(files, timeout=120) as client:
@@ -129,8 +126,7 @@ async def run(records: int, reps: int) -> list[tuple[str, str, str, float, str]]
                              f"flight", f"{h3_qps:,.0f}/s", f"{local_qps:,.0f}/s in-process", h3_qps / local_qps,
                              f"{small_cpu * 1e6:,.0f} us"))
         finally:
-            proc.terminate()
-            proc.wait()
+            proc.stop()
     return rows
 
 

@@ -33,9 +33,7 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import random
-import signal
 import statistics
 import sys
 import tempfile
@@ -44,9 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.processes import Proc
 from http3.client import KvspClient
 from kvsp_client.api import ServiceEndpoints
+from kvsp_dev.processes import RoleProcess, stop_all
 from kvsp_frontend.session import Completion, Frontend
 from kvsp_quic.frontend import SamplingRequest
 from kvsp_quic.keys import BlockKeyer
@@ -83,9 +81,9 @@ class Cluster:
     workdir: Path
     redis_url: str | None = None
     status_ttl_ms: int = 3000
-    index: Proc | None = None
-    instances: dict[str, Proc] = field(default_factory=dict)  # base URI -> process
-    starting: list[asyncio.Task[Proc]] = field(default_factory=list)
+    index: RoleProcess | None = None
+    instances: dict[str, RoleProcess] = field(default_factory=dict)  # base URI -> process
+    starting: list[asyncio.Task[RoleProcess]] = field(default_factory=list)
     model: Path | None = None
     warm: set[str] = field(default_factory=set)  # instances that served a session of each sampler
 
@@ -100,15 +98,15 @@ class Cluster:
 
     def start_index(self) -> None:
         store = ["--store", "redis", "--redis", self.redis_url] if self.redis_url else []
-        self.index = Proc("index", "index", "--dev", self.dev, *store)
+        self.index = RoleProcess("index", "index", "--dev", self.dev, *store)
         self.index.wait_ready()
 
-    async def spawn(self) -> Proc:
+    async def spawn(self) -> RoleProcess:
         """Start an instance; returns once it printed its ready line."""
         assert self.model is not None
-        proc = Proc("instance", "instance", "--dev", self.dev, "--device", "cpu", "--model", str(self.model),
-                    "--block-tokens", "4", "--warmup-tokens", "8", "--checkpoint-tokens", "4", "--status-ttl-ms",
-                    str(self.status_ttl_ms), "--controller", self.pc, "--index", self.pc)
+        proc = RoleProcess("instance", "instance", "--dev", self.dev, "--device", "cpu", "--model",
+                           str(self.model), "--block-tokens", "4", "--warmup-tokens", "8", "--checkpoint-tokens", "4",
+                           "--status-ttl-ms", str(self.status_ttl_ms), "--controller", self.pc, "--index", self.pc)
         await asyncio.to_thread(proc.wait_ready)
         self.instances[proc.base] = proc
         return proc
@@ -143,10 +141,9 @@ class Cluster:
         for task in self.starting:
             proc = await task
             self.instances[proc.base] = proc
-        for proc in self.instances.values():
-            proc.stop()
+        stop_all(self.instances.values(), 20)
         if self.index is not None:
-            self.index.stop()
+            self.index.stop(20)
 
 
 def session(frontend: Frontend, method: str, seed: int = 7, max_tokens: int = MAX_TOKENS) -> Completion:
@@ -200,7 +197,7 @@ async def kill_round(cluster: Cluster, frontend: Frontend, method: str, expected
                      freeze: bool = False) -> Round:
     """One session whose serving instance is SIGKILLed (*freeze*: SIGSTOPped, killed after the session) after
     *kill_after* delivered tokens (module docstring)."""
-    frozen: list[Proc] = []
+    frozen: list[RoleProcess] = []
     run = session(frontend, method)
     await run.place()
     seen: dict[int, list[int]] = {}
@@ -220,7 +217,7 @@ async def kill_round(cluster: Cluster, frontend: Frontend, method: str, expected
             killed_epoch = run.relay.epoch
             victim = cluster.instances.pop(killed)
             if freeze:
-                os.kill(victim.proc.pid, signal.SIGSTOP)
+                victim.freeze()
                 frozen.append(victim)
             else:
                 victim.kill()

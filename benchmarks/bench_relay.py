@@ -49,6 +49,7 @@ from typing import Any
 from benchmarks.bench_h3 import DATAGRAM, SETTINGS, add_datagram_argument, per_datagram, start_server
 from benchmarks.bench_moqt import block, descriptor, raw_fetch
 from http3.client import KvspClient
+from kvsp_dev.processes import RoleProcess
 from kvsp_moqt.holder_tracks import HolderTracks, fetch_layers
 from kvsp_moqt.tracks import moqt_record, track_namespace
 from kvsp_quic.auth import Policy
@@ -137,11 +138,8 @@ idle_timeout = {SETTINGS.idle_timeout}
 cache_bytes = {2 << 30}
 open_prefixes = ["moq-test"]
 ''')
-    proc = subprocess.Popen([sys.executable, "-m", "kvsp_app", "relay", "--config", str(config), "--log-level",
-                             "WARNING"], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    ready = json.loads(proc.stdout.readline())
-    return proc, ready
+    relay = RoleProcess("relay", "relay", "--config", str(config))
+    return relay.proc, relay.wait_ready()
 
 
 async def ping_every(conns: list[MoqtConnection], seconds: float) -> None:

@@ -50,11 +50,11 @@ from typing import Any
 
 from benchmarks.bench_h3 import SETTINGS
 from benchmarks.bench_prefill import model_config
-from benchmarks.processes import Proc
 from gpu.modelfiles import derive_descriptor, write_random_model
 from http3.client import KvspClient
 from kvsp_app.serve import read_scope_key
 from kvsp_client.api import KvspApi
+from kvsp_dev.processes import RoleProcess, stop_all
 from kvsp_quic.fields import BlockKey, CompatId, ScopeId
 from kvsp_quic.keys import BlockKeyer, scope_id
 from kvsp_quic.records import LookupRequest, PrefetchBlock, PrefetchDirective, PrefetchState, Sampler
@@ -65,7 +65,7 @@ GREEDY = Sampler("greedy", 0, 0, True)
 IDLE_TIMEOUT = 900.0  # seconds (QUIC idle timeout and request timeout of the client and the instances)
 
 
-async def first_token(api: KvspApi, inst: Proc, prompt: list[int], d: dict[str, Any], scope: bytes,
+async def first_token(api: KvspApi, inst: RoleProcess, prompt: list[int], d: dict[str, Any], scope: bytes,
                       blocks: list[PrefetchBlock]) -> tuple[float, int, dict[str, Any]]:
     """TTFT of a session with *prompt* at *inst* (seconds from POST start to the first token line)."""
     sid = uuid.uuid4()
@@ -95,7 +95,7 @@ async def published(api: KvspApi, index: str, d: dict[str, Any], scope: bytes, k
     raise RuntimeError("the producer's blocks were not published")
 
 
-async def prefetch(api: KvspApi, inst: Proc, d: dict[str, Any], scope: bytes, keys: list[bytes],
+async def prefetch(api: KvspApi, inst: RoleProcess, d: dict[str, Any], scope: bytes, keys: list[bytes],
                    source: str) -> float:
     directive = uuid.uuid4()
     record = PrefetchDirective(directive, ScopeId(scope), CompatId(bytes.fromhex(d["compat_id"])),
@@ -122,21 +122,22 @@ async def bench(args: argparse.Namespace, tmp: Path) -> list[tuple[str, float | 
                       f"connection_window = {SETTINGS.connection_window}\nidle_timeout = {IDLE_TIMEOUT}\n")
     blocks = args.tokens // b
     pages = (args.reps + 2) * blocks + 8
-    index = Proc("index", "index", "--dev", str(dev))
+    index = RoleProcess("index", "index", "--dev", str(dev))
     index.wait_ready()
     alone = ["instance", "--dev", str(dev), "--device", "cpu", "--model", str(model_dir), "--block-tokens", str(b),
              "--device-pages", str(pages), "--warmup-tokens", str(2 * b), "--config", str(config), "--max-tokens", "16"]
     common = [*alone, "--index", index.base]
-    procs = {"A": Proc("A", *common), "HTTP": Proc("HTTP", *common, "--no-moqt"),
-             "TCP": Proc("TCP", *common, "--no-moqt", "--prefer-transport", "tcp"), "MOQT": Proc("MOQT", *common)}
+    procs = {"A": RoleProcess("A", *common), "HTTP": RoleProcess("HTTP", *common, "--no-moqt"),
+             "TCP": RoleProcess("TCP", *common, "--no-moqt", "--prefer-transport", "tcp"),
+             "MOQT": RoleProcess("MOQT", *common)}
     if args.prefetch:
-        procs["PRE"] = Proc("PRE", *common)
+        procs["PRE"] = RoleProcess("PRE", *common)
     others = [e for e in dict.fromkeys(args.engine or ()) if e != "reference"]
     for e in others:
         # no Index Service: an instance looks up every block of a start that lists none (kvsp_runtime/instance_runs.py,
         # block_inputs) and would load A's blocks (same Compatibility ID) instead of computing them
-        procs[f"{e}-A"] = Proc(f"{e}-A", *alone, "--engine", e)
-        procs[f"{e}-HTTP"] = Proc(f"{e}-HTTP", *common, "--engine", e, "--no-moqt")
+        procs[f"{e}-A"] = RoleProcess(f"{e}-A", *alone, "--engine", e)
+        procs[f"{e}-HTTP"] = RoleProcess(f"{e}-HTTP", *common, "--engine", e, "--no-moqt")
     rows: list[tuple[str, float | None, float | None, str]] = []
     try:
         for p in procs.values():
@@ -239,9 +240,8 @@ async def bench(args: argparse.Namespace, tmp: Path) -> list[tuple[str, float | 
                          f"the rest computed", med[f"{e}-http"], imed[f"{e}-http"],
                          f"{versus} than its recompute; blocks: {notes[f'{e}-http']}"))
     finally:
-        for p in procs.values():
-            p.stop()
-        index.stop()
+        stop_all(procs.values(), 20)
+        index.stop(20)
     return rows
 
 

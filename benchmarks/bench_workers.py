@@ -22,14 +22,13 @@ import json
 import multiprocessing
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_block_path import SCOPE, SIZES, block, descriptor
+from kvsp_dev.processes import RoleProcess, stop_all
 
 _CTX = multiprocessing.get_context("spawn")
 
@@ -129,14 +128,13 @@ async def _load_async(base: str, files: dict[str, str], op: str, size: str, tran
     return count, count * len(body) / elapsed / 1e6, time.process_time() - cpu0
 
 
-def _start_holder(work: Path, workers: int, paths: list[Path]) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    cmd = [sys.executable, "-m", "kvsp_app", "holder", "--dev", str(work / "dev"), "--workers", str(workers),
-           "--host-capacity", "4GiB", "--log-level", "WARNING"]
+def _start_holder(work: Path, workers: int, paths: list[Path]) -> RoleProcess:
+    args = ["holder", "--dev", str(work / "dev"), "--workers", str(workers), "--host-capacity", "4GiB"]
     for p in paths:
-        cmd += ["--descriptor", str(p)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    return proc, json.loads(proc.stdout.readline())
+        args += ["--descriptor", str(p)]
+    holder = RoleProcess(f"holder --workers {workers}", *args)
+    holder.wait_ready()
+    return holder
 
 
 async def _seed(ready: dict[str, Any], sizes: list[str]) -> None:
@@ -176,8 +174,8 @@ def main() -> None:
         holders = {w: _start_holder(work, w, paths) for w in (1, 2)}
         pool = _CTX.Pool(max(concs))
         try:
-            for _proc, ready in holders.values():
-                asyncio.run(_seed(ready, sizes))
+            for holder in holders.values():
+                asyncio.run(_seed(holder.ready, sizes))
             pool.map(_warm, range(max(concs)))
             print(f"{os.cpu_count()} CPUs; {args.rounds} rounds of {args.seconds:.0f} s, medians; c client processes")
             print("| op | block | transport | c | W=1 MB/s | W=2 MB/s | W=2 / W=1 | client CPU ms/op (W=2) |")
@@ -190,7 +188,8 @@ def main() -> None:
                             rates: dict[int, list[float]] = {1: [], 2: []}
                             cpu: list[float] = []
                             for _ in range(args.rounds):
-                                for w, (_proc, ready) in holders.items():
+                                for w, holder in holders.items():
+                                    ready = holder.ready
                                     files = {"ca": ready["ca"], "cert": ready["client_cert"],
                                              "key": ready["client_key"]}
                                     seed += 1
@@ -206,9 +205,7 @@ def main() -> None:
                                   f"{statistics.median(cpu) if cpu else 0:.2f} |", flush=True)
         finally:
             pool.terminate()
-            for proc, _ready in holders.values():
-                proc.terminate()
-                proc.wait()
+            stop_all(holders.values())
 
 
 if __name__ == "__main__":

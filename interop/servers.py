@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime as dt
 import importlib.util
 import json
-import signal
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -28,6 +27,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvsp_dev import pki
+from kvsp_dev.processes import RoleDidNotStart, RoleProcess, stop_all
 from kvsp_quic.samples import example_descriptor
 
 INSTANCE_URI = "https://127.0.0.1:1/interop-instance/"
@@ -94,42 +94,17 @@ class Servers:
     instance_error: dict[str, str] = field(default_factory=dict)  # name -> why it did not start (its cases fail)
     # principal name -> certificate file stem in dev: the roles' own certificates under the names the cases use
     principals: dict[str, str] = field(default_factory=dict)
-    procs: list[subprocess.Popen[str]] = field(default_factory=list)
+    procs: list[RoleProcess] = field(default_factory=list)
 
     def stop(self) -> None:
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-            for stream in (proc.stdout, proc.stderr):
-                if stream is not None:
-                    stream.close()
+        stop_all(reversed(self.procs), 10)
 
 
-def _spawn(args: list[str], logs: Path, name: str) -> subprocess.Popen[str]:
-    with (logs / f"{name}.log").open("w") as err:
-        return subprocess.Popen([sys.executable, "-m", "kvsp_app", *args, "--log-level", "INFO"],
-                                stdout=subprocess.PIPE, stderr=err, text=True)
-
-
-def _ready(proc: subprocess.Popen[str], logs: Path, name: str) -> dict[str, Any]:
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
-        proc.wait()
-        raise RuntimeError(f"{name} did not start; see {logs / f'{name}.log'}")
-    ready: dict[str, Any] = json.loads(line)
-    return ready
-
-
-def _start(servers: Servers, args: list[str], logs: Path, name: str) -> dict[str, Any]:
-    proc = _spawn(args, logs, name)
-    servers.procs.append(proc)
-    return _ready(proc, logs, name)
+def _spawn(servers: Servers, args: list[str], logs: Path, name: str) -> RoleProcess:
+    """``kvsp-quic ARGS`` started as *name* (its INFO log in ``logs/NAME.log``), stopped with *servers*."""
+    process = RoleProcess(name, *args, stderr=logs / f"{name}.log", log_level="INFO")
+    servers.procs.append(process)
+    return process
 
 
 def _tool(args: list[str], logs: Path, name: str) -> None:
@@ -151,12 +126,12 @@ def start(work: Path, logs: Path, *, instances: Iterable[str] = ()) -> Servers:
     dev = work / "dev"
     servers = Servers(dev)
     try:
-        servers.index = _start(servers, ["index", "--dev", str(dev)], logs, "server-index")
+        servers.index = _spawn(servers, ["index", "--dev", str(dev)], logs, "server-index").wait_ready()
         index = servers.index["base_uri"]
         servers.principals["controller"] = _stem("index", index)  # the PC's own identity, as instances see it
         descriptors = [work / "example-descriptor.json"]
         descriptors[0].write_text(json.dumps(example_descriptor().to_json()))
-        procs: dict[str, subprocess.Popen[str]] = {}
+        procs: dict[str, RoleProcess] = {}
         wanted = list(dict.fromkeys(instances))
         for name in wanted:
             missing = instance_unavailable(name)
@@ -176,20 +151,20 @@ def start(work: Path, logs: Path, *, instances: Iterable[str] = ()) -> Servers:
                 args = ["instance", "--dev", str(dev), "--device", "cpu", "--model", str(model), "--engine",
                         kind.engine, "--block-tokens", str(BLOCK_TOKENS), "--warmup-tokens", "8", "--device-pages",
                         "256", "--index", index, "--controller", index]
-                procs[name] = _spawn(args + ([] if kind.moqt else ["--no-moqt"]), logs, f"server-instance-{name}")
-                servers.procs.append(procs[name])
+                procs[name] = _spawn(servers, args + ([] if kind.moqt else ["--no-moqt"]), logs,
+                                     f"server-instance-{name}")
         holder_args = ["holder", "--dev", str(dev), "--index", index]
         for path in descriptors:
             holder_args += ["--descriptor", str(path)]
-        servers.holder = _start(servers, holder_args, logs, "server-holder")
+        servers.holder = _spawn(servers, holder_args, logs, "server-holder").wait_ready()
         policy = work / "relay-policy.toml"
         policy.write_text(RELAY_POLICY)
-        servers.relay = _start(servers, ["relay", "--dev", str(dev), "--index", index, "--policy", str(policy),
-                                         "--open-prefix", "moq-test"], logs, "server-relay")
+        servers.relay = _spawn(servers, ["relay", "--dev", str(dev), "--index", index, "--policy", str(policy),
+                                         "--open-prefix", "moq-test"], logs, "server-relay").wait_ready()
         for name, proc in procs.items():
             try:
-                ready = _ready(proc, logs, f"server-instance-{name}")
-            except RuntimeError as exc:
+                ready = proc.wait_ready()
+            except RoleDidNotStart as exc:
                 servers.instance_error[name] = str(exc)
                 continue
             if ready["descriptor"] != json.loads(descriptors[1].read_text()):

@@ -35,7 +35,6 @@ import asyncio
 import contextlib
 import itertools
 import shutil
-import signal
 import statistics
 import tempfile
 import time
@@ -195,7 +194,7 @@ async def inject(cluster: ChaosCluster, options: ChaosOptions, fault: str, targe
     async def fire(name: str, how: str) -> None:
         state.update(target=name, at=time.perf_counter())
         if how == "stop":
-            cluster.signal(name, signal.SIGSTOP)
+            cluster.freeze(name)
         else:
             cluster.kill(name)
         progress(f"      {fault}: {'SIGSTOP' if how == 'stop' else 'SIGKILL'} {name}")
@@ -257,7 +256,7 @@ async def inject(cluster: ChaosCluster, options: ChaosOptions, fault: str, targe
         row.errors.append(f"{fault}: the fault was never injected (the first stream ended too early?)")
     # back to a whole cluster for the next fault
     if row.target and fault == "instance-stop":
-        cluster.signal(row.target, signal.SIGCONT)
+        cluster.resume(row.target)
     elif row.target and fault != "holder-restart":
         await asyncio.to_thread(cluster.restart, row.target)
     await asyncio.sleep(options.settle)

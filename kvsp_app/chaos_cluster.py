@@ -10,8 +10,6 @@ import asyncio
 import contextlib
 import json
 import shutil
-import signal
-import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -118,26 +116,22 @@ class ChaosCluster(Cluster):
             self.client, self.as_frontend = client, as_frontend
             yield
 
-    def signal(self, name: str, sig: signal.Signals) -> None:
-        self.procs[name].proc.send_signal(sig)
-        if sig == signal.SIGSTOP:
-            self.stopped.add(name)
-        elif sig == signal.SIGCONT:
-            self.stopped.discard(name)
+    def freeze(self, name: str) -> None:
+        """SIGSTOP *name*: it is asked nothing until :meth:`resume`."""
+        self.procs[name].freeze()
+        self.stopped.add(name)
+
+    def resume(self, name: str) -> None:
+        self.procs[name].resume()
+        self.stopped.discard(name)
 
     def restart(self, name: str, *, graceful: bool = False) -> None:
         """Start *name* again with its arguments (its port, its storage), after a fault; *graceful*: stop it with
         SIGTERM first (a holder or an instance withdraws its records), SIGKILL after 15 s."""
         old = self.procs[name]
-        if old.proc.poll() is None and graceful:
-            old.proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                old.proc.wait(15)
-        if old.proc.poll() is None:
-            old.proc.kill()
-        old.proc.wait()
-        if old.proc.stdout is not None:
-            old.proc.stdout.close()
+        if not graceful:
+            old.kill()
+        old.stop(15)
         for attempt in range(20):  # the port of a process just killed can take a moment to be free
             try:
                 self.start(name, *old.args)
@@ -175,11 +169,8 @@ class ChaosCluster(Cluster):
         return out
 
     def stop(self) -> None:
-        for p in self.procs.values():  # a stopped process cannot handle SIGTERM
-            with contextlib.suppress(ProcessLookupError):
-                p.proc.send_signal(signal.SIGCONT)
         try:
-            super().stop()
+            super().stop()  # (one under SIGSTOP is sent SIGCONT before its SIGTERM)
         finally:
             if self.redis is not None:
                 self.redis.stop()

@@ -23,13 +23,9 @@ import asyncio
 import contextlib
 import itertools
 import json
-import os
 import re
 import shutil
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -39,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsp_app.redis_cluster import RedisServer
+from kvsp_dev.processes import RoleDidNotStart, RoleProcess, stop_all
 from kvsp_quic.problems import Unavailable
 from kvsp_quic.roles.controller_records import SessionState, TokenLine
 
@@ -70,63 +67,32 @@ class DemoOptions:
 
 
 @dataclass
-class Process:
-    name: str
-    proc: subprocess.Popen[str]
-    ready: dict[str, Any]
-    log: Path
-    args: tuple[str, ...] = ()  # what it was started with (kvsp-quic chaos restarts processes)
-
-
-@dataclass
 class Cluster:
+    """Role processes named by the caller, started in *root* (their working directory) with their INFO log appended
+    to ``root/NAME.log``."""
+
     root: Path
     progress: Callable[[str], None]
-    procs: dict[str, Process] = field(default_factory=dict)
+    procs: dict[str, RoleProcess] = field(default_factory=dict)
 
     def start(self, name: str, *args: str, timeout: float = 120.0) -> dict[str, Any]:
-        log = self.root / f"{name}.log"
-        with log.open("a") as err:
-            proc = subprocess.Popen([sys.executable, "-m", "kvsp_app", *args, "--log-level", "INFO"],
-                                    stdout=subprocess.PIPE, stderr=err, text=True, cwd=self.root)
-        assert proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        line = ""
-        os.set_blocking(proc.stdout.fileno(), False)
-        while time.monotonic() < deadline:
-            chunk = proc.stdout.readline()
-            if chunk:
-                line = chunk
-                break
-            if proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        os.set_blocking(proc.stdout.fileno(), True)
-        if not line:
-            proc.kill()
-            proc.wait()
-            tail = log.read_text()[-600:].strip().splitlines()
-            raise Unavailable(f"{name} did not start: {tail[-1] if tail else 'no output'} (log: {log})")
-        ready: dict[str, Any] = json.loads(line)
-        self.procs[name] = Process(name, proc, ready, log, args)
+        """Start ``kvsp-quic ARGS`` as *name* (in place of an ended process of that name); its ready line. Raises
+        Unavailable (with the message of :class:`kvsp_dev.processes.RoleDidNotStart`) when it ends first or prints
+        none within *timeout* seconds."""
+        process = RoleProcess(name, *args, stderr=self.root / f"{name}.log", append=True, log_level="INFO",
+                              cwd=self.root)
+        try:
+            ready = process.wait_ready(timeout)
+        except RoleDidNotStart as exc:
+            raise Unavailable(str(exc)) from exc
+        self.procs[name] = process
         return ready
 
     def kill(self, name: str) -> None:
-        self.procs[name].proc.send_signal(signal.SIGKILL)
-        self.procs[name].proc.wait()
+        self.procs[name].kill()
 
     def stop(self) -> None:
-        for p in reversed(list(self.procs.values())):
-            if p.proc.poll() is None:
-                p.proc.send_signal(signal.SIGTERM)
-        for p in reversed(list(self.procs.values())):
-            try:
-                p.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                p.proc.kill()
-                p.proc.wait()
-            if p.proc.stdout is not None:
-                p.proc.stdout.close()
+        stop_all(reversed(list(self.procs.values())))
 
 
 async def _stream(client: Any, url: str, prompt: str, max_tokens: int,

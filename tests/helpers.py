@@ -3,17 +3,13 @@ subcommand run as a real process."""
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from kvsp_app.cli import main
+from kvsp_dev.processes import RoleProcess
 
 
 class Clock:
@@ -36,34 +32,18 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
     return code, out, err
 
 
-class Process:
-    """A ``kvsp-quic`` server subcommand (``python -m kvsp_app ARGS``); its one ready line on stdout is parsed into
-    :attr:`ready`; :meth:`stop` ends it (SIGTERM, then SIGKILL) and returns what it wrote on stderr."""
+class Process(RoleProcess):
+    """A ``kvsp-quic`` server subcommand (``python -m kvsp_app ARGS``, in *cwd*) started at once: its ready line in
+    :attr:`ready`, its standard error a pipe; :meth:`stop` ends it (SIGTERM, then SIGKILL), checks that it printed
+    nothing more on standard output and returns what it wrote on standard error."""
 
-    def __init__(self, *args: str) -> None:
-        level = [] if "--log-level" in args else ["--log-level", "WARNING"]
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvsp_app", *args, *level],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None and self.proc.stderr is not None
-        line = self.proc.stdout.readline()  # exactly one JSON line once it serves
-        if not line:
-            raise RuntimeError(f"{args[0]} did not start: {self.proc.stderr.read()}")
-        self.ready: dict[str, Any] = json.loads(line)
+    def __init__(self, *args: str, cwd: Path | None = None) -> None:
+        super().__init__(args[0], *args, stderr="pipe", cwd=cwd)
+        self.wait_ready()
 
-    def stop(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        assert self.proc.stdout is not None and self.proc.stderr is not None
-        rest = self.proc.stdout.read()
-        err = self.proc.stderr.read()
-        self.proc.stdout.close()
-        self.proc.stderr.close()
-        assert rest == "", "a server prints exactly one line on stdout"
+    def stop(self, grace: float = 10.0) -> str:
+        err = super().stop(grace)
+        assert self.stdout_after_ready == "", "a server prints exactly one line on stdout"
         return err
 
 

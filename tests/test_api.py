@@ -11,9 +11,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -69,6 +66,7 @@ from kvsp_quic.samples import random_sections
 from kvsp_quic.storage.memory_index import MemoryIndexStore
 from quic.tls import TlsFiles
 from tests.conftest import small_descriptor
+from tests.helpers import Process
 from tests.pki import TestPki, make_pki
 
 SCOPE = bytes.fromhex("6d1c6481cd428737da312c089db3832a")
@@ -384,28 +382,14 @@ async def test_only_idempotent_requests_are_retried(cluster: Cluster) -> None:
 # -- a dead peer is dropped from the pool ------------------------------------------------------------------------
 
 
-class IndexProcess:
+def index_process(dev: Path, port: int = 0) -> Process:
     """``kvsp-quic index --dev DIR [--listen 127.0.0.1:PORT]``, a real server process."""
-
-    def __init__(self, dev: Path, port: int = 0) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvsp_app", "index", "--dev", str(dev), "--listen",
-                                      f"127.0.0.1:{port}", "--log-level", "ERROR"], stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line, "the index did not start"
-        self.ready: dict[str, Any] = json.loads(line)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)  # no CONNECTION_CLOSE: a dead peer
-        self.proc.wait()
-        assert self.proc.stdout is not None
-        self.proc.stdout.close()
+    return Process("index", "--dev", str(dev), "--listen", f"127.0.0.1:{port}", "--log-level", "ERROR")
 
 
 async def test_a_dead_peer_is_dropped_from_the_pool_after_a_timeout(tmp_path: Path) -> None:
-    first = IndexProcess(tmp_path / "dev")
-    second: IndexProcess | None = None
+    first = index_process(tmp_path / "dev")
+    second: Process | None = None
     try:
         ready = first.ready
         files = TlsFiles(Path(ready["ca"]), Path(ready["client_cert"]), Path(ready["client_key"]))
@@ -415,19 +399,19 @@ async def test_a_dead_peer_is_dropped_from_the_pool_after_a_timeout(tmp_path: Pa
             api = KvspApi(client)
             assert (await api.lookup(index, request)).matched == 0
             assert client.pooled(index) == 1
-            first.kill()
+            first.kill()  # no CONNECTION_CLOSE: a dead peer
             with pytest.raises(RetryElsewhere):  # the peer is silent: the request times out...
                 await api.lookup(index, request)
             assert client.pooled(index) == 0  # ...and its connection is not handed out again
             port = int(index.rstrip("/").rsplit(":", 1)[1])
-            second = IndexProcess(tmp_path / "dev", port)  # the service is back on the same port
+            second = index_process(tmp_path / "dev", port)  # the service is back on the same port
             start = time.monotonic()
             assert (await api.lookup(index, request)).matched == 0  # a fresh connection at once
             assert time.monotonic() - start < 1 and client.pooled(index) == 1
     finally:
-        first.kill()
+        first.stop()
         if second is not None:
-            second.kill()
+            second.stop()
 
 
 # -- the token line codec ----------------------------------------------------------------------------------------

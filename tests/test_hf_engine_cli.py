@@ -7,11 +7,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import signal
-import subprocess
-import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +20,7 @@ from http3.client import KvspClient
 from kvsp_app.serve import read_scope_key
 from kvsp_quic.keys import BlockKeyer
 from quic.tls import TlsFiles
+from tests.helpers import Process
 from tests.test_hf_engine import write_hf_model
 
 
@@ -41,49 +38,6 @@ pytestmark = pytest.mark.skipif(not _has_engine_flag(), reason="kvsp-quic instan
 B = 4
 PROMPT = [(7 * i + 3) % 300 for i in range(6 * B + 3)]
 JSON = {"content-type": "application/kvsp+json"}
-
-
-class Procs:
-    def __init__(self, cwd: Path) -> None:
-        self.cwd = cwd
-        self.procs: list[subprocess.Popen[str]] = []
-
-    def start(self, *args: str) -> dict[str, Any]:
-        proc = subprocess.Popen([sys.executable, "-m", "kvsp_app", *args, "--log-level", "WARNING"], cwd=self.cwd,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.procs.append(proc)
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line:
-            proc.wait(10)
-            raise AssertionError(proc.stderr.read() if proc.stderr else "no output")
-        ready: dict[str, Any] = json.loads(line)
-        return ready
-
-    def stop(self) -> list[str]:
-        errors = []
-        for proc in reversed(self.procs):
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            errors.append(proc.stderr.read() if proc.stderr else "")
-            for stream in (proc.stdout, proc.stderr):
-                if stream is not None:
-                    stream.close()
-        return errors
-
-
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Procs]:
-    p = Procs(tmp_path)
-    try:
-        yield p
-    finally:
-        for err in p.stop():
-            assert "Traceback" not in err, err
 
 
 async def session(client: KvspClient, base: str, ready: dict[str, Any], prompt: list[int], n: int
@@ -106,15 +60,19 @@ async def session(client: KvspClient, base: str, ready: dict[str, Any], prompt: 
 
 
 @pytest.mark.parametrize(("first", "second"), [("reference", "transformers"), ("transformers", "reference")])
-async def test_instances_of_both_engines_share_a_prompt_as_processes(procs: Procs, tmp_path: Path, first: str,
-                                                                     second: str) -> None:
+async def test_instances_of_both_engines_share_a_prompt_as_processes(procs: list[Process], tmp_path: Path,
+                                                                     first: str, second: str) -> None:
+    def start(*args: str) -> dict[str, Any]:
+        procs.append(Process(*args, cwd=tmp_path))
+        return procs[-1].ready
+
     write_hf_model(tmp_path / "model")
     dev = ["--dev", "dev"]
-    index = procs.start("index", *dev)["base_uri"]
+    index = start("index", *dev)["base_uri"]
     common = ["--device", "cpu", "--model", "model", "--index", index, "--block-tokens", str(B),
               "--warmup-tokens", "8", *dev]
-    a = procs.start("instance", "--engine", first, *common)
-    b = procs.start("instance", "--engine", second, *common)
+    a = start("instance", "--engine", first, *common)
+    b = start("instance", "--engine", second, *common)
     assert (a["engine"], b["engine"]) == (first, second)
     assert a["engine_build"].startswith(first) and a["layer_streamed"] is True
     assert a["compat_id"] == b["compat_id"] and a["descriptor"] == b["descriptor"]  # one cache

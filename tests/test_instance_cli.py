@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +11,7 @@ from gpu.modelfiles import ModelConfig, write_random_model
 from http3.client import KvspClient
 from kvsp_app.config import ConfigError, InstanceFile, load
 from quic.tls import TlsFiles
+from tests.helpers import Process
 from tests.helpers import run_cli as run
 
 torch = pytest.importorskip("torch", reason="the gpu extra (torch) is not installed")
@@ -61,15 +58,10 @@ def test_the_configuration_file(tmp_path: Path) -> None:
 
 async def test_dev_instance_starts_prints_its_ready_line_and_serves(model_dir: Path, tmp_path: Path) -> None:
     dev = tmp_path / "dev"
-    proc = subprocess.Popen([sys.executable, "-m", "kvsp_app", "instance", "--dev", str(dev), "--device", "cpu",
-                             "--model", str(model_dir), "--block-tokens", "4", "--warmup-tokens", "8",
-                             "--log-level", "WARNING"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = await asyncio.to_thread(Process, "instance", "--dev", str(dev), "--device", "cpu", "--model",
+                                   str(model_dir), "--block-tokens", "4", "--warmup-tokens", "8")
     try:
-        assert proc.stdout is not None
-        line = await asyncio.to_thread(proc.stdout.readline)
-        assert line, proc.stderr.read() if proc.stderr else ""
-        ready = json.loads(line)
+        ready = proc.ready
         assert ready["ready"] == "instance" and ready["base_uri"].startswith("https://127.0.0.1:")
         assert ready["device"] == "cpu" and ready["descriptor"]["block_tokens"] == 4
         assert ready["moqt"] == ready["base_uri"].replace("https://", "moqt://")
@@ -83,16 +75,6 @@ async def test_dev_instance_starts_prints_its_ready_line_and_serves(model_dir: P
             assert status["instance"] == ready["base_uri"] and status["epoch"] == ready["epoch"]
             assert status["state"] == "active" and status["prefill_tokens_per_s"] > 0
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        rest = proc.stdout.read() if proc.stdout else ""
-        err = proc.stderr.read() if proc.stderr else ""
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
-    assert proc.returncode == 0, err
-    assert rest == "" and "Traceback" not in err
+        err = proc.stop(15)  # (and nothing more on stdout)
+    assert proc.proc.returncode == 0, err
+    assert "Traceback" not in err

@@ -4,10 +4,6 @@ server certificate of another CA is refused."""
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +12,7 @@ import pytest
 
 from interop.drivers import PEERS_PYTHON, NiquestsDriver, Refused, Reply, Request
 from quic.tls import TlsFiles
+from tests.helpers import Process
 from tests.peers import needs_peer
 from tests.pki import make_pki
 
@@ -24,24 +21,11 @@ pytestmark = needs_peer(None if PEERS_PYTHON.exists() else f"no niquests environ
 
 @pytest.fixture
 def index(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    proc = subprocess.Popen([sys.executable, "-m", "kvsp_app", "index", "--dev", "dev", "--log-level", "WARNING"],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = Process("index", "--dev", "dev", cwd=tmp_path)
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read() if proc.stderr else "no ready line"
-        ready: dict[str, Any] = json.loads(line)
-        yield {**ready, "root": tmp_path}
+        yield {**proc.ready, "root": tmp_path}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
+        proc.stop(15)
 
 
 async def test_niquests_reads_a_kvsp_server_certificate_and_refuses_another_ca(index: dict[str, Any],

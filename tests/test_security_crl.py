@@ -9,10 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import json
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +19,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 
 from kvsp_dev import pki
+from kvsp_dev.processes import RoleProcess
 from kvsp_quic.samples import example_descriptor
 from moqt.aio import MoqtConnectError, connect_moqt
 from quic.crl import CrlError, CrlSet
@@ -74,45 +72,26 @@ def test_crl_files_are_checked(tmp_path: Path) -> None:
         CrlSet.load(crl, tls.ca.read_bytes())
 
 
-class Holder:
+class Holder(RoleProcess):
     """``kvsp-quic holder`` with the test PKI, a policy file and a CRL; its log goes to a file (INFO lines)."""
 
     def __init__(self, tmp_path: Path, root: Path, policy: Path, crl: Path, workers: int) -> None:
         self.workers = workers
-        self.log = tmp_path / "holder.log"
-        self._log = self.log.open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvsp_app", "holder", "--tls-dir", str(root), "--name", "server",
-             "--listen", "127.0.0.1:0", "--policy", str(policy), "--crl", str(crl), "--workers", str(workers),
-             "--descriptor", str(DESCRIPTOR), "--log-level", "INFO"],
-            stdout=subprocess.PIPE, stderr=self._log, text=True)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the holder did not start: {self.log.read_text()}")
-        self.ready = json.loads(line)
+        self.log_file = tmp_path / "holder.log"
+        super().__init__("holder", "holder", "--tls-dir", str(root), "--name", "server", "--listen", "127.0.0.1:0",
+                         "--policy", str(policy), "--crl", str(crl), "--workers", str(workers), "--descriptor",
+                         str(DESCRIPTOR), stderr=self.log_file, log_level="INFO")
+        self.wait_ready()
 
     def reload(self, expect: str, timeout: float = 30.0) -> None:
         """SIGHUP, then wait for *expect* in the log once more than before from each process (they share it)."""
-        before = self.log.read_text().count(expect)
+        before = self.log_file.read_text().count(expect)
         self.proc.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + timeout
-        while self.log.read_text().count(expect) < before + self.workers:
-            assert self.proc.poll() is None, f"the holder ended on SIGHUP: {self.log.read_text()}"
-            assert time.monotonic() < deadline, f"no {expect!r} in the log: {self.log.read_text()}"
+        while self.log_file.read_text().count(expect) < before + self.workers:
+            assert self.proc.poll() is None, f"the holder ended on SIGHUP: {self.log_file.read_text()}"
+            assert time.monotonic() < deadline, f"no {expect!r} in the log: {self.log_file.read_text()}"
             time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        assert self.proc.stdout is not None
-        self.proc.stdout.close()
-        self._log.close()
 
 
 @contextlib.contextmanager
@@ -216,7 +195,7 @@ async def test_revoked_clients_are_refused_and_sighup_reloads_the_crl_and_policy
         for requester in [*carols.values(), *erins.values()]:
             await requester.aclose()
         await asyncio.sleep(0)
-        log = server.log.read_text()
+        log = server.log_file.read_text()
     errors = [line for line in log.splitlines() if " ERROR " in line]
     assert len(errors) == 2 * workers and all("reload failed" in line for line in errors), log
     assert server.proc.returncode == 0 or server.proc.returncode == -signal.SIGTERM
