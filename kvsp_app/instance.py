@@ -15,11 +15,10 @@ This is the one place where the instance's layers meet: ``gpu`` (the engine and 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,20 +29,17 @@ from http3.asgi_types import ASGIApp
 from http3.client import KvspClient
 from kvsp_app.config import ConfigError, options_of
 from kvsp_client.api import ServiceEndpoints
-from kvsp_client.retrieval import BlockSource, HttpSource, Lease
+from kvsp_client.retrieval import BlockSource, HttpSource
 from kvsp_http.instance_app import instance_app
 from kvsp_moqt.holder_tracks import holder_moqt_handlers
-from kvsp_moqt.source import MoqtSource, PreferMoqt
+from kvsp_moqt.source import LeasingMoqtSource, PreferMoqt
 from kvsp_moqt.tracks import moqt_uri_for
 from kvsp_quic.auth import Policy
-from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.keys import BlockKeyer
-from kvsp_quic.records import Link, ReplicaRecord
-from kvsp_quic.retrieval_plan import AttemptError
+from kvsp_quic.records import Link
 from kvsp_quic.roles.holder import HolderSettings
 from kvsp_quic.roles.instance import InstanceOptions, InstanceRole, InstanceSettings, next_instance_epoch
 from kvsp_quic.roles.leases import LeaseLimits
-from kvsp_quic.roles.status import endpoint
 from kvsp_runtime.instance_blocks import BlockFinder
 from kvsp_runtime.instance_service import InstanceService, ServiceOptions
 from kvsp_runtime.publisher import ReplicaPublisher
@@ -99,39 +95,6 @@ def persisted_epoch(path: Path, now: Callable[[], float] = time.time) -> int:
             os.unlink(tmp)
         raise ConfigError(f"epoch file {os.fspath(path)!r}: cannot write it: {exc.strerror or exc}") from None
     return epoch
-
-
-class LeasingMoqtSource(MoqtSource):
-    """MOQT has no leases (KVSP leases are HTTP resources): lease a ``moqt://`` replica at its publisher's
-    ``https`` base URI, learnt from the lookups that listed both twins (*https_of*: holder-id -> base URI).
-
-    A relay's copy (a ``moqt://`` record at another host and port than its publisher: the publisher's own twin
-    shares its UDP port) is served from the relay's cache whatever the publisher holds now, so a lease the
-    publisher refuses there (404: it gave the block up; 429; unreachable) is no reason to skip the relay: the
-    transfer goes on without a lease. At the publisher's own endpoint a refusal still skips the replica."""
-
-    def __init__(self, pool: MoqtPool, descriptors: Iterable[CompatDescriptor], http: HttpSource,
-                 https_of: Mapping[str, str]) -> None:
-        super().__init__(pool, descriptors)
-        self.http = http
-        self.https_of = https_of
-
-    async def lease(self, record: ReplicaRecord, ttl_ms: int) -> Lease | None:
-        publisher = record.publisher_id
-        https = self.https_of.get(publisher) if publisher is not None else None
-        if https is None:
-            return None
-        twin = dataclasses.replace(record, holder=https, moqt_namespace=None)
-        if endpoint(record.holder) == endpoint(https):
-            return await self.http.lease(twin, ttl_ms)
-        try:
-            return await self.http.lease(twin, ttl_ms)
-        except AttemptError as exc:  # a relay's copy: its cache serves it without the publisher's lease
-            log.info("no lease at %s for the relay copy at %s (%s): fetching without one", https, record.holder, exc)
-            return None
-
-    async def release(self, lease: Lease) -> bool:
-        return await self.http.release(lease)
 
 
 @dataclass
@@ -193,22 +156,21 @@ def build_instance(engine: Engine, *, base_uri: str, files: TlsFiles, policy: Po
                         rtts=PEER_RTTS)  # connect timeouts scaled with the RTT (issue 12, point 5)
     moqt_uri = moqt_uri_for(base_uri)
     http = HttpSource(client, timeout=service.request_timeout_s)
-    https_of: dict[str, str] = {}
     pool = None
     sources: list[BlockSource] = [http]
     if moqt:
         pool = MoqtPool(files, settings=transport, connections_per_origin=service.block_connections, rtts=PEER_RTTS)
-        sources.insert(0, LeasingMoqtSource(pool, [d], http, https_of))
+        sources.insert(0, LeasingMoqtSource(pool, [d], http))
     publisher = finder = None
     if index:  # one URI or several: one view of the Index Service's replicas for the publisher and the lookups
         endpoints = ServiceEndpoints.of(index, "index")
         publisher = ReplicaPublisher(holder, client, endpoints, moqt_uri=moqt_uri)
         finder = BlockFinder(client, endpoints, descriptor=d, own=[base_uri, moqt_uri], sources=sources,
-                             https_of=https_of, ranking=PreferMoqt() if moqt else None,
+                             ranking=PreferMoqt() if moqt else None,
                              timeout=service.request_timeout_s)
     node = InstanceService(role, engine, holder, client, finder=finder, options=service, publisher=publisher)
     return InstanceNode(node, instance_app(node, policy), holder_moqt_handlers(holder, policy), moqt_uri, client,
                         pool)
 
 
-__all__ = ["InstanceNode", "LeasingMoqtSource", "build_instance"]
+__all__ = ["InstanceNode", "build_instance"]

@@ -3,16 +3,19 @@
 Used by everyone who loads blocks (inference instances, the Placement Controller's prefetch, tools). Spec:
 "Lookup", "Leases", "Block Retrieval and Storage", "Error Handling"; docs/wire.md, "Retrieval".
 
-    fetcher = BlockFetcher(client, "https://is.example/kvsp/", lease_ms=2000)
-    results = await fetcher.load_prefix(compat_id, scope_id, keys)      # [FetchResult | None, ...]
+    fetcher = BlockFetcher(client, "https://is.example/kvsp/")
+    results = await fetcher.load_prefix(compat_id, scope_id, keys, lease_ms=2000)   # [FetchResult | None, ...]
 
-    found = await fetcher.lookup(compat_id, scope_id, keys)
+    found = await fetcher.find(compat_id, scope_id, keys)               # LookupResponse | IndexUnavailable
+    if isinstance(found, IndexUnavailable): ...                          # recompute (found.detail says why)
     async with fetcher.fetch_layers(found.blocks[0], layers=(0, 15)) as stream:
         async for layer in stream:                                       # verified, in ascending order,
             place(layer.index, layer.k_parts, layer.v_parts)             # while later layers still arrive
     if not stream.complete: ...                                          # missing: recompute from stream.next_layer
 
-For each block the candidate replicas are ordered by a :class:`~kvsp_quic.retrieval_plan.Ranking` (default:
+Leases are per call (*lease_ms* of :meth:`~BlockFetcher.fetch_layers`, :meth:`~BlockFetcher.fetch_block`,
+:meth:`~BlockFetcher.load_prefix`; the fetcher's *lease_ms* is the default). For each block the candidate replicas
+are ordered by a :class:`~kvsp_quic.retrieval_plan.Ranking` (default:
 link estimates, then tier, then https first) and tried in turn, skipping holders that failed recently. One
 attempt: optionally ``POST {holder}leases`` (a refusal moves on), then ``GET {holder}blocks/{compat}/{scope}/
 {key}[?layers=a-b][&codec=n]``, the body streamed through :class:`~kvsp_quic.container.ContainerDecoder` with
@@ -144,6 +147,11 @@ class BlockSource(Protocol):
         """Whether this source can fetch *record* (by its holder URI's scheme)."""
         ...
 
+    def note_lookup(self, blocks: Sequence[LookupMatch]) -> None:
+        """The replicas a lookup of the fetcher returned (a source that leases ``moqt://`` replicas at their
+        publisher's ``https`` twin learns the twins here)."""
+        ...
+
     async def lease(self, record: ReplicaRecord, ttl_ms: int) -> Lease | None:
         """Take a lease on the replica; None when this kind of source has no leases."""
         ...
@@ -170,6 +178,9 @@ class HttpSource:
 
     def handles(self, record: ReplicaRecord) -> bool:
         return record.holder.startswith("https://")
+
+    def note_lookup(self, blocks: Sequence[LookupMatch]) -> None:
+        pass
 
     async def lease(self, record: ReplicaRecord, ttl_ms: int) -> Lease | None:
         request = LeaseRequest(record.compat_id, record.scope_id, (record.block_key,), ttl_ms)
@@ -294,9 +305,10 @@ class LayerStream:
     """
 
     def __init__(self, fetcher: BlockFetcher, match: LookupMatch, layers: LayerRange, whole: bool,
-                 codec: int | None, count: bool) -> None:
+                 codec: int | None, count: bool, lease_ms: int | None) -> None:
         self._fetcher = fetcher
         self.match = match
+        self.lease_ms = lease_ms  # each replica leased for this long before it is fetched (None: no lease)
         self.first, self.last = layers
         self.whole = whole  # the caller asked for the whole block (the replica digest can be checked)
         self.codec = codec
@@ -355,8 +367,8 @@ class LayerStream:
                 lease: Lease | None = None
                 before = self.next_layer
                 try:
-                    if fetcher.lease_ms is not None:
-                        lease = await source.lease(record, fetcher.lease_ms)
+                    if self.lease_ms is not None:
+                        lease = await source.lease(record, self.lease_ms)
                         if lease is not None:
                             fetcher.metrics.leases_taken += 1
                     async with contextlib.aclosing(self._attempt(source, record, end)) as attempt:
@@ -481,6 +493,21 @@ class LayerStream:
                                  f"of the layers already delivered")
 
 
+@dataclass(frozen=True)
+class IndexUnavailable:
+    """A lookup the Index Service did not answer (unreachable, timed out, 5xx, 429, an unreadable answer): nothing
+    is known of the blocks, the caller recomputes them (and may ask again later)."""
+
+    detail: str
+
+
+class Default:
+    """The type of :data:`DEFAULT`: a call's *lease_ms* left to the fetcher's."""
+
+
+DEFAULT = Default()
+
+
 # -- the fetcher ------------------------------------------------------------------------------------------------
 
 
@@ -488,7 +515,8 @@ class BlockFetcher:
     """Lookups at one Index Service and verified block retrieval from the replicas it lists.
 
     * *client*: the mutual-TLS client for the Index Service and ``https`` holders.
-    * *lease_ms*: take a lease of this TTL at each replica before fetching it (released afterwards).
+    * *lease_ms*: the default of the calls' *lease_ms*: take a lease of this TTL at each replica before fetching
+      it (released afterwards); None, no lease.
     * *ranking*: orders the replicas of a block (default :class:`DefaultRanking` with *links*).
     * *links*: this client's links to holders (as in its Instance Status Record), for the default ranking.
     * *failures*: the memory of holders that failed recently (default: 10 s).
@@ -517,8 +545,7 @@ class BlockFetcher:
                  max_block_bytes: int = 1 << 30, max_lookup_keys: int = DEFAULT_MAX_LOOKUP_KEYS,
                  timeout: float | None = None, report_failures: bool = True,
                  require_producer_digest: bool = False) -> None:
-        if lease_ms is not None and (isinstance(lease_ms, bool) or lease_ms <= 0):
-            raise ValueError("lease_ms must be a positive number of milliseconds")
+        _check_lease_ms(lease_ms)
         if max_lookup_keys < 1:
             raise ValueError("max_lookup_keys must be positive")
         if ranking is not None and links is not None:
@@ -543,20 +570,34 @@ class BlockFetcher:
         self._withdraw_denied: set[str] = set()  # holders the Index Service refused withdrawals for
         self.report_failures = report_failures
         self._reports: set[asyncio.Task[None]] = set()  # failure reports under way
-        # the producer-digest mode (issue 13): only replicas whose digests a producing instance published
-        self.producer_check = ProducerCheck(client, timeout=timeout, max_keys=max_lookup_keys) \
-            if require_producer_digest else None
+        self.producer_check: ProducerCheck | None = None
+        self.require_producer_digest(require_producer_digest)
+
+    def require_producer_digest(self, on: bool) -> None:
+        """The producer-digest mode (issue 13), on or off: lookups keep only replicas whose digests a producing
+        instance published."""
+        self.producer_check = ProducerCheck(self.client, timeout=self.timeout, max_keys=self.max_lookup_keys) \
+            if on else None
 
     # -- lookup -------------------------------------------------------------------------------------------------
 
     async def lookup(self, compat_id: bytes, scope_id: bytes, keys: Sequence[bytes],
                      targets: Sequence[str] | None = None) -> LookupResponse:
+        """:meth:`find`, with an Index Service that did not answer as an empty match (the caller recomputes)."""
+        found = await self.find(compat_id, scope_id, keys, targets)
+        if isinstance(found, IndexUnavailable):
+            return LookupResponse(0, (), () if targets is not None else None)
+        return found
+
+    async def find(self, compat_id: bytes, scope_id: bytes, keys: Sequence[bytes],
+                   targets: Sequence[str] | None = None) -> LookupResponse | IndexUnavailable:
         """``POST {is}lookup``: the matched prefix of *keys* with its replicas.
 
         More keys than *max_lookup_keys* are sent in parts, the next only while every key so far matched. An
-        Index Service that cannot be reached, times out or answers 5xx gives an empty match (counted in
-        ``lookup_errors``: the caller recomputes); a 4xx answer is a misconfiguration and raises its
-        :class:`~kvsp_quic.problems.Problem` (403 ``kvsp-scope-denied``: this client lacks the scope).
+        Index Service that cannot be reached, times out or answers 5xx gives :class:`IndexUnavailable` (counted in
+        ``lookup_errors``); a 4xx answer is a misconfiguration and raises its :class:`~kvsp_quic.problems.Problem`
+        (403 ``kvsp-scope-denied``: this client lacks the scope). The sources are told what was found
+        (:meth:`BlockSource.note_lookup`).
         """
         compat, scope, keys = _check_ids(compat_id, scope_id, keys)
         targets = list(targets) if targets is not None else None
@@ -570,9 +611,9 @@ class BlockFetcher:
         while True:
             part = keys[start:start + self.max_lookup_keys]
             answer = await self._lookup_part(compat, scope, part, targets if start == 0 else None)
-            if answer is None:
+            if isinstance(answer, IndexUnavailable):
                 self.metrics.lookup_errors += 1
-                return LookupResponse(0, (), () if targets is not None else None)
+                return answer
             if start == 0:
                 estimates = answer.targets
             matched = _usable_prefix(answer, compat, scope, part)
@@ -583,37 +624,40 @@ class BlockFetcher:
         self.metrics.lookup_matched += len(blocks)
         if self.producer_check is not None:
             blocks = await self.producer_check.vouched(self.index_uri, compat, scope, blocks, self.metrics)
+        for source in self.sources:
+            source.note_lookup(blocks)
         return LookupResponse(len(blocks), tuple(blocks), estimates)
 
     async def _lookup_part(self, compat: bytes, scope: bytes, keys: list[bytes],
-                           targets: list[str] | None) -> LookupResponse | None:
+                           targets: list[str] | None) -> LookupResponse | IndexUnavailable:
         request = LookupRequest(ScopeId(scope), CompatId(compat), tuple(BlockKey(k) for k in keys),
                                 tuple(targets) if targets is not None else None)
         try:
             return await self.api.lookup(self.index_uri, request)
         except RetryElsewhere as exc:  # unreachable, 5xx, 429, unreadable: the caller recomputes
             log.warning("lookup at %s failed: %s", self.index_uri, exc)
-            return None
+            return IndexUnavailable(str(exc))
 
     # -- retrieval ----------------------------------------------------------------------------------------------
 
-    def fetch_layers(self, match: LookupMatch, layers: LayerRange | None = None, *,
-                     codec: int | None = None) -> LayerStream:
+    def fetch_layers(self, match: LookupMatch, layers: LayerRange | None = None, *, codec: int | None = None,
+                     lease_ms: int | Default | None = DEFAULT) -> LayerStream:
         """The verified layers of *match*'s block (all of them, or the inclusive range *layers*), as they arrive.
 
         *codec* asks the holders for a codec (``codec=n``); a transcoded representation is protected only by
-        Repr-Digest, so its layers are delivered after the whole body was verified.
+        Repr-Digest, so its layers are delivered after the whole body was verified. *lease_ms*: lease each replica
+        for that long before fetching it (None: no lease; default: the fetcher's *lease_ms*).
         """
-        return self._stream(match, layers, codec, count=True)
+        return self._stream(match, layers, codec, count=True, lease_ms=lease_ms)
 
-    async def fetch_block(self, match: LookupMatch, layers: LayerRange | None = None, *,
-                          codec: int | None = None) -> FetchResult | None:
+    async def fetch_block(self, match: LookupMatch, layers: LayerRange | None = None, *, codec: int | None = None,
+                          lease_ms: int | Default | None = DEFAULT) -> FetchResult | None:
         """The whole block (or *layers*), verified; None when no replica delivers it (the caller recomputes)."""
-        return await self._collect(self._stream(match, layers, codec, count=True))
+        return await self._collect(self._stream(match, layers, codec, count=True, lease_ms=lease_ms))
 
     async def load_prefix(self, compat_id: bytes, scope_id: bytes, keys: Sequence[bytes], *,
                           layers: LayerRange | None = None, codec: int | None = None,
-                          concurrency: int = 4) -> list[FetchResult | None]:
+                          concurrency: int = 4, lease_ms: int | Default | None = DEFAULT) -> list[FetchResult | None]:
         """Look *keys* (a prompt's Block Keys in prefix order) up and load the matched blocks, at most
         *concurrency* at a time. One result per key; every key from the first missing block on is None (later
         blocks depend on earlier ones, so the caller recomputes from there), and their transfers are cancelled.
@@ -630,7 +674,7 @@ class BlockFetcher:
             async with gate:
                 if i > first_missing:  # an earlier block is missing: this one is recomputed anyway
                     return None
-                result = await self._collect(self._stream(match, layers, codec, count=False))
+                result = await self._collect(self._stream(match, layers, codec, count=False, lease_ms=lease_ms))
                 if result is None:
                     first_missing = min(first_missing, i)
                 return result
@@ -653,20 +697,21 @@ class BlockFetcher:
         self.metrics.misses += len(keys) - loaded
         return results
 
-    def _stream(self, match: LookupMatch, layers: LayerRange | None, codec: int | None,
-                count: bool) -> LayerStream:
+    def _stream(self, match: LookupMatch, layers: LayerRange | None, codec: int | None, *, count: bool,
+                lease_ms: int | Default | None) -> LayerStream:
         if not isinstance(match, LookupMatch):
             raise TypeError("fetch a LookupMatch (an entry of LookupResponse.blocks)")
+        lease = self.lease_ms if isinstance(lease_ms, Default) else _check_lease_ms(lease_ms)
         if codec is not None and (isinstance(codec, bool) or not 0 < codec <= 0xFFFF):
             raise ValueError(f"codec must be 1-65535, got {codec!r}")
         descriptor = self.descriptors.get(bytes(match.replicas[0].compat_id))
         total = block_layer_count(match.replicas, descriptor.layers if descriptor is not None else None)
         if layers is None:
-            return LayerStream(self, match, (0, total - 1), True, codec, count)
+            return LayerStream(self, match, (0, total - 1), True, codec, count, lease)
         first, last = layers
         if not (isinstance(first, int) and isinstance(last, int)) or not 0 <= first <= last < total:
             raise ValueError(f"layers {layers!r}: need 0 <= first <= last < {total} (the block's layers)")
-        return LayerStream(self, match, (first, last), first == 0 and last == total - 1, codec, count)
+        return LayerStream(self, match, (first, last), first == 0 and last == total - 1, codec, count, lease)
 
     async def _collect(self, stream: LayerStream) -> FetchResult | None:
         async with stream:
@@ -794,6 +839,12 @@ class BlockFetcher:
 # -- helpers ----------------------------------------------------------------------------------------------------
 
 
+def _check_lease_ms(lease_ms: int | None) -> int | None:
+    if lease_ms is not None and (isinstance(lease_ms, bool) or not isinstance(lease_ms, int) or lease_ms <= 0):
+        raise ValueError("lease_ms must be a positive number of milliseconds")
+    return lease_ms
+
+
 def _check_ids(compat_id: bytes, scope_id: bytes, keys: Sequence[bytes]) -> tuple[bytes, bytes, list[bytes]]:
     if not isinstance(compat_id, bytes | bytearray) or len(compat_id) != 32:
         raise ValueError("compat_id is 32 octets")
@@ -823,5 +874,6 @@ def _usable_prefix(answer: LookupResponse, compat: bytes, scope: bytes, keys: li
 
 
 __all__ = [
-    "BlockFetcher", "BlockSource", "FetchResult", "HttpSource", "LayerStream", "Lease", "SourceBody",
+    "DEFAULT", "BlockFetcher", "BlockSource", "FetchResult", "HttpSource", "IndexUnavailable", "LayerStream", "Lease",
+    "SourceBody",
 ]

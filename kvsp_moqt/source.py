@@ -42,12 +42,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from kvsp_client.retrieval import Lease, SourceBody
+from kvsp_client.retrieval import HttpSource, Lease, SourceBody
 from kvsp_moqt.tracks import (
     LayerAssembler,
     MalformedTrack,
@@ -60,8 +62,9 @@ from kvsp_moqt.tracks import (
 )
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.container import ContainerHeader, Truncated
-from kvsp_quic.records import ReplicaRecord
-from kvsp_quic.retrieval_plan import AttemptError, DefaultRanking, Failure, LayerRange, Ranking
+from kvsp_quic.keys import uri_id
+from kvsp_quic.records import LookupMatch, ReplicaRecord
+from kvsp_quic.retrieval_plan import AttemptError, DefaultRanking, Failure, LayerRange, Ranking, endpoint_key
 from moqt.aio import (
     FetchStream,
     MoqtConnectError,
@@ -84,6 +87,7 @@ MAX_STALL = 5.0  # s: the longest, also before any RTT sample
 PROBE_FLOOR = 0.03  # s: the shortest quiet time before a PING probes the holder
 PROBE_CEILING = 0.1  # s: the longest (a PING is one small packet; a busy machine's RTT variance is not the path's)
 WARM_EVERY = 5.0  # s: how often warm() may ask the pool for a connection to one holder
+MAX_TWINS = 4096  # holders whose https base URI a LeasingMoqtSource remembers
 
 
 class MoqtSource:
@@ -123,6 +127,9 @@ class MoqtSource:
     def handles(self, record: ReplicaRecord) -> bool:
         return (record.holder.startswith("moqt://") and record.moqt_namespace is not None
                 and record.layer_digests is not None and bytes(record.compat_id) in self.descriptors)
+
+    def note_lookup(self, blocks: Sequence[LookupMatch]) -> None:
+        pass
 
     async def lease(self, record: ReplicaRecord, ttl_ms: int) -> Lease | None:
         return None
@@ -230,6 +237,51 @@ def _failure_of(draft: Draft, exc: MoqtRequestError) -> Failure:
     return Failure.SERVER_ERROR
 
 
+class LeasingMoqtSource(MoqtSource):
+    """A :class:`MoqtSource` that leases a ``moqt://`` replica at its publisher's ``https`` base URI (MOQT has no
+    leases: KVSP leases are HTTP resources), through *http*. The twins are learnt from the fetcher's lookups
+    (:meth:`note_lookup`: every ``https`` record names its holder, whose holder-id a ``moqt://`` twin carries as
+    its publisher), at most :data:`MAX_TWINS` of them, the oldest forgotten first.
+
+    A relay's copy (a ``moqt://`` record at another host and port than its publisher: the publisher's own twin
+    shares its UDP port) is served from the relay's cache whatever the publisher holds now, so a lease the
+    publisher refuses there (404: it gave the block up; 429; unreachable) is no reason to skip the relay: the
+    transfer goes on without a lease. At the publisher's own endpoint a refusal still skips the replica."""
+
+    def __init__(self, pool: MoqtPool, descriptors: Iterable[CompatDescriptor], http: HttpSource,
+                 **kwargs: Any) -> None:
+        super().__init__(pool, descriptors, **kwargs)
+        self.http = http
+        self.https_of: OrderedDict[str, str] = OrderedDict()  # holder-id -> the holder's https base URI
+
+    def note_lookup(self, blocks: Sequence[LookupMatch]) -> None:
+        for match in blocks:
+            for record in match.replicas:
+                if record.holder.startswith("https://"):
+                    holder_id = uri_id(record.holder)
+                    self.https_of[holder_id] = record.holder
+                    self.https_of.move_to_end(holder_id)
+        while len(self.https_of) > MAX_TWINS:
+            self.https_of.popitem(last=False)
+
+    async def lease(self, record: ReplicaRecord, ttl_ms: int) -> Lease | None:
+        publisher = record.publisher_id
+        https = self.https_of.get(publisher) if publisher is not None else None
+        if https is None:
+            return None
+        twin = dataclasses.replace(record, holder=https, moqt_namespace=None)
+        if endpoint_key(record.holder) == endpoint_key(https):
+            return await self.http.lease(twin, ttl_ms)
+        try:
+            return await self.http.lease(twin, ttl_ms)
+        except AttemptError as exc:  # a relay's copy: its cache serves it without the publisher's lease
+            log.info("no lease at %s for the relay copy at %s (%s): fetching without one", https, record.holder, exc)
+            return None
+
+    async def release(self, lease: Lease) -> bool:
+        return await self.http.release(lease)
+
+
 class PreferMoqt:
     """A ranking that tries ``moqt://`` replicas before the others, each group in the order of *inner* (default:
     :class:`~kvsp_quic.retrieval_plan.DefaultRanking`)."""
@@ -242,4 +294,4 @@ class PreferMoqt:
         return sorted(ordered, key=lambda r: 0 if r.holder.startswith("moqt://") else 1)
 
 
-__all__ = ["MoqtSource", "PreferMoqt"]
+__all__ = ["LeasingMoqtSource", "MoqtSource", "PreferMoqt"]

@@ -1,8 +1,7 @@
 """How an instance finds and loads blocks: lookups at the Index Service, fetches from the replicas it lists, and
 the blocks arriving into the engine's cache.
 
-* :class:`BlockFinder` -- lookups (noting the ``https`` twin of every holder, to lease its ``moqt://`` replicas)
-  and one :class:`~kvsp_client.retrieval.BlockFetcher` per lease TTL in use, sharing what failed recently.
+* :class:`BlockFinder` -- lookups and the instance's :class:`~kvsp_client.retrieval.BlockFetcher`.
 * :class:`BlockLoads` -- blocks being loaded into pages (prefetch directives, reshard fetches), shared: a prefill
   that needs a block still arriving follows its layers as they come instead of fetching it again.
 * :func:`restrict` -- a lookup's replicas cut down to the sources a directive or the PC named.
@@ -20,7 +19,7 @@ from typing import Any, Generic
 
 from http3.client import KvspClient
 from kvsp_client.api import ServiceEndpoints
-from kvsp_client.retrieval import BlockFetcher, BlockSource, HttpSource
+from kvsp_client.retrieval import BlockFetcher, BlockSource, HttpSource, IndexUnavailable
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.container import DecodedLayer
 from kvsp_quic.engine import P, PageCache
@@ -29,9 +28,6 @@ from kvsp_quic.records import LookupMatch
 from kvsp_quic.retrieval_plan import Ranking, RetrievalMetrics
 
 log = logging.getLogger("kvsp.instance")
-
-MAX_FETCHERS = 16  # one per lease TTL in use; a PC uses one or two
-
 
 def restrict(match: LookupMatch, sources: Sequence[str] | None) -> LookupMatch | None:
     """*match* with only the replicas at *sources* (base URIs; a ``moqt://`` twin published by a listed holder
@@ -62,65 +58,39 @@ async def close_all(items: Iterable[object]) -> None:
 
 
 class BlockFinder:
-    """Lookups at the Index Service *index* and the fetchers of an instance. *own*: its own base URIs (never
-    fetched from); *https_of*: filled with the ``https`` base URI of every holder-id seen in a lookup (shared with
-    the source that leases ``moqt://`` replicas); *ranking*: the order in which a block's replicas are tried
-    (default :class:`~kvsp_quic.retrieval_plan.DefaultRanking`); *require_producer_digest*: the producer-digest mode
-    (:class:`kvsp_client.producer_digests.ProducerCheck`)."""
+    """Lookups at the Index Service *index* and the fetcher of an instance: one
+    :class:`~kvsp_client.retrieval.BlockFetcher` (leases are per call). *own*: its own base URIs (never fetched
+    from); *sources*: how replicas are fetched (default: ``https`` only); *ranking*: the order in which a block's
+    replicas are tried (default :class:`~kvsp_quic.retrieval_plan.DefaultRanking`); *require_producer_digest*: the
+    producer-digest mode (:class:`kvsp_client.producer_digests.ProducerCheck`)."""
 
     def __init__(self, client: KvspClient, index: str | Sequence[str] | ServiceEndpoints, *,
                  descriptor: CompatDescriptor, own: Sequence[str],
-                 sources: Sequence[BlockSource] | None = None, https_of: dict[str, str] | None = None,
-                 ranking: Ranking | None = None, timeout: float = 10.0,
+                 sources: Sequence[BlockSource] | None = None, ranking: Ranking | None = None, timeout: float = 10.0,
                  metrics: RetrievalMetrics | None = None, require_producer_digest: bool = False) -> None:
-        self.client = client
-        self.index = ServiceEndpoints.of(index, "index")  # shared by its fetchers: one view of the replicas
         self.descriptor = descriptor
-        self.own = list(own)
-        self.sources: list[BlockSource] = list(sources) if sources is not None else [
-            HttpSource(client, timeout=timeout)]
-        self.https_of = https_of if https_of is not None else {}
-        self.ranking = ranking
-        self.timeout = timeout
-        self.metrics = metrics if metrics is not None else RetrievalMetrics()  # every fetcher's
-        self._fetchers: dict[int | None, BlockFetcher] = {}
-        # the producer-digest mode: every fetcher keeps only replicas a producer vouches for (set before the first
-        # fetcher is made: InstanceService sets it from its options)
-        self.require_producer_digest = require_producer_digest
+        self.fetcher = BlockFetcher(
+            client, ServiceEndpoints.of(index, "index"), descriptors=[descriptor], exclude_holders=own,
+            sources=list(sources) if sources is not None else [HttpSource(client, timeout=timeout)],
+            timeout=timeout, ranking=ranking, metrics=metrics, require_producer_digest=require_producer_digest)
 
-    def fetcher(self, lease_ms: int | None) -> BlockFetcher:
-        """The fetcher that leases each replica for *lease_ms* before fetching it (None: no leases)."""
-        fetcher = self._fetchers.get(lease_ms)
-        if fetcher is None:
-            shared = next(iter(self._fetchers.values()), None)
-            fetcher = BlockFetcher(
-                self.client, self.index, lease_ms=lease_ms, descriptors=[self.descriptor],
-                exclude_holders=self.own, sources=self.sources, timeout=self.timeout,
-                ranking=self.ranking,
-                metrics=self.metrics, failures=shared.failures if shared is not None else None,
-                require_producer_digest=self.require_producer_digest)
-            if len(self._fetchers) >= MAX_FETCHERS:
-                self._fetchers.pop(next(k for k in self._fetchers if k is not None), None)
-            self._fetchers[lease_ms] = fetcher
-        return fetcher
+    @property
+    def metrics(self) -> RetrievalMetrics:
+        return self.fetcher.metrics
 
     async def lookup(self, compat_id: bytes, scope_id: bytes, keys: Sequence[bytes], *,
                      skip_gaps: bool = False) -> dict[bytes, LookupMatch]:
         """The replicas of *keys* at the Index Service. A lookup stops at the first key without a replica; with
-        *skip_gaps* the keys after it are looked up again (a directive's keys need not be a prefix)."""
+        *skip_gaps* the keys after it are looked up again (a directive's keys need not be a prefix). An Index
+        Service that does not answer ends the lookups: what was found so far."""
         out: dict[bytes, LookupMatch] = {}
-        fetcher = self.fetcher(None)
         start = 0
         while start < len(keys):
-            errors = fetcher.metrics.lookup_errors
-            found = await fetcher.lookup(compat_id, scope_id, keys[start:])
-            if fetcher.metrics.lookup_errors > errors:
-                break  # the Index Service failed: the rest would fail too
+            found = await self.fetcher.find(compat_id, scope_id, keys[start:])
+            if isinstance(found, IndexUnavailable):
+                break  # the rest would fail too
             for match in found.blocks:
                 out[bytes(match.block_key)] = match
-                for r in match.replicas:
-                    if r.holder.startswith("https://"):
-                        self.https_of[uri_id(r.holder)] = r.holder
             start += found.matched + 1
             if not skip_gaps:
                 break

@@ -88,7 +88,7 @@ class Resharding(Generic[P]):
             raise Unavailable("this instance has no Index Service (--index): it cannot load blocks")
         matches = await self.finder.lookup(ctx.compat_id, ctx.scope_id, [ctx.block_keys[i] for i, _ in todo],
                                            skip_gaps=True)
-        fetcher = self.finder.fetcher(None)
+        fetcher = self.finder.fetcher
         waits = []
         for i, src in todo:
             key = bytes(ctx.block_keys[i])
@@ -98,7 +98,7 @@ class Resharding(Generic[P]):
                 raise PrefixUnavailable(f"block {i} ({key.hex()}) is not published by {src}")
             load = self.loads.get(key)
             if load is None:
-                load = self.loads.start(key, fetcher.fetch_layers(match), ctx.scope_id)
+                load = self.loads.start(key, fetcher.fetch_layers(match, lease_ms=None), ctx.scope_id)
             load.interest += 1
             waits.append((i, key, load))
         try:

@@ -74,13 +74,12 @@ class RunPlanner(Generic[P]):
             except Problem as exc:
                 log.warning("session %s: lookup refused: %s", session.id, exc)
                 matches = {}
-            fetcher = self.finder.fetcher(self.session_lease_ms)
             for i in need:
                 match = matches.get(bytes(keys[i]))
                 if match is not None:
                     match = restrict(match, listed.get(bytes(keys[i])) if listed is not None else None)
                 if match is not None:
-                    inputs[i] = fetcher.fetch_layers(match)
+                    inputs[i] = self.finder.fetcher.fetch_layers(match, lease_ms=self.session_lease_ms)
         return inputs
 
     def start(self, session: InstanceSession, prompt: Sequence[int], keyer: BlockKeyer,

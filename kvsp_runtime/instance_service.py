@@ -133,12 +133,12 @@ class InstanceService(Generic[P]):
         self.controller = ServiceEndpoints.of(options.controller, "controller") if options.controller else None
         self.publisher = publisher
         # the producer-digest mode (docs/wire.md, "Producer digests"): the digests of the blocks this instance computes
-        # go to the Index Service; with require_producer_digest its fetchers keep only replicas a producer vouches for
+        # go to the Index Service; with require_producer_digest its fetcher keeps only replicas a producer vouches for
         self.producer_digests: ProducerDigestPublisher | None = None
         if finder is not None:
-            finder.require_producer_digest = options.require_producer_digest
+            finder.fetcher.require_producer_digest(options.require_producer_digest)
             if options.publish_producer_digests or options.require_producer_digest:
-                self.producer_digests = ProducerDigestPublisher(client, finder.index,
+                self.producer_digests = ProducerDigestPublisher(client, finder.fetcher.index_uri,
                                                                 timeout=options.request_timeout_s)
         self.instance_id = uri_id(role.settings.base_uri)
         self.loads: BlockLoads[P] = BlockLoads(engine.cache, on_loaded=self._loaded, on_finished=self._load_finished)
@@ -154,7 +154,7 @@ class InstanceService(Generic[P]):
         self._background: list[asyncio.Task[None]] = []
         self.checkpoints_sent = 0
         self.reports_failed = 0
-        self.retrieval = finder.metrics if finder is not None else RetrievalMetrics()  # every fetcher's
+        self.retrieval = finder.metrics if finder is not None else RetrievalMetrics()
         self.metrics = metrics if metrics is not None else Registry()
         self.kvsp = KvspMetrics(self.metrics)
 
@@ -202,9 +202,10 @@ class InstanceService(Generic[P]):
             raise Unavailable("this instance has no Index Service (--index): it cannot load blocks")
         return self.finder
 
-    def fetcher(self, lease_ms: int | None) -> BlockFetcher:
-        """The :class:`~kvsp_client.retrieval.BlockFetcher` that leases replicas for *lease_ms* (None: no leases)."""
-        return self._finder().fetcher(lease_ms)
+    @property
+    def fetcher(self) -> BlockFetcher:
+        """The instance's :class:`~kvsp_client.retrieval.BlockFetcher` (leases per call)."""
+        return self._finder().fetcher
 
     async def lookup(self, compat_id: bytes, scope_id: bytes, keys: Sequence[bytes], *,
                      skip_gaps: bool = False) -> dict[bytes, LookupMatch]:
@@ -296,7 +297,7 @@ class InstanceService(Generic[P]):
                     mine.append(load)
                 matches = await self.lookup(d.record.compat_id, d.record.scope_id, todo, skip_gaps=True) \
                     if todo else {}
-                fetcher = self.fetcher(d.record.lease_ms)
+                fetcher = self.fetcher
                 for key in todo:
                     match = matches.get(key)
                     match = restrict(match, d.sources(key)) if match is not None else None
@@ -304,8 +305,8 @@ class InstanceService(Generic[P]):
                         self.loads.abandon(reserved[key])
                         directives.block_failed(d, key)
                         continue
-                    waits.append((key, self.loads.begin(reserved[key], fetcher.fetch_layers(match),
-                                                        d.record.scope_id)))
+                    stream = fetcher.fetch_layers(match, lease_ms=d.record.lease_ms)
+                    waits.append((key, self.loads.begin(reserved[key], stream, d.record.scope_id)))
                 for key, load in waits:
                     if await load.wait() or self.holder.holds(key):
                         directives.block_loaded(d, key)

@@ -333,7 +333,7 @@ async def test_prefetch_loads_from_a_holder_then_a_session_uses_them_and_equals_
     assert r.headers["location"] == f"prefetch/{directive}" and r.headers["cache-control"] == "no-store"
     state = await directive_state(cl, node, directive)
     assert state == {"directive": str(directive), "state": "complete", "loaded": [k.hex() for k in keys[:6]]}
-    metrics = node.service.fetcher(2000).metrics
+    metrics = node.service.fetcher.metrics
     assert metrics.leases_taken == 6 and metrics.leases_released == 6 and metrics.digest_failures == 0
     assert len(cl.holder.leases) == 0
     # the instance publishes its new replicas with their residency
@@ -521,7 +521,7 @@ async def test_checkpoints_reach_the_pc_and_a_resume_elsewhere_continues_exactly
         session = b.role.sessions.get(sid)
         assert session.loaded_blocks == loaded  # 6 prompt blocks and the generated blocks A published
         assert sum(session.block_sources.values()) == loaded
-    transports = b.service.fetcher(None).metrics.bytes_by_transport
+    transports = b.service.fetcher.metrics.bytes_by_transport
     assert any(t.startswith("MOQT") for t in transports), transports  # A's moqt:// replicas first
     # fencing: a lower epoch is refused; the same request again is answered as before
     r = await post(cl.alice, f"{b_uri}sessions/{sid}/resume", {"epoch": 2, "checkpoint": dict(cps[2], epoch=1)})
@@ -645,14 +645,14 @@ async def test_reshard_fetches_from_the_named_instance_retains_in_place_commits_
     assert r.status == 200, r.content
     assert r.json() == {"map": "m1", "from": 0, "to": 1, "acknowledged": True}
     assert all(b.service.holder.holds(k) for k in keys)
-    fetched = sum(b.service.fetcher(None).metrics.bytes_by_transport.values())
+    fetched = sum(b.service.fetcher.metrics.bytes_by_transport.values())
     assert fetched > 0
     r = await post(cl.alice, f"{b_uri}reshard", {"map": "m1", "commit": 1})
     assert r.json() == {"map": "m1", "version": 1}
     r = await post(cl.alice, f"{b_uri}reshard", {"map": "m1", "from": 1, "to": 2, "deadline_ms": 100,
                                                  "retain": [[0, 16]], "release": [[16, 24]]})
     assert r.status == 200
-    assert sum(b.service.fetcher(None).metrics.bytes_by_transport.values()) == fetched  # retained: no transfer
+    assert sum(b.service.fetcher.metrics.bytes_by_transport.values()) == fetched  # retained: no transfer
     r = await post(cl.alice, f"{b_uri}reshard", {"map": "m1", "commit": 2})
     assert r.json() == {"map": "m1", "version": 2}
     assert sorted(i for m, i in b.service.resharding.pins if m == "m1") == [0, 1, 2, 3]  # released blocks let go

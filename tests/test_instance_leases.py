@@ -104,7 +104,7 @@ async def test_a_directive_sourced_from_another_instance_leases_there_and_comple
     assert r.status == 202, r.content
     state = await directive_state(cl, node, directive)
     assert state == {"directive": str(directive), "state": "complete", "loaded": [k.hex() for k in keys]}
-    metrics = node.service.fetcher(5000).metrics
+    metrics = node.service.fetcher.metrics
     assert metrics.leases_taken == 6 and metrics.digest_failures == 0
     await until(lambda: metrics.leases_released == 6)
     await until(lambda: len(producer.service.holder.leases) == 0)

@@ -92,5 +92,5 @@ async def test_an_instance_loads_blocks_kept_only_as_partial_replicas_at_two_hol
     gets = {name: [q for method, _path, q in cl.router.requests(f"/{name}/blocks/") if method == "GET"]
             for name in ("h1", "h2")}
     assert gets == {"h1": [f"layers=0-{SPLIT - 1}"] * 6, "h2": [f"layers={SPLIT}-{LAYERS - 1}"] * 6}
-    metrics = node.service.fetcher(None).metrics
+    metrics = node.service.fetcher.metrics
     assert metrics.digest_failures == 0 and metrics.layers >= 6 * LAYERS

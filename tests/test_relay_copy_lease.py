@@ -1,4 +1,4 @@
-"""Leases of ``moqt://`` replicas (kvsp_app/instance.py, ``LeasingMoqtSource``): MOQT has no leases, so an
+"""Leases of ``moqt://`` replicas (kvsp_moqt/source.py, ``LeasingMoqtSource``): MOQT has no leases, so an
 instance leases a ``moqt://`` record at its publisher's ``https`` base URI. A relay's copy is served from the relay's
 cache whatever its publisher holds now: a lease the publisher refuses (it gave the block up: 404) no longer makes
 the instance skip the relay (found by ``kvsp-quic chaos``, fault relay-kill: every relay copy was skipped once the
@@ -14,11 +14,11 @@ import pytest
 
 pytest.importorskip("torch", reason="the instance's sources live with the gpu extra (torch)")
 
-from kvsp_app.instance import LeasingMoqtSource
 from kvsp_client.retrieval import HttpSource
+from kvsp_moqt.source import LeasingMoqtSource
 from kvsp_moqt.tracks import track_namespace
 from kvsp_quic.keys import uri_id
-from kvsp_quic.records import ReplicaRecord, encode_moqt_namespace
+from kvsp_quic.records import LookupMatch, ReplicaRecord, encode_moqt_namespace
 from kvsp_quic.retrieval_plan import AttemptError, Failure
 from moqt.aio import MoqtPool
 from tests.test_retrieval import SCOPE, Net, certs, net  # noqa: F401  (fixtures by name)
@@ -35,7 +35,10 @@ async def test_a_relay_copy_is_fetched_without_the_lease_its_publisher_refuses(n
     own = f"moqt://127.0.0.1:{net.server.port}/"  # a holder's moqt:// twin shares its port
     relay = f"moqt://127.0.0.1:{net.server.port + 1}/"  # a relay elsewhere (never dialled: leases are HTTP)
     pool = MoqtPool(net.certs.files("alice"))
-    source = LeasingMoqtSource(pool, [net.d], HttpSource(net.client), {uri_id(h1): h1, uri_id(h2): h2})
+    source = LeasingMoqtSource(pool, [net.d], HttpSource(net.client))
+    source.note_lookup([LookupMatch(genuine.block_key, (dataclasses.replace(genuine, holder=h), ))
+                        for h in (h1, h2)])  # what a lookup listing both publishers' https records teaches it
+    assert source.https_of == {uri_id(h1): h1, uri_id(h2): h2}
     try:
         with pytest.raises(AttemptError) as refused:  # at the publisher's own endpoint: a miss, the replica skipped
             await source.lease(twin(genuine, h2, own), 1000)
