@@ -47,6 +47,7 @@ from http3.h3_client import (
     H3StreamError,
     KeepAlive,
 )
+from quic.protocol import peer_unreachable
 from quic.rtt import STALL_FLOOR, RttTable, path_timeout
 from quic.tls import TlsFiles, TransportSettings, identity_of_der, serves, ssl_client_context
 
@@ -57,7 +58,13 @@ Body = bytes | bytearray | memoryview | AsyncIterable[bytes] | None
 
 
 class TransportError(ConnectionError):
-    """The request could not be completed: connection refused or reset, TLS failure, timeout."""
+    """The request could not be completed: connection refused or reset, TLS failure, timeout. *unreachable*:
+    nothing listens at the origin's port (ICMP port unreachable ended the QUIC connection:
+    :class:`quic.protocol.PeerUnreachable`)."""
+
+    def __init__(self, detail: str, *, unreachable: bool = False) -> None:
+        super().__init__(detail)
+        self.unreachable = unreachable
 
 
 class RequestTimeout(TransportError, TimeoutError):
@@ -372,7 +379,7 @@ class KvspClient:
                     conn = await self._pool.get(*origin)
                 except H3ConnectError as exc:
                     if not self.fallback:
-                        raise TransportError(str(exc)) from None
+                        raise TransportError(str(exc), unreachable=peer_unreachable(exc)) from None
                     log.warning("%s; using HTTP/2 or HTTP/1.1 for %s:%d for %.0f s", exc, *origin, self.fallback_ttl)
                     self._no_h3[origin] = self._clock() + self.fallback_ttl
                 else:
@@ -394,7 +401,7 @@ class KvspClient:
         try:
             h3: H3Response = await conn.request(method, authority, path, fields, content)
         except H3StreamError as exc:
-            raise TransportError(f"{method} {parts.geturl()}: {exc}") from None
+            raise TransportError(f"{method} {parts.geturl()}: {exc}", unreachable=peer_unreachable(exc)) from None
         return Response(h3.status, Headers(h3.headers), "HTTP/3", h3.aiter_bytes(), h3.aclose, timeout,
                         on_timeout=lambda: self._pool.discard(conn))
 

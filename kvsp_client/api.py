@@ -213,10 +213,12 @@ class ServiceEndpoints:
 
 class RetryElsewhere(TransportError):
     """The service gave no useful answer; another replica, instance or URI may: a transport failure (``status``
-    None), a 5xx or 429 answer (``status``, ``problem``), or a :class:`BadResponse`."""
+    None; ``unreachable`` when nothing listens at its port), a 5xx or 429 answer (``status``, ``problem``), or a
+    :class:`BadResponse`."""
 
-    def __init__(self, detail: str, *, status: int | None = None, problem: Problem | None = None) -> None:
-        super().__init__(detail)
+    def __init__(self, detail: str, *, status: int | None = None, problem: Problem | None = None,
+                 unreachable: bool = False) -> None:
+        super().__init__(detail, unreachable=unreachable)
         self.status = status
         self.problem = problem
 
@@ -356,7 +358,7 @@ class KvspApi:
         except TransportError as exc:
             if isinstance(exc, RetryElsewhere):
                 raise
-            raise RetryElsewhere(f"{method} {url}: {exc}") from exc
+            raise RetryElsewhere(f"{method} {url}: {exc}", unreachable=exc.unreachable) from exc
 
     async def _call(self, method: str, url: str, *, ok: tuple[int, ...] = (200,), miss: bool = False,
                     body: Record | Mapping[str, Any] | None = None, idempotent: bool | None = None,
@@ -368,7 +370,7 @@ class KvspApi:
             try:
                 await response.aread()
             except TransportError as exc:
-                raise RetryElsewhere(f"{method} {url}: {exc}") from exc
+                raise RetryElsewhere(f"{method} {url}: {exc}", unreachable=exc.unreachable) from exc
             return response
         return await self._failed(method, url, response, miss=miss)
 
@@ -568,7 +570,7 @@ class KvspApi:
         try:
             await response.aread()
         except TransportError as exc:
-            raise RetryElsewhere(f"PUT {url}: {exc}") from exc
+            raise RetryElsewhere(f"PUT {url}: {exc}", unreachable=exc.unreachable) from exc
         return self._record(ReplicaRecord, response, f"PUT {url}")
 
     async def create_lease(self, holder: str, request: LeaseRequest, *,
@@ -765,7 +767,7 @@ async def _token_lines(url: str, response: Response) -> AsyncIterator[TokenLine]
     except RetryElsewhere:
         raise
     except TransportError as exc:
-        raise RetryElsewhere(f"GET {url}: {exc}") from exc
+        raise RetryElsewhere(f"GET {url}: {exc}", unreachable=exc.unreachable) from exc
 
 
 def _json_object(response: Response, what: str) -> dict[str, Any]:

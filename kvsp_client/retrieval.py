@@ -105,7 +105,6 @@ from kvsp_quic.retrieval_plan import (
     failure_for_status,
     next_parts,
 )
-from quic.protocol import PEER_UNREACHABLE
 
 log = logging.getLogger("kvsp.retrieval")
 
@@ -241,9 +240,9 @@ class HttpSource:
 
 
 def _unreachable(exc: RetryElsewhere) -> bool:
-    """Whether a failure without an answer shows that nothing listens at the holder's port: ICMP port unreachable
-    ended the HTTP/3 connection (:data:`quic.protocol.PEER_UNREACHABLE`) and TCP was refused too."""
-    return exc.status is None and PEER_UNREACHABLE in str(exc)
+    """Whether a failure without an answer shows that nothing listens at the holder's port (ICMP port unreachable
+    ended the HTTP/3 connection: :class:`quic.protocol.PeerUnreachable`)."""
+    return exc.status is None and exc.unreachable
 
 
 def _failure(exc: RetryElsewhere) -> Failure:

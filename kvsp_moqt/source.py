@@ -77,7 +77,7 @@ from moqt.aio import (
 )
 from moqt.errors import MoqtUsageError
 from moqt.types import Draft
-from quic.protocol import PEER_UNREACHABLE
+from quic.protocol import peer_unreachable
 
 T = TypeVar("T")
 log = logging.getLogger("kvsp.moqt.source")
@@ -150,7 +150,7 @@ class MoqtSource:
         try:
             conn = await self.pool.get(record.holder)
         except (MoqtConnectError, OSError) as exc:
-            raise _transport(f"{where}: {exc}") from None
+            raise _transport(f"{where}: {exc}", exc) from None
         start, end = fetch_range(first, last)
         section = descriptor.section_length(descriptor.block_tokens)
         stall = self.stall_timeout if self.stall_timeout is not None else conn.quic.path_timeout(
@@ -171,7 +171,7 @@ class MoqtSource:
             raise AttemptError(Failure.TRANSPORT, f"{where}: FETCH: {exc}") from None
         except (MoqtSessionClosed, MoqtStreamError) as exc:
             await fetch.aclose()
-            raise _transport(f"{where}: FETCH: {exc}") from None
+            raise _transport(f"{where}: FETCH: {exc}", exc, conn) from None
         header = ContainerHeader(codec=record.codec, first_layer=first, token_count=descriptor.block_tokens,
                                  lengths=((section, section),) * (last - first + 1))
         chunks = _chunks(fetch, conn, stall, header,
@@ -185,9 +185,12 @@ class MoqtSource:
         return SourceBody(chunks, None, f"MOQT/{conn.draft.value}", close)
 
 
-def _transport(detail: str) -> AttemptError:
-    """A transport failure; ``unreachable`` when the connection ended because nothing listens at the holder."""
-    return AttemptError(Failure.TRANSPORT, detail, unreachable=PEER_UNREACHABLE in detail)
+def _transport(detail: str, exc: BaseException, conn: MoqtConnection | None = None) -> AttemptError:
+    """A transport failure; ``unreachable`` when the connection ended because nothing listens at the holder (ICMP
+    port unreachable: the handshake's error was raised from :class:`quic.protocol.PeerUnreachable`, or *conn*'s
+    QUIC connection says so)."""
+    unreachable = peer_unreachable(exc) or (conn is not None and conn.transport.peer_unreachable)
+    return AttemptError(Failure.TRANSPORT, detail, unreachable=unreachable)
 
 
 async def _probing(wait: Callable[[float], Awaitable[T]], conn: MoqtConnection, limit: float) -> T:
@@ -224,7 +227,7 @@ async def _chunks(fetch: FetchStream, conn: MoqtConnection, stall: float, header
     except MoqtStalled as exc:
         raise AttemptError(Failure.TRANSPORT, f"{where}: stalled: {exc}") from None
     except (MoqtStreamError, MoqtSessionClosed, MoqtRequestError) as exc:
-        raise _transport(f"{where}: {exc}") from None
+        raise _transport(f"{where}: {exc}", exc, conn) from None
 
 
 def _failure_of(draft: Draft, exc: MoqtRequestError) -> Failure:

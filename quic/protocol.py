@@ -58,6 +58,24 @@ class QuicConnectError(ConnectionError):
     """The QUIC handshake failed or timed out (UDP blocked, ALPN refused, certificate rejected)."""
 
 
+class PeerUnreachable(ConnectionError):
+    """ICMP port unreachable ended the connection: nothing listens at the peer's port any more. It is the cause
+    (``__cause__``) of the error a failed handshake or a closed connection raises; :func:`peer_unreachable` finds
+    it, however the error was named on the way."""
+
+    def __init__(self) -> None:
+        super().__init__(PEER_UNREACHABLE)
+
+
+def peer_unreachable(exc: BaseException | None) -> bool:
+    """Whether *exc*, or an error it was raised from, is :class:`PeerUnreachable`."""
+    while exc is not None:
+        if isinstance(exc, PeerUnreachable):
+            return True
+        exc = exc.__cause__
+    return False
+
+
 class KvspQuicProtocol(QuicConnectionProtocol):
     """A QUIC connection with batched receiving, deferred transmits, send backpressure and confirmation."""
 
@@ -74,6 +92,7 @@ class KvspQuicProtocol(QuicConnectionProtocol):
         quic.set_pacing_burst(settings.pacing_burst)
         self.closed = False
         self.close_reason = ""
+        self.peer_unreachable = False  # ICMP port unreachable ended it (error_received)
         self.confirmed: asyncio.Future[None] = self._loop.create_future()
         self._writers: dict[int, asyncio.Future[None]] = {}
         self._buffered_total = 0  # every stream's buffered octets as of the last transmit
@@ -124,6 +143,7 @@ class KvspQuicProtocol(QuicConnectionProtocol):
             return
         if quic._state in END_STATES:
             return
+        self.peer_unreachable = True
         quic.close(error_code=QuicErrorCode.INTERNAL_ERROR, reason_phrase=PEER_UNREACHABLE)
         quic.end_now()  # no closing period: the peer is gone, there is nobody to send CONNECTION_CLOSE to
         self._process_events()
@@ -133,7 +153,12 @@ class KvspQuicProtocol(QuicConnectionProtocol):
             self._timer_at = None
 
     def connection_closed_error(self) -> ConnectionError:
-        return self.closed_error(f"connection closed ({self.close_reason})")
+        """What writers and readers get once the connection is gone (caused by :class:`PeerUnreachable` when ICMP
+        port unreachable ended it)."""
+        error = self.closed_error(f"connection closed ({self.close_reason})")
+        if self.peer_unreachable:
+            error.__cause__ = PeerUnreachable()
+        return error
 
     # -- sending -----------------------------------------------------------------------------------------------
 
@@ -312,7 +337,8 @@ async def connect_quic(host: str, port: int, files: TlsFiles, *, alpn: Sequence[
             await protocol.application_ready()
     except (TimeoutError, ConnectionError) as exc:
         transport.close()
-        raise error(protocol.failure_reason(exc, timeout)) from None
+        cause = PeerUnreachable() if protocol.peer_unreachable else None
+        raise error(protocol.failure_reason(exc, timeout)) from cause
     except BaseException:  # cancelled mid-handshake (a caller's timeout, a pool closing): no socket left behind
         transport.close()
         raise

@@ -14,8 +14,12 @@ import pytest
 
 from http3.client import KvspClient, TransportError
 from http3.h3_client import H3ConnectError, connect_h3
+from kvsp_client.api import KvspApi, RetryElsewhere
+from kvsp_quic.fields import BlockKey, ScopeId
+from kvsp_quic.records import LookupRequest
+from kvsp_quic.samples import example_descriptor
 from moqt.aio import MoqtConnectError, MoqtPool
-from quic.protocol import PEER_UNREACHABLE
+from quic.protocol import PEER_UNREACHABLE, PeerUnreachable, peer_unreachable
 from quic.tls import TlsFiles, TransportSettings
 from tests.helpers import Process
 from tests.pki import TestPki, make_pki
@@ -40,6 +44,7 @@ async def test_a_quic_handshake_to_a_dead_port_fails_at_once(certs: TestPki) -> 
         await connect_h3("127.0.0.1", port, certs.files("alice"), settings=TransportSettings(), timeout=10.0)
     elapsed = time.monotonic() - start
     assert PEER_UNREACHABLE in str(caught.value)
+    assert peer_unreachable(caught.value) and isinstance(caught.value.__cause__, PeerUnreachable)  # typed
     assert elapsed < 1.0, f"{elapsed:.3f} s for a dead port (the handshake timeout was 10 s)"
 
 
@@ -47,11 +52,27 @@ async def test_a_moqt_connect_to_a_dead_port_fails_at_once(certs: TestPki) -> No
     pool = MoqtPool(certs.files("alice"))
     try:
         start = time.monotonic()
-        with pytest.raises((MoqtConnectError, OSError)):
+        with pytest.raises((MoqtConnectError, OSError)) as caught:
             await pool.get(f"moqt://127.0.0.1:{dead_port()}/")
         assert time.monotonic() - start < 1.0
+        assert isinstance(caught.value, OSError) or peer_unreachable(caught.value)
     finally:
         await pool.aclose()
+
+
+async def test_unreachable_is_typed_from_quic_to_the_api(certs: TestPki) -> None:
+    """Issue 25 point 2: "nothing listens there" reaches the KVSP client as a typed field, not as text to match:
+    quic.protocol.PeerUnreachable -> http3.client.TransportError.unreachable -> kvsp_client.api.RetryElsewhere."""
+    async with KvspClient(certs.files("alice"), connect_timeout=5.0, timeout=10.0, retries=0,
+                          fallback=False) as client:
+        port = dead_port()
+        with pytest.raises(TransportError) as caught:
+            await client.request("GET", f"https://127.0.0.1:{port}/")
+        assert caught.value.unreachable
+        with pytest.raises(RetryElsewhere) as elsewhere:
+            request = LookupRequest(ScopeId(bytes(16)), example_descriptor().compat_id, (BlockKey(bytes(32)),))
+            await KvspApi(client).lookup(f"https://127.0.0.1:{port}/", request)
+        assert elsewhere.value.unreachable and elsewhere.value.status is None
 
 
 async def test_a_request_to_a_dead_port_fails_at_once(certs: TestPki) -> None:

@@ -77,6 +77,8 @@ def internal_error_code(draft: Draft) -> int:
 class QuicTransport(Protocol):
     """What the connection needs from the QUIC side (:class:`quic.protocol.KvspQuicProtocol`)."""
 
+    peer_unreachable: bool  # ICMP port unreachable ended the QUIC connection: nothing listens at the peer's port
+
     @property
     def quic(self) -> KvspQuicConnection: ...
 
