@@ -332,7 +332,7 @@ class KvspClient:
 
         *idempotent* says whether the request may be sent again after a transport failure (default: by its
         method, :data:`IDEMPOTENT`); a streamed body is never sent twice. *retries*: how many times at most
-        (default: the client's); :class:`kvsp_client.api.ServiceEndpoints` sends once per URI and retries elsewhere."""
+        (default: the client's; :class:`kvsp_client.api.KvspApi` passes 0 and retries itself)."""
         method = method.upper()
         timeout = self.timeout if timeout is None else timeout
         if retries is None:

@@ -46,7 +46,9 @@ Failure semantics -- written here once, for every caller:
 * **Retries.** Only idempotent requests are retried, only after a transport failure, never after an answer, and
   only with a replayable body: GET, PUT, DELETE, plus two POSTs that are idempotent by construction -- a lookup
   (a query) and a session creation (the client names the session; the PC answers 200 for one it has). Lease
-  creation, prefetch, session start and resume, and reshard messages are sent once.
+  creation, prefetch, session start and resume, and reshard messages are sent once. Every retry is made in one
+  place, :meth:`KvspApi._at` (at the same URI, or at the next URI of a :class:`ServiceEndpoints`); the HTTP
+  client is asked to send each request once.
 * **Pooled connections.** A QUIC connection on which a request timed out or that broke is dropped from the pool
   (:meth:`http3.h3_client.H3Pool.discard`): the next request opens a fresh one, which fails fast when the peer is
   gone, instead of waiting on a dead peer until QUIC's idle timeout.
@@ -54,8 +56,8 @@ Failure semantics -- written here once, for every caller:
 * **Several URIs of one service** -- :class:`ServiceEndpoints` (``--index A --index B``; the Index Service and
   the Placement Controller): each client prefers one URI (chosen at random: clients spread over the replicas, one
   client's requests stay on one while it answers); a request safe to retry (the rule above) that meets a
-  transport failure, a timeout, a 5xx or a 429 is sent to the next URI at once (the client's own retries are then
-  one per URI); a URI that failed at the transport level goes to the back of the order and is probed again in the
+  transport failure, a timeout, a 5xx or a 429 is sent to the next URI at once (up to the client's retries, at
+  least once per URI); a URI that failed at the transport level goes to the back of the order and is probed again in the
   background after a backoff (2 s, doubling to 30 s), its dead pooled connection already dropped. Connections to
   these URIs keep themselves alive (:class:`~http3.h3_client.KeepAlive`: QUIC PINGs), so a dead or frozen replica
   is noticed in about a second, not at QUIC's 60 s idle timeout. A plain ``str`` is one URI, as before.
@@ -67,7 +69,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import json
 import logging
 import random
@@ -78,7 +79,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urljoin
 
-from http3.client import Body, KvspClient, Response, TransportError
+from http3.client import Body, ConnectTimeout, KvspClient, Response, TransportError
 from http3.h3_client import CONTROL_KEEPALIVE, KeepAlive
 from kvsp_quic import fields as f
 from kvsp_quic.compat import InstanceState
@@ -122,8 +123,6 @@ ReshardMessage = ReshardPlan | ReshardCommit | ReshardAbort
 R = TypeVar("R", bound=Record)
 T = TypeVar("T")
 log = logging.getLogger("kvsp.api")
-# Set while ServiceEndpoints sends a request: the client's own retries on the same URI (None: the client's default).
-_RETRIES: contextvars.ContextVar[int | None] = contextvars.ContextVar("kvsp_api_retries", default=None)
 
 
 # -- several URIs of one service ------------------------------------------------------------------------------------
@@ -345,7 +344,8 @@ class KvspApi:
     async def _send(self, method: str, url: str, *, body: Record | Mapping[str, Any] | None = None,
                     content: Body = None, headers: Mapping[str, str] | None = None, idempotent: bool | None = None,
                     timeout: float | None = None) -> Response:
-        """Send; the response head is in, the body unread. Transport failures become :class:`RetryElsewhere`."""
+        """Send once (retries are :meth:`_at`'s); the response head is in, the body unread. Transport failures
+        become :class:`RetryElsewhere`."""
         fields = dict(headers or {})
         if body is not None:
             obj = body.to_json() if isinstance(body, Record) else body
@@ -354,7 +354,7 @@ class KvspApi:
         try:
             return await self.client.send(method, url, headers=fields, content=content,
                                           timeout=self.timeout if timeout is None else timeout,
-                                          idempotent=idempotent, retries=_RETRIES.get())
+                                          idempotent=idempotent, retries=0)  # every retry is _at's
         except TransportError as exc:
             if isinstance(exc, RetryElsewhere):
                 raise
@@ -389,11 +389,17 @@ class KvspApi:
         raise BadResponse(f"{method} {url}: unexpected status {status}", status=status)
 
     async def _at(self, service: str | ServiceEndpoints, call: Callable[[str], Awaitable[T]], *, safe: bool) -> T:
-        """``call(base)`` at the service: at its one URI (a ``str``), or at the URIs of a :class:`ServiceEndpoints`
-        in turn (the module docstring): a request *safe* to retry goes to the next URI after a
-        :class:`RetryElsewhere`; one that is not is sent once. Answers and refusals come back as they are."""
+        """``call(base)`` at the service, with every retry this client makes (the HTTP client is asked for none):
+
+        * one URI (a ``str``: a service, a holder, an instance, a lease): a request *safe* to retry is sent again
+          there after a failure without an answer (a transport failure or timeout, but not a connect timeout:
+          nothing answers there), up to the client's ``retries`` times, 50 ms more apart each time;
+        * a :class:`ServiceEndpoints`: a request *safe* to retry goes to the next URI after any
+          :class:`RetryElsewhere` (the module docstring, "Several URIs of one service").
+
+        A request not *safe* to retry is sent once. Answers and refusals come back as they are."""
         if isinstance(service, str):
-            return await call(service)
+            return await self._at_one(service, call, safe=safe)
         for uri in service.probes_due():
             self._probe(service, uri)
         order = service.order()
@@ -404,7 +410,6 @@ class KvspApi:
             if attempt and attempt % len(order) == 0:
                 await asyncio.sleep(0.05 * (attempt // len(order)))  # every URI failed: a breath before the next round
             self.client.keep_alive(uri, service.keepalive)
-            token = _RETRIES.set(0)
             try:
                 result = await call(uri)
             except RetryElsewhere as exc:
@@ -420,12 +425,22 @@ class KvspApi:
             except Problem:
                 service.answered(uri)
                 raise
-            finally:
-                _RETRIES.reset(token)
             service.answered(uri)
             return result
         assert error is not None
         raise error
+
+    async def _at_one(self, uri: str, call: Callable[[str], Awaitable[T]], *, safe: bool) -> T:
+        tries = 1 + self.client.retries if safe else 1
+        for attempt in range(tries - 1):
+            try:
+                return await call(uri)
+            except RetryElsewhere as exc:
+                if exc.status is not None or isinstance(exc, BadResponse) or isinstance(exc.__cause__, ConnectTimeout):
+                    raise  # an answer, or nothing answers there at all: not worth asking again
+                log.info("%s; retrying", exc)
+                await asyncio.sleep(0.05 * (attempt + 1))
+        return await call(uri)
 
     def _probe(self, service: ServiceEndpoints, uri: str) -> None:
         """Check in the background whether the failed *uri* answers again (any HTTP answer to ``GET {uri}``)."""
@@ -540,7 +555,7 @@ class KvspApi:
         """``GET {holder}blocks/{compat}/{scope}/{key}[?layers=a-b][&codec=n]``, streamed: a :class:`BlockBody`
         (the caller verifies the octets against the record and ``repr_digest``), or a :class:`Miss`."""
         url = self.block_url(holder, compat_id, scope_id, block_key, layers, codec)
-        response = await self._send("GET", url, timeout=timeout)
+        response = await self._at(url, lambda u: self._send("GET", u, timeout=timeout), safe=True)
         try:
             if response.status != 200:
                 return await self._failed("GET", url, response, miss=True)
@@ -564,7 +579,9 @@ class KvspApi:
         headers = {"content-type": BLOCK_MEDIA_TYPE}
         if create_only:
             headers["if-none-match"] = "*"
-        response = await self._send("PUT", url, content=container, headers=headers, timeout=timeout)
+        response = await self._at(url, lambda u: self._send("PUT", u, content=container, headers=headers,
+                                                            timeout=timeout),
+                                  safe=self.client.may_retry("PUT", container, None))
         if response.status not in (200, 201):
             await self._failed("PUT", url, response, miss=False)
         try:
@@ -590,7 +607,8 @@ class KvspApi:
 
     async def renew_lease(self, lease: Lease, ttl_ms: int, *, timeout: float | None = None) -> Lease | Miss:
         """``PUT {lease.url}`` with the new TTL: the renewed lease, or a :class:`Miss` when it had expired."""
-        response = await self._call("PUT", lease.url, miss=True, body=LeaseRenewal(ttl_ms), timeout=timeout)
+        response = await self._at(lease.url, lambda u: self._call("PUT", u, miss=True, body=LeaseRenewal(ttl_ms),
+                                                                  timeout=timeout), safe=True)
         if isinstance(response, Miss):
             return response
         granted = self._record(LeaseResponse, response, f"PUT {lease.url}")
@@ -598,7 +616,8 @@ class KvspApi:
 
     async def release_lease(self, lease: Lease, *, timeout: float | None = None) -> bool:
         """``DELETE {lease.url}``: True when released, False when it had expired meanwhile."""
-        response = await self._call("DELETE", lease.url, ok=(200, 204), miss=True, timeout=timeout)
+        response = await self._at(lease.url, lambda u: self._call("DELETE", u, ok=(200, 204), miss=True,
+                                                                  timeout=timeout), safe=True)
         return not isinstance(response, Miss)
 
     # -- Placement Controller -----------------------------------------------------------------------------------
@@ -695,7 +714,7 @@ class KvspApi:
         reader asks the PC where the session went); the stream ending without a final line is the caller's to
         notice."""
         url = self.url(instance, f"sessions/{session}/tokens", {"from": str(start)})
-        response = await self._send("GET", url, timeout=timeout)
+        response = await self._at(url, lambda u: self._send("GET", u, timeout=timeout), safe=True)
         try:
             if response.status != 200:
                 body = await read_limited(response)
@@ -713,7 +732,8 @@ class KvspApi:
     async def session_run(self, instance: str, session: uuid.UUID, *,
                           timeout: float | None = None) -> dict[str, Any]:
         """``GET {instance}sessions/{id}`` (extension): the run's figures (state, loaded blocks, TTFT)."""
-        response = await self._call("GET", self.url(instance, f"sessions/{session}"), timeout=timeout)
+        response = await self._at(self.url(instance, f"sessions/{session}"),
+                                  lambda u: self._call("GET", u, timeout=timeout), safe=True)
         assert isinstance(response, Response)
         return _json_object(response, "session run")
 
@@ -726,8 +746,8 @@ class KvspApi:
     async def prefetch_status(self, instance: str, directive: uuid.UUID, *,
                               timeout: float | None = None) -> PrefetchStatus:
         """``GET {instance}prefetch/{directive}``."""
-        return await self._json("GET", self.url(instance, f"prefetch/{directive}"), PrefetchStatus,
-                                timeout=timeout)
+        return await self._at(self.url(instance, f"prefetch/{directive}"),
+                              lambda u: self._json("GET", u, PrefetchStatus, timeout=timeout), safe=True)
 
     async def reshard(self, instance: str, message: ReshardMessage, *,
                       timeout: float | None = None) -> dict[str, Any]:
@@ -739,12 +759,13 @@ class KvspApi:
 
     async def set_state(self, instance: str, state: InstanceState, *, timeout: float | None = None) -> InstanceState:
         """``PUT {instance}state``: the state the instance holds afterwards."""
-        return (await self._json("PUT", self.url(instance, "state"), StateMessage, body=StateMessage(state),
-                                 timeout=timeout)).state
+        return (await self._at(self.url(instance, "state"), lambda u: self._json(
+            "PUT", u, StateMessage, body=StateMessage(state), timeout=timeout), safe=True)).state
 
     async def instance_status(self, instance: str, *, timeout: float | None = None) -> InstanceStatusRecord:
         """``GET {instance}status`` (extension): its Instance Status Record."""
-        return await self._json("GET", self.url(instance, "status"), InstanceStatusRecord, timeout=timeout)
+        return await self._at(self.url(instance, "status"),
+                              lambda u: self._json("GET", u, InstanceStatusRecord, timeout=timeout), safe=True)
 
 
 # -- helpers ------------------------------------------------------------------------------------------------------

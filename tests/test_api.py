@@ -65,7 +65,7 @@ from kvsp_quic.roles.leases import LeaseLimits
 from kvsp_quic.samples import random_sections
 from kvsp_quic.storage.memory_index import MemoryIndexStore
 from quic.tls import TlsFiles
-from tests.conftest import small_descriptor
+from tests.support.descriptors import small_descriptor
 from tests.helpers import Process
 from tests.pki import TestPki, make_pki
 
@@ -363,6 +363,14 @@ async def test_only_idempotent_requests_are_retried(cluster: Cluster) -> None:
     plane = cluster.plane
     slow = cluster.base + "slow/"
     async with KvspClient(cluster.certs.files("alice"), fallback=False, retries=2) as client:
+        asked: list[int | None] = []  # the retries KvspApi asks of the HTTP client: none, it retries itself
+        send = client.send
+
+        async def recording_send(*args: Any, **kwargs: Any) -> Any:
+            asked.append(kwargs.get("retries"))
+            return await send(*args, **kwargs)
+
+        client.send = recording_send  # type: ignore[method-assign]
         api = KvspApi(client, timeout=0.3)
         with pytest.raises(RetryElsewhere):  # a lease is created once: never sent twice
             await api.create_lease(slow, LeaseRequest(D.compat_id, SCOPE, (key(1),), 1000))
@@ -377,6 +385,7 @@ async def test_only_idempotent_requests_are_retried(cluster: Cluster) -> None:
     calls = {path.rsplit("/", 1)[-1] if "sessions" not in path else "session": n
              for (_m, path), n in plane.calls.items() if path.startswith("/slow/")}
     assert calls == {"leases": 1, "prefetch": 1, "lookup": 3, "session": 3}, plane.calls
+    assert asked == [0] * 8  # every retry is KvspApi's (one layer: kvsp_client.api.KvspApi._at)
 
 
 # -- a dead peer is dropped from the pool ------------------------------------------------------------------------
