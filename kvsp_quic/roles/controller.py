@@ -71,6 +71,7 @@ from kvsp_quic.records import (
     SessionCheckpoint,
     ShardMap,
 )
+from kvsp_quic.roles.controller_lifecycle import SessionEvent
 from kvsp_quic.roles.controller_records import (
     SessionInfo,
     SessionRequest,
@@ -551,8 +552,9 @@ class PlacementController:
         return Admitted(session)
 
     def placed(self, session: PlacedSession, seconds: float) -> SessionInfo:
-        """The first placement of *session* succeeded after *seconds*: it runs."""
-        session.state = SessionState.RUNNING
+        """The first placement of *session* succeeded after *seconds*: it runs (or it is done already: its instance
+        reported the last token before it answered the start)."""
+        session.apply(SessionEvent.PLACED)
         self.m_sessions.labels(outcome="placed").inc()
         self.m_placement_seconds.observe(seconds)
         return session.info()
@@ -610,7 +612,7 @@ class PlacementController:
             session.checkpoint = cp
         session.touched = self.clock()
         if done or session.output_offset >= request.max_tokens:
-            session.state = SessionState.DONE
+            session.apply(SessionEvent.FINISHED)
         self.m_checkpoints.labels(outcome="accepted").inc()
         return CheckpointAck(session_id, session.epoch, session.output_offset)
 
@@ -639,7 +641,7 @@ class PlacementController:
             session.failed_at = self.clock()
             session.epoch += 1
             session.instance = session.instance_epoch = None
-            session.state = SessionState.MIGRATING
+            session.apply(SessionEvent.INSTANCE_FAILED)
 
     def take_over_placement(self, session: PlacedSession) -> None:
         """*session* is still being placed, but the replica that admitted it stopped holding its placement lease (it
@@ -651,11 +653,11 @@ class PlacementController:
             session.failed_at = self.clock()
             session.epoch += 1
             session.instance = session.instance_epoch = None
-            session.state = SessionState.MIGRATING
+            session.apply(SessionEvent.PLACEMENT_ABANDONED)
 
     def migrated(self, session: PlacedSession) -> None:
-        """*session* was placed again after its instance failed: it runs."""
-        session.state = SessionState.RUNNING
+        """*session* was placed again after its instance failed: it runs (or is done, as in :meth:`placed`)."""
+        session.apply(SessionEvent.MIGRATED)
         session.migrations += 1
         self.kvsp.migrations.labels(component="controller").inc()
         if session.failed_at is not None:

@@ -16,13 +16,15 @@ from dataclasses import dataclass
 
 from kvsp_quic.problems import Problem
 from kvsp_quic.records import LookupRequest, SessionCheckpoint, StateMessage
+from kvsp_quic.roles.controller_lifecycle import SessionEvent, next_state
 from kvsp_quic.roles.controller_records import SessionInfo, SessionRequest, SessionResume, SessionStart, SessionState
 from kvsp_quic.roles.status import InstanceStatus, StatusTable
 
 
 @dataclass
 class PlacedSession:
-    """A session the PC placed (or is placing) on an instance: mutable bookkeeping of the role."""
+    """A session the PC placed (or is placing) on an instance: mutable bookkeeping of the role. Its ``state``
+    changes only through :meth:`apply` (the transition table of :mod:`kvsp_quic.roles.controller_lifecycle`)."""
 
     request: SessionRequest
     owner: str  # the identity that created it (only it may read it)
@@ -46,6 +48,12 @@ class PlacedSession:
     def output_offset(self) -> int:
         return self.checkpoint.output_offset if self.checkpoint is not None else 0
 
+    def apply(self, event: SessionEvent) -> SessionState:
+        """Move the session's state by *event* (:func:`~kvsp_quic.roles.controller_lifecycle.next_state`: an
+        illegal pair raises ``IllegalSessionTransition`` and changes nothing); the new state."""
+        self.state = next_state(self.state, event)
+        return self.state
+
     def adopt(self, fresh: PlacedSession) -> None:
         """Take what others may have written since this copy was read -- the checkpoint (the highest wins) and the
         end of the session -- from *fresh*, the stored copy, and its version. Used by the replica that places the
@@ -53,7 +61,7 @@ class PlacedSession:
         if fresh.checkpoint is not None and fresh.output_offset >= self.output_offset:
             self.checkpoint = fresh.checkpoint
         if fresh.state is SessionState.DONE:
-            self.state = SessionState.DONE
+            self.apply(SessionEvent.FINISHED)
         self.version = fresh.version
 
     def info(self) -> SessionInfo:
