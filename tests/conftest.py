@@ -13,6 +13,7 @@ from tests import vectors
 from tests.helpers import Process
 from tests.peers import missing_peer
 from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
+from tests.support.descriptors import small_descriptor  # noqa: F401  (still imported from here by two modules)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -25,13 +26,6 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 @pytest.fixture
 def spec_descriptor() -> CompatDescriptor:
     return CompatDescriptor.from_json(vectors.DESCRIPTOR)
-
-
-def small_descriptor(**changes: object) -> CompatDescriptor:
-    """A small geometry for fast container tests: 4 layers, 2 heads, 8 dims, 4-token blocks."""
-    base = dict(vectors.DESCRIPTOR, layers=4, kv_heads=2, head_dim=8)
-    base.update(changes)
-    return CompatDescriptor.from_json(base)
 
 
 if os.environ.get("KVSP_TEST_LOOP") == "uvloop":  # the in-process tests on uvloop, as the servers run by default

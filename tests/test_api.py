@@ -65,9 +65,9 @@ from kvsp_quic.roles.leases import LeaseLimits
 from kvsp_quic.samples import random_sections
 from kvsp_quic.storage.memory_index import MemoryIndexStore
 from quic.tls import TlsFiles
-from tests.support.descriptors import small_descriptor
 from tests.helpers import Process
 from tests.pki import TestPki, make_pki
+from tests.support.descriptors import small_descriptor
 
 SCOPE = bytes.fromhex("6d1c6481cd428737da312c089db3832a")
 OTHER_SCOPE = bytes.fromhex("00112233445566778899aabbccddeeff")

@@ -28,8 +28,8 @@ from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.storage import file_seal as fs
 from kvsp_quic.storage import tiers as t
 from kvsp_quic.storage.tiers import BlockMeta, LocalStorageConfig, LocalStorageTier, TierFault
-from tests.conftest import small_descriptor
 from tests.helpers import Process
+from tests.support.descriptors import small_descriptor
 from tests.test_cluster import CONTAINER_SIZE, DESCRIPTOR, KEYER, block_url
 from tests.test_cluster import block as cluster_block
 from tests.test_prefix_eviction import client, index, put_in_chain, settle  # noqa: F401 (fixtures)

@@ -20,8 +20,8 @@ from kvsp_quic.roles.holder import Holder, HolderSettings
 from kvsp_quic.samples import random_sections
 from kvsp_quic.storage.buffer_pool import BufferPool, PoolBuffer, exported
 from kvsp_quic.storage.tiers import BlockId, BlockMeta, HostTier, LruPolicy
-from tests.conftest import small_descriptor
 from tests.pki import TestPki, make_pki
+from tests.support.descriptors import small_descriptor
 
 HOLDER_URI = "https://127.0.0.1/kvsp/"
 SCOPE = bytes.fromhex("6d1c6481cd428737da312c089db3832a")

@@ -15,7 +15,7 @@ from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.problems import DigestMismatch, LayersUnavailable
 from kvsp_quic.samples import random_sections
 from tests import vectors
-from tests.conftest import small_descriptor
+from tests.support.descriptors import small_descriptor
 
 
 def make(descriptor: CompatDescriptor, first: int = 0, last: int | None = None, seed: int = 1,

@@ -8,7 +8,7 @@ import pytest
 
 from http3.body_sink import copy_into
 from kvsp_quic import container as c
-from tests.conftest import small_descriptor
+from tests.support.descriptors import small_descriptor
 
 
 def make(layers: int = 4) -> tuple[c.EncodedContainer, bytes]:

@@ -24,7 +24,7 @@ from gpu.kvcache import (  # noqa: E402
 from kvsp_quic import container as c  # noqa: E402
 from kvsp_quic.records import ResidencyEntry  # noqa: E402
 from kvsp_quic.samples import random_sections  # noqa: E402
-from tests.conftest import small_descriptor  # noqa: E402
+from tests.support.descriptors import small_descriptor  # noqa: E402
 
 LAYERS, HEADS, DIM, B = 4, 2, 8, 4
 CUDA = torch.cuda.is_available()

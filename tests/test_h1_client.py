@@ -25,8 +25,8 @@ from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.roles.holder import Holder, HolderSettings
 from kvsp_quic.samples import random_sections
 from quic.tls import TransportSettings, ssl_client_context
-from tests.conftest import small_descriptor
 from tests.pki import TestPki, make_pki
+from tests.support.descriptors import small_descriptor
 
 MiB = 1 << 20
 BIG = os.urandom(16 * MiB + 123)

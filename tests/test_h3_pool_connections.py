@@ -33,8 +33,8 @@ from kvsp_quic.roles.instance import ServiceOptions
 from kvsp_quic.samples import random_sections
 from quic.listener import QuicListener
 from quic.tls import TransportSettings
-from tests.conftest import small_descriptor
 from tests.pki import TestPki, make_pki
+from tests.support.descriptors import small_descriptor
 
 SETTINGS = TransportSettings(shutdown_grace=2.0)
 

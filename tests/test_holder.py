@@ -33,8 +33,8 @@ from kvsp_quic.roles.holder_requests import parse_codec, parse_layers
 from kvsp_quic.roles.leases import LeaseLimits
 from kvsp_quic.samples import random_sections
 from kvsp_quic.storage.tiers import BlockId, LocalStorageConfig
-from tests.conftest import small_descriptor
 from tests.helpers import Clock
+from tests.support.descriptors import small_descriptor
 
 BASE = "https://h1.example/kvsp/"
 SCOPE = bytes.fromhex("6d1c6481cd428737da312c089db3832a")

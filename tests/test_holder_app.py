@@ -28,8 +28,8 @@ from kvsp_quic.samples import random_sections
 from kvsp_runtime.publisher import ReplicaPublisher
 from quic.tls import scope_identity
 from tests.asgi import read_body
-from tests.conftest import small_descriptor
 from tests.pki import TestPki, make_pki
+from tests.support.descriptors import small_descriptor
 
 HOLDER_URI = "https://127.0.0.1/kvsp/"
 INDEX_URI = "https://127.0.0.1/is/"

@@ -18,8 +18,8 @@ from kvsp_quic.roles.holder_requests import parse_position
 from kvsp_quic.storage.journal import NAME as JOURNAL
 from kvsp_quic.storage.journal import ReplicaJournal
 from kvsp_quic.storage.tiers import BlockId, ChainPosition, LocalStorageConfig, file_header_size
-from tests.conftest import small_descriptor
 from tests.helpers import Clock
+from tests.support.descriptors import small_descriptor
 from tests.test_holder import ALICE, BASE, SCOPE, body, key
 
 CHAIN = key(0)

@@ -58,8 +58,8 @@ from moqt.aio import MoqtPool, MoqtRequestError
 from moqt.types import Draft
 from quic.tls import TlsFiles
 from tests.asgi import Router
-from tests.conftest import small_descriptor
 from tests.pki import TestPki, make_pki
+from tests.support.descriptors import small_descriptor
 
 SCOPE = bytes.fromhex("6d1c6481cd428737da312c089db3832a")
 ALICE = "urn:kvsp:client:alice"  # stores (instance) and loads blocks

@@ -39,9 +39,9 @@ from moqt.aio import AUDIT, connect_moqt, moqt_handlers
 from moqt.relay import Relay, RelayConfig
 from moqt.types import Location
 from quic.listener import QuicListener
-from tests.conftest import small_descriptor
 from tests.peers import needs_peer
 from tests.pki import TestPki, make_pki
+from tests.support.descriptors import small_descriptor
 from tests.test_moqt_relay import ALICE, HOLDER_URI, SCOPE, WRITER, block, key
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -53,9 +53,9 @@ from moqt.aio import MoqtApp, MoqtConnection, MoqtPool, MoqtRequestError, moqt_h
 from moqt.events import FetchRequested, ObjectReceived
 from moqt.types import Draft, ObjectStatus, StandaloneFetch
 from quic.tls import TlsFiles
-from tests.conftest import small_descriptor
 from tests.helpers import Process
 from tests.pki import TestPki, make_pki
+from tests.support.descriptors import small_descriptor
 
 SCOPE = bytes.fromhex("6d1c6481cd428737da312c089db3832a")
 OTHER_SCOPE = bytes.fromhex("00112233445566778899aabbccddeeff")

@@ -39,9 +39,9 @@ from kvsp_quic.roles.holder import Holder, HolderSettings
 from moqt.aio import MoqtConnectError, connect_moqt, moqt_handlers
 from moqt.relay import Relay, RelayConfig
 from quic.listener import QuicListener
-from tests.conftest import small_descriptor
 from tests.peers import needs_peer
 from tests.pki import TestPki, make_pki
+from tests.support.descriptors import small_descriptor
 from tests.test_moqt_relay import ALICE, HOLDER_URI, SCOPE, WRITER, block, key
 
 ROOT = Path(__file__).resolve().parent.parent

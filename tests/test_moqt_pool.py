@@ -28,8 +28,8 @@ from moqt import Location
 from moqt.aio import AUDIT, MoqtApp, MoqtConnectError, MoqtConnection, MoqtPool, moqt_handlers
 from moqt.events import FetchRequested
 from quic.listener import QuicListener
-from tests.conftest import small_descriptor
 from tests.pki import TestPki, make_pki
+from tests.support.descriptors import small_descriptor
 from tests.test_h3_pool_connections import DelayingRelay
 
 ALPNS = ["moqt-18", "moq-00"]

@@ -64,8 +64,8 @@ from moqt.relay import (
 from moqt.types import Draft, GroupOrder, Location, ObjectStatus
 from quic.listener import QuicListener
 from quic.tls import TransportSettings
-from tests.conftest import small_descriptor
 from tests.pki import TestPki, make_pki
+from tests.support.descriptors import small_descriptor
 
 SCOPE = bytes.fromhex("6d1c6481cd428737da312c089db3832a")
 OTHER_SCOPE = bytes.fromhex("00112233445566778899aabbccddeeff")

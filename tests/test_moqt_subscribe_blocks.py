@@ -24,8 +24,8 @@ from moqt.aio import MoqtApp, MoqtConnection, connect_moqt, moqt_handlers
 from moqt.relay import RelayConfig
 from moqt.types import FilterType, Location, ObjectStatus, SubscriptionFilter
 from quic.listener import QuicListener
-from tests.conftest import small_descriptor
 from tests.pki import TestPki, make_pki
+from tests.support.descriptors import small_descriptor
 from tests.test_moqt_relay import ALICE, HOLDER_URI, SCOPE, WRITER, block, key
 
 ALPNS = ["moqt-18", "moq-00"]

@@ -44,8 +44,8 @@ from kvsp_quic.storage.memory_index import MemoryIndexStore
 from kvsp_quic.storage.producer_digests import MemoryProducerDigests
 from quic.tls import TlsFiles
 from tests.asgi import Router
-from tests.conftest import small_descriptor
 from tests.pki import TestPki, make_pki
+from tests.support.descriptors import small_descriptor
 from tests.test_retrieval import block, key
 
 SCOPE = ScopeId(bytes.fromhex("6d1c6481cd428737da312c089db3832a"))

@@ -26,8 +26,8 @@ from moqt.errors import RequestErrorCode14, RequestErrorCode18
 from moqt.relay import RelayConfig, request_code
 from moqt.types import Draft, GroupOrder, Location
 from quic.listener import QuicListener
-from tests.conftest import small_descriptor
 from tests.pki import TestPki, make_pki
+from tests.support.descriptors import small_descriptor
 from tests.test_moqt_relay import (
     ALICE,
     ALPNS,

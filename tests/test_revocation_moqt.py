@@ -27,8 +27,8 @@ from moqt.errors import SessionErrorCode
 from moqt.relay import RelayConfig
 from quic.crl import Revocation
 from quic.listener import QuicListener
-from tests.conftest import small_descriptor
 from tests.pki import TestPki, make_pki
+from tests.support.descriptors import small_descriptor
 from tests.test_moqt_relay import HOLDER_URI, RELAY_URI, SCOPE, World, layers
 from tests.test_security_crl import holder, make_files, write_crl
 

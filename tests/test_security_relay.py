@@ -25,8 +25,8 @@ from kvsp_quic.roles.index import IndexService
 from kvsp_quic.storage.memory_index import MemoryIndexStore
 from moqt.aio import MoqtPool, MoqtRequestError
 from moqt.relay import RelayConfig
-from tests.conftest import small_descriptor
 from tests.pki import TestPki, make_pki
+from tests.support.descriptors import small_descriptor
 from tests.test_moqt_relay import (
     ALICE,
     HOLDER_POLICY,

@@ -213,6 +213,6 @@ def certs(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def d() -> CompatDescriptor:
-    from tests.conftest import small_descriptor
+    from tests.support.descriptors import small_descriptor
     return small_descriptor(layers=32)
 

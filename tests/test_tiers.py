@@ -12,7 +12,7 @@ from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.samples import random_sections
 from kvsp_quic.storage import tiers as t
 from kvsp_quic.storage.tiers import BlockId, BlockMeta, HostTier, LocalStorageConfig, LocalStorageTier, TieredStore
-from tests.conftest import small_descriptor
+from tests.support.descriptors import small_descriptor
 
 KEY = bytes(range(32))
 

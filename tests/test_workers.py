@@ -29,8 +29,8 @@ from kvsp_quic.records import LeaseRenewal, LeaseRequest, LeaseResponse
 from kvsp_quic.storage.shared_host import STAGED_PREFIX, Allocation, SharedHostReader, SharedHostTier
 from kvsp_quic.storage.tiers import TieredStore
 from quic.tls import TlsFiles
-from tests.conftest import small_descriptor
 from tests.helpers import Process
+from tests.support.descriptors import small_descriptor
 from tests.test_cluster import CONTAINER_SIZE, DESCRIPTOR, KEYER, block, block_url, matched
 from tests.test_tiers import block as tier_block
 from tests.test_tiers import never
