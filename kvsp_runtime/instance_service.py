@@ -66,6 +66,10 @@ from kvsp_runtime.publisher import ReplicaPublisher
 log = logging.getLogger("kvsp.instance")
 
 
+TIMERS_MIN_WAIT = 0.05  # s: the timers run at most this often
+TIMERS_MAX_WAIT = 2.0  # s: and at least this often
+
+
 class Signal:
     """A level-free wake-up: ``await signal.wait()`` returns after the next ``fire()``."""
 
@@ -151,6 +155,8 @@ class InstanceService(Generic[P]):
         self._signals: weakref.WeakKeyDictionary[InstanceSession, Signal] = weakref.WeakKeyDictionary()
         self._adopting: set[bytes] = set()
         self._state_signal = Signal()
+        self.role.lifecycle.on_change = self._state_signal.fire  # a change of state is reported at once
+        self._timers_signal = Signal()  # a new deadline: the timers look again
         self._background: list[asyncio.Task[None]] = []
         self.checkpoints_sent = 0
         self.reports_failed = 0
@@ -270,6 +276,7 @@ class InstanceService(Generic[P]):
         d, new = self.role.admit_directive(record, self.holder.holds)
         if new and d.state is PrefetchState.PENDING:
             self._spawn(self._run_directive(d), f"directive-{d.id}")
+        self._timers_signal.fire()
         return d
 
     async def _run_directive(self, d: Directive) -> None:
@@ -500,7 +507,7 @@ class InstanceService(Generic[P]):
 
     def put_state(self, state: InstanceState) -> InstanceState:
         held = self.role.lifecycle.set_by_controller(state)
-        self._state_signal.fire()
+        self._state_signal.fire()  # report now, changed or not (a change fires it too: lifecycle.on_change)
         return held
 
     async def _status_loop(self) -> None:
@@ -527,13 +534,21 @@ class InstanceService(Generic[P]):
                 log.info("the PC accepted the sleep request: %s", self.role.lifecycle.state.value)
 
     async def _timers(self) -> None:
+        """The role's and the holder's timers, run when they are due (their ``next_due()``), at least every
+        :data:`TIMERS_MAX_WAIT` s (work that became due without a new deadline: a session settled after its
+        retention) and at most every :data:`TIMERS_MIN_WAIT` s; a new directive wakes it at once."""
         while True:
-            await asyncio.sleep(0.5)
+            due = [t for t in (self.role.next_due(), self.holder.next_due() if self.publisher is None else None)
+                   if t is not None]
+            wait = TIMERS_MAX_WAIT if not due else min(TIMERS_MAX_WAIT,
+                                                       max(TIMERS_MIN_WAIT, min(due) - self.role.clock()))
+            wake = self._timers_signal.waiter()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await wake.wait()
             self.role.sweep()
             if self.publisher is None:
                 self.holder.tick()
-            if self.role.lifecycle.changed:
-                self._state_signal.fire()
 
     # -- resharding -----------------------------------------------------------------------------------------
 

@@ -5,7 +5,8 @@ No torch, no asyncio, no HTTP: the engine (``gpu/engine.py``, behind :mod:`kvsp_
 ``kvsp_runtime/instance_service.py`` drives the timers and loads, ``kvsp_http/instance_app.py`` translates requests
 (docs/inference.md is the contract with the Placement Controller and the front end).
 
-* :class:`Lifecycle` -- ``active`` / ``draining`` / ``sleeping``: new sessions only when active; a draining
+* :class:`~kvsp_quic.roles.instance_lifecycle.Lifecycle` -- ``active`` / ``draining`` / ``sleeping`` (a transition
+  table: :mod:`kvsp_quic.roles.instance_lifecycle`): new sessions only when active; a draining
   instance finishes what it admitted, then sleeps and reports it; a sleeping one wakes only on ``PUT state`` from
   the PC; after ``sleep_after_idle_ms`` without a session it asks to sleep (``requested_state``), and the PC's
   answer to that report (``draining``/``sleeping``: accepted, ``active``: refused) is applied.
@@ -38,7 +39,6 @@ from kvsp_quic.keys import BlockKeyer
 from kvsp_quic.problems import (
     BadRequest,
     Incompatible,
-    InvalidState,
     NotFound,
     PlanConflict,
     Problem,
@@ -56,6 +56,7 @@ from kvsp_quic.records import (
     Sampler,
 )
 from kvsp_quic.roles.controller_records import SessionResume, SessionStart
+from kvsp_quic.roles.instance_lifecycle import Lifecycle
 from kvsp_quic.roles.instance_reshard import MapState, PlanSteps, ReshardBook, ReshardContext
 from kvsp_quic.roles.instance_sessions import Clock, InstanceSession, Phase, SessionTable
 
@@ -196,79 +197,6 @@ class ServiceOptions:
         return None if self.load_timeout_ms is None else self.load_timeout_ms / 1000
 
 
-# -- Lifecycle --------------------------------------------------------------------------------------------------
-
-
-class Lifecycle:
-    """The instance's state (spec, "Instance Status and Lifecycle"). ``failed`` is what the PC concludes when
-    reports stop; an instance is never put into it."""
-
-    def __init__(self, clock: Clock, *, sleep_after_idle_s: float | None = None) -> None:
-        self._clock = clock
-        self.sleep_after_idle_s = sleep_after_idle_s
-        self.state = InstanceState.ACTIVE
-        self.in_flight = 0
-        self._idle_since: float | None = clock()
-        self.changed = False  # a report is due because the state changed
-        self.history: list[InstanceState] = [self.state]
-
-    def _enter(self, state: InstanceState) -> None:
-        if state is not self.state:
-            self.state = state
-            self.changed = True
-            self.history = [*self.history[-63:], state]
-        if state is InstanceState.ACTIVE and self.in_flight == 0:
-            self._idle_since = self._clock()
-
-    def admit(self) -> None:
-        """New work (a session, a directive) is allowed only when active (409 kvsp-invalid-state otherwise)."""
-        if self.state is not InstanceState.ACTIVE:
-            raise InvalidState(f"the instance is {self.state.value}: it accepts no new sessions or directives")
-
-    def set_by_controller(self, state: InstanceState) -> InstanceState:
-        """``PUT state`` from the PC. ``draining`` and ``sleeping`` both stop admissions; the instance sleeps once
-        its in-flight sessions are done (at once when there are none). Returns the state now held."""
-        if state is InstanceState.FAILED:
-            raise InvalidState("an instance cannot be put into the failed state; the PC concludes it")
-        if state is InstanceState.ACTIVE:
-            self._enter(InstanceState.ACTIVE)
-        else:
-            self._enter(InstanceState.DRAINING)
-            self._settle()
-        return self.state
-
-    def sessions_changed(self, in_flight: int) -> None:
-        self.in_flight = in_flight
-        if in_flight:
-            self._idle_since = None
-        elif self._idle_since is None:
-            self._idle_since = self._clock()
-        self._settle()
-
-    def _settle(self) -> None:
-        if self.state is InstanceState.DRAINING and self.in_flight == 0:
-            self._enter(InstanceState.SLEEPING)
-
-    def requested_state(self) -> InstanceState | None:
-        """``sleeping`` once the instance has been idle and active for ``sleep_after_idle_s``."""
-        if (self.sleep_after_idle_s is not None and self.state is InstanceState.ACTIVE and self.in_flight == 0
-                and self._idle_since is not None and self._clock() - self._idle_since >= self.sleep_after_idle_s):
-            return InstanceState.SLEEPING
-        return None
-
-    def answer(self, held: InstanceState, requested: InstanceState | None) -> None:
-        """The PC's answer ``{"state"}`` to a status report that carried *requested*. Only a report that asked to
-        sleep changes anything: ``draining`` or ``sleeping`` accept (the instance drains, then sleeps),
-        ``active`` refuses (the idle timer starts again). Other differences are left to ``PUT state``."""
-        if requested is not InstanceState.SLEEPING or self.state is not InstanceState.ACTIVE:
-            return
-        if held in (InstanceState.DRAINING, InstanceState.SLEEPING):
-            self._enter(InstanceState.DRAINING)
-            self._settle()
-        else:
-            self._idle_since = self._clock()
-
-
 # -- Prefetch directives ------------------------------------------------------------------------------------------
 
 
@@ -382,6 +310,12 @@ class DirectiveTable:
 
     def next_deadline(self) -> float | None:
         return min((d.deadline for d in self._all.values() if d.state is PrefetchState.PENDING), default=None)
+
+    def next_due(self) -> float | None:
+        """When :meth:`expire` or :meth:`sweep` next has work: the next deadline, or the end of a retention."""
+        keep = self.settings.directive_retention_s
+        kept = (d.finished_at + keep for d in self._all.values() if d.finished_at is not None)
+        return min((t for t in (self.next_deadline(), min(kept, default=None)) if t is not None), default=None)
 
     def sweep(self) -> None:
         now = self._clock()
@@ -696,13 +630,20 @@ class InstanceRole:
             self.lifecycle.answer(answer, self._requested)
 
     def sweep(self) -> list[Directive]:
+        """Timers: directives past their deadline become ``partial`` (returned), finished directives and sessions
+        past their retention are forgotten."""
         self.sessions.sweep()
         self.directives.sweep()
         return self.directives.expire()
 
+    def next_due(self) -> float | None:
+        """The earliest clock time :meth:`sweep` has work (None: nothing scheduled): a pending directive's
+        deadline, or the end of a finished directive's or session's retention."""
+        return min((t for t in (self.directives.next_due(), self.sessions.next_due()) if t is not None), default=None)
+
 
 __all__ = [
     "ENGINE_NAMES", "Admission", "Directive", "DirectiveTable", "EngineFigures", "InstanceRole", "InstanceSession",
-    "InstanceSettings", "Lifecycle", "LinkMeter", "MapState", "Phase", "PlanSteps", "RateMeter", "ReshardBook",
+    "InstanceSettings", "LinkMeter", "MapState", "Phase", "PlanSteps", "RateMeter", "ReshardBook",
     "ReshardContext", "SamplerCheck", "SessionTable",
 ]

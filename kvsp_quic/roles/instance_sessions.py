@@ -261,5 +261,11 @@ class SessionTable:
                   and s.checkpoints_settled]:
             del self.sessions[s.id]
 
+    def next_due(self) -> float | None:
+        """When :meth:`sweep` may next forget a session: the end of the earliest retention of a session whose
+        checkpoints are settled (None: none; one that settles later is found by the next sweep)."""
+        return min((s.finished_at + self.retention_s for s in self.sessions.values()
+                    if s.finished_at is not None and s.checkpoints_settled), default=None)
+
 
 __all__ = ["Clock", "InstanceSession", "Phase", "SessionTable"]
