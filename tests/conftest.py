@@ -2,18 +2,23 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
+import uuid
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvsp_quic.compat import CompatDescriptor
+from kvsp_quic.roles.index import IndexService
+from kvsp_quic.storage.index_store import IndexStore
+from kvsp_quic.storage.memory_index import MemoryIndexStore
 from tests import vectors
-from tests.helpers import Process
+from tests.helpers import Clock, Process
 from tests.peers import missing_peer
 from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
 from tests.support.descriptors import small_descriptor  # noqa: F401  (still imported from here by two modules)
+from tests.support.index import Env, make_config
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -56,3 +61,37 @@ def procs() -> Iterator[list[Process]]:
             os.kill(proc.proc.pid, signal.SIGCONT)
         err = proc.stop()
         assert "Traceback" not in err, err
+
+
+# -- the Index Service (tests/support/index.py) ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A redis-server for the module (skipped where it, or the redis package, is not installed)."""
+    if REDIS_SERVER is None:
+        missing_peer(SKIP_REASON)
+    pytest.importorskip("redis", reason="the redis extra is not installed (pip install -e '.[redis]')")
+    with RedisServer.start(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def env(request: pytest.FixtureRequest) -> AsyncIterator[Env]:
+    """The Index Service over the memory store, then over a real Redis (the module's :func:`redis_server`)."""
+    clock = Clock()
+    if request.param == "memory":
+        store: IndexStore = MemoryIndexStore()
+        yield Env(IndexService(store, clock=clock, config=make_config()), store, clock, False)
+        return
+    server: RedisServer = request.getfixturevalue("redis_server")
+    from redis.asyncio import Redis
+
+    from kvsp_quic.storage.redis_index import RedisIndexStore
+
+    client = Redis(host="127.0.0.1", port=server.port)
+    store = RedisIndexStore(client, prefix=f"t{uuid.uuid4().hex[:8]}:", first_chunk=4)
+    try:
+        yield Env(IndexService(store, clock=clock, config=make_config()), store, clock, True)
+    finally:
+        await client.aclose()

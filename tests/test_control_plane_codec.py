@@ -28,7 +28,7 @@ from kvsp_quic.records import (
     TargetEstimate,
 )
 from kvsp_quic.storage.memory_index import MemoryIndexStore
-from tests.test_index import C1, H1, H2, S1, SHAPES, bk, replica
+from tests.support.index import C1, H1, H2, S1, SHAPES, bk, replica
 
 
 def stdlib(obj: Any) -> bytes:
@@ -187,7 +187,7 @@ async def test_rendered_lookup_is_the_json_of_the_records() -> None:
     """The memory store writes its matches as JSON itself (IndexService.lookup_json): the same bytes as the
     records it would return, for every shape, several holders per key, and a lookup that stops at a miss."""
     from kvsp_quic.records import lookup_answer
-    from tests.test_index import POLICY
+    from tests.support.index import POLICY
 
     store = MemoryIndexStore()
     shapes = [*SHAPES, replica(7, layers=32), replica(8, holder=UNICODE_HOLDER)]

@@ -25,9 +25,9 @@ from kvsp_quic.roles.controller_sessions import engines_agree
 from kvsp_quic.roles.instance import InstanceRole, InstanceSettings
 from kvsp_quic.roles.status import InstanceStatus
 from tests.helpers import Clock
+from tests.support.index import C1, C2
 from tests.test_controller import FRONT, IA, IB, IC, Env, checkpoint, request, who
 from tests.test_controller_app import Cluster, cluster, session_body
-from tests.test_index import C1, C2
 
 REF = EngineStatus("reference", "kvsp-quic/0.1 torch/2.4 cpu float32", CompatId(C1))
 REF_CUDA = dataclasses.replace(REF, build="kvsp-quic/0.1 torch/2.4 cuda float32")

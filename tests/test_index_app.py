@@ -45,7 +45,7 @@ from kvsp_quic.roles.index import Geometry, IndexConfig, IndexService
 from kvsp_quic.storage.memory_index import MemoryIndexStore
 from quic.tls import TlsFiles
 from tests.pki import make_pki
-from tests.test_index import C1, S1, S2, SHAPES, bk, replica
+from tests.support.index import C1, S1, S2, SHAPES, bk, replica
 
 INDEX = "https://127.0.0.1/kvsp/"
 H1 = "https://h1.example/kvsp/"

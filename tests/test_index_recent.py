@@ -20,7 +20,7 @@ from kvsp_quic.roles.index import IndexService
 from kvsp_quic.storage import index_store
 from kvsp_quic.storage.index_store import collections_deferred, remaining_ms
 from kvsp_quic.storage.memory_index import MemoryIndexStore
-from tests.test_index import C1, H2, PC, S1, SHAPES, bk, replica, who
+from tests.support.index import C1, H2, PC, S1, SHAPES, bk, replica, who
 
 
 async def _fill(store: MemoryIndexStore) -> tuple[list[BlockKey], list[ReplicaRecord]]:

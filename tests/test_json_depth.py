@@ -12,7 +12,7 @@ import pytest
 
 from kvsp_quic import fields as f
 from kvsp_quic.fields import MAX_JSON_DEPTH, RecordError
-from tests.test_index import C1, S1, bk
+from tests.support.index import C1, S1, bk
 from tests.test_index_app import pki_dir, problem, serve  # noqa: F401 (pki_dir: a fixture)
 
 

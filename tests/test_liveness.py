@@ -13,7 +13,7 @@ from kvsp_quic.roles.index import IndexService
 from kvsp_quic.roles.liveness import FailureReports, LivenessTable, demote
 from kvsp_quic.storage.memory_index import MemoryIndexStore
 from tests.helpers import Clock
-from tests.test_index import C1, H1, H2, H3, PC, S1, S2, bk, hid, make_config, replica, who
+from tests.support.index import C1, H1, H2, H3, PC, S1, S2, bk, hid, make_config, replica, who
 
 TWIN = "moqt://h1.example:443/"  # h1's MOQT twin: the same host and port as https://h1.example/
 

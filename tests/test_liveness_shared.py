@@ -32,7 +32,7 @@ from tests.helpers import Clock, Process
 from tests.peers import missing_peer
 from tests.pki import make_pki
 from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisClusterServers, RedisServer, free_port, needs_redis
-from tests.test_index import C1, H1, H2, PC, S1, S2, bk, hid, make_config, replica, who
+from tests.support.index import C1, H1, H2, PC, S1, S2, bk, hid, make_config, replica, who
 from tests.test_index_app import POLICY
 
 pytest.importorskip("redis", reason="the redis extra is not installed (pip install -e '.[redis]')")

@@ -39,8 +39,8 @@ from kvsp_quic.retrieval_plan import TIER_ORDER, DefaultRanking, covers, decodab
 from kvsp_quic.storage.index_store import pack_body, unpack_body
 from kvsp_quic.storage.memory_index import MemoryIndexStore
 from tests import vectors
+from tests.support.index import C1, H1, H2, RELAY, S1, Env, bk, hid, replica, who
 from tests.test_cluster import DESCRIPTOR, KEYER, block, client, cluster, eventually, index_store, put  # noqa: F401
-from tests.test_index import C1, H1, H2, RELAY, S1, Env, bk, env, hid, redis_server, replica, who  # noqa: F401
 from tests.test_records import SPEC_EXAMPLES
 
 NEW_CODEC = 0xFE01  # not in today's KVSP Codecs registry, not Private Use: a newer registry's codec
@@ -48,7 +48,7 @@ NEW_TIER = "cxl-pool"  # not in today's KVSP Storage Tiers registry
 
 
 def newer(i: int, holder: str = H1, **changes: Any) -> ReplicaRecord:
-    """:func:`tests.test_index.replica` as a newer holder writes it: codec 0xFE01, a ``cxl-pool`` tier."""
+    """:func:`tests.support.index.replica` as a newer holder writes it: codec 0xFE01, a ``cxl-pool`` tier."""
     fields: dict[str, Any] = dict(codec=NEW_CODEC, residency=(ResidencyEntry("device", (0, 1)),
                                                              ResidencyEntry(NEW_TIER, (2, 3), 900_000)))
     fields.update(changes)
@@ -208,7 +208,7 @@ def test_known_tiers_are_packed_as_before() -> None:
     assert again == record
 
 
-async def test_stores_keep_and_return_unknown_values(env: Env) -> None:  # noqa: F811 (the fixture)
+async def test_stores_keep_and_return_unknown_values(env: Env) -> None:
     known = [replica(i) for i in range(3)]
     extended = [newer(0, H2), newer(1, H2, residency=(ResidencyEntry(NEW_TIER, (0, 3)),)), replica(2, H2, codec=2)]
     for record in known + extended:

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from tests.redis_server import RedisClusterServers, RedisServer, command, needs_redis
-from tests.test_index import C1, H1, H2, II7, PC, S1, S2, bk, hid, replica, who
+from tests.support.index import C1, H1, H2, II7, PC, S1, S2, bk, hid, replica, who
 
 pytest.importorskip("redis", reason="the redis extra is not installed (pip install -e '.[redis]')")
 

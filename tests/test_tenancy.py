@@ -33,8 +33,8 @@ from kvsp_quic.storage.memory_index import MemoryIndexStore
 from kvsp_runtime.controller_link import HttpInstanceLink
 from kvsp_runtime.controller_service import ControllerService
 from tests.pki import make_pki
+from tests.support.index import C1, S1, S2, bk, replica
 from tests.test_controller_app import BLOCK, Cluster, FakeInstance, session_body
-from tests.test_index import C1, S1, S2, bk, replica
 
 NAMES = ("pc", "ia", "ib", "h1", "h2")
 
