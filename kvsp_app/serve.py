@@ -189,7 +189,7 @@ async def run_index(cfg: IndexFile, *, dev_dir: Path | None, policy_path: Path |
                     stop: asyncio.Event | None = None, clock: Callable[[], float] = time.monotonic) -> None:
     """The Index Service with the Placement Controller: one process, one base URI (docs/wire.md)."""
     from http3.client import KvspClient
-    from kvsp_http.controller_app import ClientSessionLimits, controller_app
+    from kvsp_http.controller_app import controller_app
     from kvsp_quic.metrics import Registry
     from kvsp_quic.roles.controller import PlacementController
     from kvsp_quic.roles.index import NO_GEOMETRY, IndexConfig, IndexOptions, IndexService
@@ -232,9 +232,7 @@ async def run_index(cfg: IndexFile, *, dev_dir: Path | None, policy_path: Path |
         role = PlacementController(service, clock=clock, metrics=Registry(), identity=prepared.base_uri, config=pc)
         controller = ControllerService(role, HttpInstanceLink(client), starter=starter, shared=shared)
         base_path = _path_of(prepared.base_uri)
-        limits = ClientSessionLimits(max_sessions=pc.client_max_sessions, max_in_flight=pc.client_max_in_flight)
-        app = controller_app(service, controller, prepared.policy, base_path=base_path, tick_interval=pc.tick_s,
-                             client_limits=limits)
+        app = controller_app(service, controller, prepared.policy, base_path=base_path, tick_interval=pc.tick_s)
         server = await serve_app(prepared, app)
     except BaseException:
         if client is not None:

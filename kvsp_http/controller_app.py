@@ -13,7 +13,9 @@ Resources, relative to the base URI (the Index Service's, :mod:`kvsp_http.index_
 
 * ``PUT instances/{instance_id}/status`` (instance): the status report, through the PC (sleep requests, failures);
 * ``POST sessions`` (client) -> 201 :class:`~kvsp_quic.roles.controller_records.SessionInfo` with ``Location``
-  (200 for a retry of the same request);
+  (200 for a retry of the same request); 429 with ``Retry-After`` beyond the client's limits, which the role
+  applies (:mod:`kvsp_quic.roles.controller_admission`, ``[controller] client_max_sessions``,
+  ``client_max_in_flight``, ``client_retry_ms``);
 * ``GET sessions/{session}`` (client, the session's creator) -> 200 ``SessionInfo``;
 * ``DELETE sessions/{session}`` (client, the session's creator; extension) -> 204: the session is cancelled at its
   instance and forgotten (docs/wire.md, "Cancelling a session");
@@ -42,12 +44,10 @@ The rules are the role's (:class:`~kvsp_quic.roles.controller.PlacementControlle
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import re
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -59,16 +59,15 @@ from kvsp_http.app_kit import kvsp_json, read_json_body, role_app
 from kvsp_http.authz import Rule, principal_of
 from kvsp_http.index_app import DEFAULT_MAX_BODY_BYTES, INDEX_RULES, index_routes, liveness_sync, running, sweeper
 from kvsp_http.metrics_app import TransferMetrics, mount_metrics
-from kvsp_http.problem_response import install, problem_response
+from kvsp_http.problem_response import install
 from kvsp_quic import fields as f
 from kvsp_quic import keys as k
 from kvsp_quic.auth import Policy
 from kvsp_quic.metrics import Registry
-from kvsp_quic.problems import BadRequest, NotFound, TooManyRequests
+from kvsp_quic.problems import BadRequest, NotFound
 from kvsp_quic.records import SessionCheckpoint, ShardMap, StateMessage
-from kvsp_quic.roles.controller_records import SessionRequest, SessionState, SuspectReport
+from kvsp_quic.roles.controller_records import SessionRequest, SuspectReport
 from kvsp_quic.roles.controller_reshard import ReshardContext
-from kvsp_quic.roles.controller_sessions import PlacedSession
 from kvsp_quic.roles.index import IndexService
 from kvsp_runtime.controller_service import ControllerService
 
@@ -105,75 +104,13 @@ def _map_id(request: Request) -> str:
     return value
 
 
-@dataclass(frozen=True)
-class ClientSessionLimits:
-    """Per-client limits of ``POST sessions`` (issue 13: no client may take the PC's whole ``max_sessions``):
-
-    * ``max_sessions``: sessions a principal owns that are not done (placing, running, migrating) at this PC;
-    * ``max_in_flight``: its ``POST sessions`` being placed at once.
-
-    Beyond either: 429 ``TooManyRequests`` with ``Retry-After`` (*retry_after_s*). A retry of a session the
-    principal already created is never refused. With a shared control store each replica counts the sessions it
-    holds, so a client spread over R replicas may own up to R x ``max_sessions``."""
-
-    max_sessions: int = 1000
-    max_in_flight: int = 64
-    retry_after_s: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("max_sessions", "max_in_flight", "retry_after_s"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be positive")
-
-
-class _SessionGate:
-    """What :class:`ClientSessionLimits` admits, counted over the role's sessions and the requests under way."""
-
-    def __init__(self, limits: ClientSessionLimits, sessions: Callable[[], Mapping[uuid.UUID, PlacedSession]]) -> None:
-        self.limits = limits
-        self.sessions = sessions
-        self.in_flight: collections.Counter[str] = collections.Counter()
-
-    def admit(self, identity: str, session: uuid.UUID) -> None:
-        held = self.sessions()
-        existing = held.get(session)
-        if existing is not None and existing.owner == identity:
-            return  # a retry: the role answers it (the same session, or 409)
-        limits = self.limits
-        if self.in_flight[identity] >= limits.max_in_flight:
-            raise TooManyRequests(f"{self.in_flight[identity]} session requests of {identity!r} are being placed, "
-                                  f"its limit (max_in_flight {limits.max_in_flight})")
-        if len(held) >= limits.max_sessions:  # (fewer sessions in all: nobody can be over the limit)
-            live = sum(1 for s in held.values() if s.owner == identity and s.state is not SessionState.DONE)
-            if live >= limits.max_sessions:
-                raise TooManyRequests(f"{identity!r} has {live} sessions that are not done, its limit "
-                                      f"(max_sessions {limits.max_sessions})")
-
-    @contextlib.contextmanager
-    def holding(self, identity: str) -> Iterator[None]:
-        self.in_flight[identity] += 1
-        try:
-            yield
-        finally:
-            self.in_flight[identity] -= 1
-            if not self.in_flight[identity]:
-                del self.in_flight[identity]
-
-
-def controller_routes(pc: ControllerService, *, max_body_bytes: int = DEFAULT_MAX_SESSION_BYTES,
-                      client_limits: ClientSessionLimits | None = None) -> list[Route]:
+def controller_routes(pc: ControllerService, *, max_body_bytes: int = DEFAULT_MAX_SESSION_BYTES) -> list[Route]:
     role = pc.role
-    gate = _SessionGate(client_limits or ClientSessionLimits(), lambda: role.sessions)
 
     async def post_session(request: Request) -> Response:
+        # The role admits or refuses (a client's limits: 429 with the problem's retry_after_s as Retry-After).
         body = SessionRequest.loads(await read_json_body(request, max_body_bytes))
-        principal = principal_of(request)
-        try:
-            gate.admit(principal.identity, body.session)
-        except TooManyRequests as problem:
-            return problem_response(problem, [("retry-after", str(gate.limits.retry_after_s))])
-        with gate.holding(principal.identity):
-            info, created = await pc.create_session(principal, body)
+        info, created = await pc.create_session(principal_of(request), body)
         return kvsp_json(info.to_json(), 201 if created else 200, {"location": f"sessions/{info.session}"})
 
     async def get_session(request: Request) -> Response:
@@ -239,8 +176,7 @@ def controller_app(service: IndexService, pc: ControllerService, policy: Policy,
                    base_path: str = "/", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                    max_session_bytes: int = DEFAULT_MAX_SESSION_BYTES, sweep_interval: float | None = 1.0,
                    sweep_limit: int = 65536, tick_interval: float = 0.1, metrics: Registry | None = None,
-                   rules: Sequence[Rule] = INDEX_RULES + CONTROLLER_RULES,
-                   client_limits: ClientSessionLimits | None = None) -> ASGIApp:
+                   rules: Sequence[Rule] = INDEX_RULES + CONTROLLER_RULES) -> ASGIApp:
     """The Index Service and the Placement Controller as one ASGI app (see the module docstring). While the
     lifespan runs, expired index entries are swept every *sweep_interval* seconds and the controller ticks every
     *tick_interval* seconds (failovers). *metrics* defaults to the controller's registry."""
@@ -257,13 +193,10 @@ def controller_app(service: IndexService, pc: ControllerService, policy: Policy,
 
     on_status = pc.report_status if pc.shared is None else pc.report_status_shared
     routes = index_routes(service, max_body_bytes=max_body_bytes, report_status=on_status, metrics=registry)
-    app = Starlette(routes=routes + controller_routes(pc, max_body_bytes=max_session_bytes,
-                                                      client_limits=client_limits),
-                    lifespan=lifespan)
+    app = Starlette(routes=routes + controller_routes(pc, max_body_bytes=max_session_bytes), lifespan=lifespan)
     install(app)
     all_rules = mount_metrics(app, registry, rules)
     return TransferMetrics(role_app(app, policy, all_rules, base_path), registry, component="index")
 
 
-__all__ = ["CONTROLLER_RULES", "DEFAULT_MAX_SESSION_BYTES", "ClientSessionLimits", "controller_app",
-           "controller_routes"]
+__all__ = ["CONTROLLER_RULES", "DEFAULT_MAX_SESSION_BYTES", "controller_app", "controller_routes"]

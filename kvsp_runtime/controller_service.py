@@ -407,10 +407,15 @@ class ControllerService:
             if not isinstance(admission, Admitted):
                 return admission.info
             session = admission.session
-            version = await self.shared.save(session.id, stored_session(session), self._ttl_ms(session))
+            try:
+                version = await self.shared.save(session.id, stored_session(session), self._ttl_ms(session))
+            except BaseException:
+                self.role.abandon(session)
+                raise
             if version is not None:
                 session.version = version
                 return admission
+            self.role.abandon(session)  # another replica stored it meanwhile: the next try finds it (a retry)
         raise Unavailable(f"session {request.session}: too many concurrent writes")
 
     async def create_session(self, principal: Principal, request: SessionRequest) -> tuple[SessionInfo, bool]:
@@ -421,6 +426,12 @@ class ControllerService:
                 return await self._placement_of(principal, request.session), False
             return admission, False
         session = admission.session
+        try:
+            return await self._place_admitted(session), True
+        finally:  # however it ended (a store that went away too): no longer one of its owner's placements
+            self.role.admission.ended(session)
+
+    async def _place_admitted(self, session: PlacedSession) -> SessionInfo:
         started = time.perf_counter()
         async with self._lock(session.id), self._leased(session.id) as held:
             if not held:  # another replica took it over already (it cannot, unless this one stalled)
@@ -442,7 +453,7 @@ class ControllerService:
             info = self.role.placed(session, time.perf_counter() - started)
             await self._persist(session)
             self._evict(session.id)
-            return info, True
+            return info
 
     async def _placement_of(self, principal: Principal, session_id: uuid.UUID) -> SessionInfo:
         """A retry of ``POST sessions`` for a session another replica admitted and is placing (the client's first

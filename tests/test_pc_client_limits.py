@@ -1,5 +1,5 @@
-"""Issue 13: per-client session limits at the Placement Controller (``ClientSessionLimits``,
-kvsp_http/controller_app.py).
+"""Issue 13: per-client session limits at the Placement Controller (``[controller] client_max_sessions``,
+``client_max_in_flight``, ``client_retry_ms``: the role's admission, kvsp_quic/roles/controller_admission.py).
 
 A real PC (``controller_app`` behind a RoleServer, mutual TLS, 127.0.0.1) and a recording instance: one client may
 own at most ``max_sessions`` sessions that are not done, and place at most ``max_in_flight`` at once; beyond
@@ -14,6 +14,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +22,19 @@ import pytest
 
 from http3.client import KvspClient
 from http3.server import RoleServer, bind_pair
-from kvsp_http.controller_app import ClientSessionLimits, controller_app
-from kvsp_quic.auth import Policy
+from kvsp_http.controller_app import controller_app
+from kvsp_quic.auth import ALL, Policy, Principal, Role
 from kvsp_quic.metrics import Registry
+from kvsp_quic.problems import TooManyRequests, Unavailable
 from kvsp_quic.roles.controller import ControllerConfig, PlacementController
+from kvsp_quic.roles.controller_records import SessionRequest
+from kvsp_quic.roles.controller_sessions import Admitted, Repeated
 from kvsp_quic.roles.index import Geometry, IndexConfig, IndexService
 from kvsp_quic.roles.status import LifecyclePolicy, SleepPolicy, StatusTable
 from kvsp_quic.storage.memory_index import MemoryIndexStore
 from kvsp_runtime.controller_link import HttpInstanceLink
 from kvsp_runtime.controller_service import ControllerService
+from tests.helpers import Clock
 from tests.pki import make_pki
 from tests.test_controller_app import BLOCK, Cluster, FakeInstance, checkpoint, session_body
 from tests.test_index import C1, S1
@@ -38,7 +43,7 @@ NAMES = ("pc", "ia", "h1")
 
 
 @contextlib.asynccontextmanager
-async def limited_pc(root: Path, limits: ClientSessionLimits,
+async def limited_pc(root: Path, limits: ControllerConfig,
                      hold: tuple[asyncio.Event, asyncio.Event] | None = None) -> AsyncIterator[Cluster]:
     """The PC and its instance; with *hold* = (arrived, release), the instance's first session start sets
     *arrived* and waits for *release* before it answers."""
@@ -55,7 +60,7 @@ async def limited_pc(root: Path, limits: ClientSessionLimits,
     service = IndexService(MemoryIndexStore(), clock=time.monotonic,
                            config=IndexConfig(geometry={C1: Geometry(BLOCK, 4)}), status=status)
     pc_client = KvspClient(pki.files("pc"), timeout=5.0)
-    role = PlacementController(service, clock=time.monotonic, config=ControllerConfig(prefetch_deadline_ms=200),
+    role = PlacementController(service, clock=time.monotonic, config=replace(limits, prefetch_deadline_ms=200),
                                metrics=Registry(), identity=uris["pc"])
     controller = ControllerService(role, HttpInstanceLink(pc_client))
     instance = FakeInstance("ia", uris["ia"])
@@ -68,8 +73,8 @@ async def limited_pc(root: Path, limits: ClientSessionLimits,
             await hold[1].wait()  # the instance takes its time to start this session
         await inner(scope, receive, send)
 
-    servers = [RoleServer(controller_app(service, controller, policy, base_path="/kvsp/", tick_interval=0.05,
-                                         client_limits=limits), pki.files("pc")),
+    servers = [RoleServer(controller_app(service, controller, policy, base_path="/kvsp/", tick_interval=0.05),
+                          pki.files("pc")),
                RoleServer(slow, pki.files("ia"))]
     clients = {n: KvspClient(pki.files(n), timeout=10.0, retries=0) for n in ("pc", "ia", "alice", "bob")}
     try:
@@ -91,7 +96,7 @@ def _body(n: int) -> dict[str, Any]:
 
 
 async def test_a_client_owns_at_most_max_sessions_live_sessions(tmp_path: Path) -> None:
-    async with limited_pc(tmp_path, ClientSessionLimits(max_sessions=2, retry_after_s=3)) as c:
+    async with limited_pc(tmp_path, ControllerConfig(client_max_sessions=2, client_retry_ms=2500)) as c:
         assert (await c.report("ia")).status == 200
         for n in (1, 2):
             created = await c.call("alice", "POST", "sessions", _body(n))
@@ -116,7 +121,7 @@ async def test_a_client_owns_at_most_max_sessions_live_sessions(tmp_path: Path) 
 
 async def test_a_client_places_at_most_max_in_flight_sessions_at_once(tmp_path: Path) -> None:
     arrived, release = asyncio.Event(), asyncio.Event()
-    async with limited_pc(tmp_path, ClientSessionLimits(max_in_flight=1), (arrived, release)) as c:
+    async with limited_pc(tmp_path, ControllerConfig(client_max_in_flight=1), (arrived, release)) as c:
         assert (await c.report("ia")).status == 200
         first = asyncio.ensure_future(c.call("alice", "POST", "sessions", _body(1)))
         await asyncio.wait_for(arrived.wait(), 30)  # the first one is being placed: its start is at the instance
@@ -131,16 +136,49 @@ async def test_a_client_places_at_most_max_in_flight_sessions_at_once(tmp_path: 
         assert third.status == 201, third.content
 
 
-def test_limits_are_positive() -> None:
-    with pytest.raises(ValueError, match="max_sessions"):
-        ClientSessionLimits(max_sessions=0)
-
-
 def test_the_limits_are_controller_settings() -> None:
     from kvsp_app.config import IndexFile, build
-    from kvsp_quic.roles.controller import ControllerConfig
 
-    cfg = build(IndexFile, {"controller": {"client_max_sessions": 7, "client_max_in_flight": 2}})
+    cfg = build(IndexFile, {"controller": {"client_max_sessions": 7, "client_max_in_flight": 2,
+                                           "client_retry_ms": 1001}})
     assert (cfg.controller.client_max_sessions, cfg.controller.client_max_in_flight) == (7, 2)
-    with pytest.raises(ValueError, match="client_max_sessions: must be positive"):
-        ControllerConfig(client_max_sessions=0)
+    assert cfg.controller.client_retry_after_s == 2  # whole seconds, rounded up
+    assert ControllerConfig().client_retry_after_s == 1
+    for key in ("client_max_sessions", "client_max_in_flight", "client_retry_ms"):
+        with pytest.raises(ValueError, match=f"{key}: must be positive"):
+            ControllerConfig(**{key: 0})
+
+
+def test_admission_is_the_roles() -> None:
+    """The role decides without any HTTP: a retry is never refused, a client's limit is 429 carrying
+    retry_after_s (the edge's Retry-After), the PC's own limit 503, and a placement that ended frees its slot."""
+    session_request = SessionRequest.from_json
+    clock = Clock()
+    status = StatusTable(clock, policy=LifecyclePolicy(SleepPolicy()), max_ttl_ms=60_000)
+    role = PlacementController(IndexService(MemoryIndexStore(), clock=clock, status=status), clock=clock,
+                               config=ControllerConfig(client_max_in_flight=1, client_max_sessions=2,
+                                                       client_retry_ms=3000, max_sessions=3))
+    alice, bob = (Principal(f"urn:kvsp:client:{n}", frozenset({Role.CLIENT}), ALL) for n in ("alice", "bob"))
+    first = role.admit(alice, session_request(_body(1)))
+    assert isinstance(first, Admitted) and role.admission.in_flight(alice.identity) == 1
+    assert isinstance(role.admit(alice, session_request(_body(1))), Repeated)  # a retry: answered
+    with pytest.raises(TooManyRequests, match="max_in_flight 1") as busy:
+        role.admit(alice, session_request(_body(2)))
+    assert busy.value.retry_after_s == 3
+    role.placed(first.session, 0.01)
+    assert role.admission.in_flight(alice.identity) == 0
+    second = role.admit(alice, session_request(_body(2)))
+    assert isinstance(second, Admitted)
+    role.abandon(second.session)
+    second = role.admit(alice, session_request(_body(2)))
+    assert isinstance(second, Admitted)
+    role.placed(second.session, 0.01)
+    third = role.admit(bob, session_request(_body(3)))
+    assert isinstance(third, Admitted)
+    role.placed(third.session, 0.01)
+    with pytest.raises(Unavailable, match="its maximum"):  # the PC's max_sessions
+        role.admit(bob, session_request(_body(4)))
+    role.sessions.pop(session_request(_body(3)).session)
+    with pytest.raises(TooManyRequests, match="max_sessions 2") as full:
+        role.admit(alice, session_request(_body(5)))
+    assert full.value.retry_after_s == 3

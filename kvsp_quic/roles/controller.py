@@ -11,6 +11,10 @@ process (the spec allows combining them; docs/wire.md, "Placement Controller") a
 
 * **Lifecycle**: status reports go through :meth:`PlacementController.report_status` (epochs, expiry -> failed,
   sleep requests: :class:`~kvsp_quic.roles.status.LifecyclePolicy`).
+* **Admission**: ``POST sessions`` for a new session passes the PC's and the client's limits
+  (:class:`~kvsp_quic.roles.controller_admission.SessionAdmission`: 429 with ``retry_after_s``, 503); a retry of a
+  session its principal created is answered, never refused (:meth:`~PlacementController.admit`). The settings are
+  :class:`~kvsp_quic.roles.controller_config.ControllerConfig`, the ``[controller]`` section.
 * **Placement**: a lookup of the prompt's Block Keys with every alive *active* instance of the session's scope as
   a target (:meth:`~PlacementController.placement_query`), ranked by the configured placement policy
   (:mod:`kvsp_quic.roles.placement`; default: the spec's cost). Only active instances whose principal holds the
@@ -40,8 +44,8 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Any
 
 from kvsp_quic.auth import ALL, Principal, Role, Scopes, require_scope
 from kvsp_quic.compat import InstanceState
@@ -71,6 +75,8 @@ from kvsp_quic.records import (
     SessionCheckpoint,
     ShardMap,
 )
+from kvsp_quic.roles.controller_admission import SessionAdmission
+from kvsp_quic.roles.controller_config import ControllerConfig
 from kvsp_quic.roles.controller_lifecycle import SessionEvent
 from kvsp_quic.roles.controller_records import (
     SessionInfo,
@@ -106,75 +112,12 @@ from kvsp_quic.roles.controller_sessions import (
     judge_probe,
 )
 from kvsp_quic.roles.index import IndexService
-from kvsp_quic.roles.placement import PLACEMENT_POLICIES, Choice, PlacementInput, placement_policy, rank
-from kvsp_quic.roles.status import InstanceStatus, SleepMode, SleepPolicy, StatusTable
+from kvsp_quic.roles.placement import Choice, PlacementInput, placement_policy, rank
+from kvsp_quic.roles.status import InstanceStatus, StatusTable
 
 log = logging.getLogger("kvsp.controller")
 
 Clock = Callable[[], float]
-
-
-@dataclass(frozen=True)
-class ControllerConfig:
-    """The Placement Controller's settings: the ``[controller]`` section of ``kvsp-quic index``'s file, as is.
-    Durations are milliseconds; the asyncio adapter reads the ones it needs in seconds (``*_s``)."""
-
-    start_hook: list[str] = field(default_factory=list)  # argv of a command that starts an instance; [] = none
-    start_timeout_ms: int = 60_000  # how long a request waits for an instance the start hook starts
-    start_interval_ms: int = 10_000  # at most one start hook run per interval
-    max_cost_us: float | None = None  # above it a placement looks for more capacity (wake, start hook)
-    prefetch_deadline_ms: int = 1000  # of the directives sent before a session starts
-    prefetch_lease_ms: int = 5000
-    request_timeout_ms: int = 10_000  # of each request to an instance
-    tick_ms: int = 100  # failure checks
-    session_ttl_ms: int = 3_600_000  # a session without a checkpoint for this long is forgotten
-    done_ttl_ms: int = 600_000  # a finished session stays readable for this long
-    max_sessions: int = 100_000
-    reshard_deadline_ms: int = 5000  # default deadline_ms of reshard plans
-    lease_ms: int = 3000  # with a shared store: a replica placing a session holds it this long, renewed
-    suspect_probe_ms: int = 300  # a suspect report's probe of the instance: no answer within it = the run failed
-    suspect_wait_ms: int = 10_000  # how long a suspect report's answer waits for the session's new instance
-    client_max_sessions: int = 1000  # sessions one principal owns that are not done, per replica (else 429)
-    client_max_in_flight: int = 64  # one principal's POST sessions being placed at once (else 429)
-    placement_policy: str = "cost"  # a name in kvsp_quic.roles.placement.PLACEMENT_POLICIES
-    sleep: Literal["load", "always", "never"] = "load"  # the policy for requested_state: sleeping (SleepPolicy)
-    sleep_min_active: int = 1  # other active instances that must remain
-    sleep_min_spare: int = 1  # spare batch slots the others must have beyond the requester's load
-    sleep_max_kv_utilization: float = 0.9  # others fuller than this have no spare capacity
-
-    def __post_init__(self) -> None:
-        for name in ("prefetch_deadline_ms", "prefetch_lease_ms", "start_timeout_ms", "start_interval_ms",
-                     "request_timeout_ms", "tick_ms", "session_ttl_ms", "done_ttl_ms", "max_sessions",
-                     "reshard_deadline_ms", "lease_ms", "suspect_probe_ms", "suspect_wait_ms",
-                     "client_max_sessions", "client_max_in_flight"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be positive")
-        if self.max_cost_us is not None and self.max_cost_us <= 0:
-            raise ValueError("max_cost_us: must be positive")
-        if self.placement_policy not in PLACEMENT_POLICIES:
-            raise ValueError(f"placement_policy: unknown placement policy {self.placement_policy!r} "
-                             f"(known: {', '.join(sorted(PLACEMENT_POLICIES))})")
-        if self.sleep not in ("load", "always", "never"):
-            raise ValueError(f"sleep: must be one of 'load', 'always', 'never', got {self.sleep!r}")
-        for name in ("sleep_min_active", "sleep_min_spare"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must not be negative")
-        if not 0.0 <= self.sleep_max_kv_utilization <= 1.0:
-            raise ValueError("sleep_max_kv_utilization: must be in [0, 1]")
-
-    @property
-    def sleep_policy(self) -> SleepPolicy:
-        """The policy that decides sleep requests (for the status table's :class:`LifecyclePolicy`)."""
-        return SleepPolicy(SleepMode(self.sleep), self.sleep_min_active, self.sleep_min_spare,
-                           self.sleep_max_kv_utilization)
-
-    @property
-    def request_timeout_s(self) -> float:
-        return self.request_timeout_ms / 1000
-
-    @property
-    def tick_s(self) -> float:
-        return self.tick_ms / 1000
 
 
 _REFUSALS = (InvalidState, Incompatible)  # the instance definitely did not take the session
@@ -192,6 +135,7 @@ class PlacementController:
         self.clock = clock
         self.config = config or ControllerConfig()
         self.policy = placement_policy(self.config.placement_policy)
+        self.admission = SessionAdmission(self.config)
         self.new_id = new_id
         # Lookups are made on the front end's behalf after its scope was checked: the PC's own principal.
         self.principal = Principal(identity, frozenset({Role.CONTROLLER}), ALL)
@@ -537,24 +481,27 @@ class PlacementController:
         return session
 
     def admit(self, principal: Principal, request: SessionRequest) -> Admission:
-        """POST sessions: hold a new session (to be placed), or recognize a retry of the same request."""
+        """POST sessions: hold a new session (to be placed), or recognize a retry of the same request (never
+        refused). A new one must pass :attr:`admission` (429 with ``retry_after_s`` beyond a client's limits, 503
+        beyond the PC's); it counts as being placed until :meth:`placed`, :meth:`unplaced` or :meth:`abandon`."""
         require_scope(principal, request.scope_id)
         existing = self.sessions.get(request.session)
         if existing is not None:
             if existing.owner != principal.identity or existing.request != request:
                 raise Problem(f"session {request.session} exists", status=409)
             return Repeated(existing.info())
-        if len(self.sessions) >= self.config.max_sessions:
-            raise Unavailable(f"the PC holds {len(self.sessions)} sessions, its maximum")
+        self.admission.check(principal.identity, self.sessions)
         now = self.clock()
         session = PlacedSession(request, principal.identity, now, now)
         self.sessions[request.session] = session
+        self.admission.began(session)
         return Admitted(session)
 
     def placed(self, session: PlacedSession, seconds: float) -> SessionInfo:
         """The first placement of *session* succeeded after *seconds*: it runs (or it is done already: its instance
         reported the last token before it answered the start)."""
         session.apply(SessionEvent.PLACED)
+        self.admission.ended(session)
         self.m_sessions.labels(outcome="placed").inc()
         self.m_placement_seconds.observe(seconds)
         return session.info()
@@ -563,12 +510,15 @@ class PlacementController:
         """No instance took *session*: it is forgotten; the problem to answer (503 either way: whether any instance
         of the scope exists is not the client's to learn beyond "none took it")."""
         self.sessions.pop(session.id, None)
+        self.admission.ended(session)
         self.m_sessions.labels(outcome="unplaced").inc()
         return Unavailable(f"no active instance of scope {bytes(session.request.scope_id).hex()} took the session")
 
     def abandon(self, session: PlacedSession) -> None:
-        """The placement of *session* was interrupted (an error, a cancellation): forget it."""
+        """The placement of *session* was interrupted (an error, a cancellation, another replica's write): forget
+        it."""
         self.sessions.pop(session.id, None)
+        self.admission.ended(session)
 
     def session_info(self, principal: Principal, session_id: uuid.UUID) -> SessionInfo:
         """GET sessions/{id}: only for the identity that created the session (others: 404, as if unknown)."""
