@@ -215,6 +215,21 @@ async def test_requests_it_must_not_take(pki: TestPki, servers: Servers) -> None
     assert servers.spy.calls == 0  # the server did not even ask the app
 
 
+async def stalled(srv: RoleServer) -> Any:
+    """The server's one connection, once the transport has paused its writing (the peer reads nothing) and the
+    server has had every chance to go on: the event loop -- the server's too -- ran 200 more times meanwhile, so
+    anything it still wanted to buffer is buffered (no wall-clock wait: on a slow machine as on a fast one)."""
+    assert srv.tcp is not None
+    async with asyncio.timeout(10):
+        while not (srv.tcp._connections and next(iter(srv.tcp._connections))._write_paused):
+            await asyncio.sleep(0.001)
+    for _ in range(200):
+        await asyncio.sleep(0)
+    (server_conn,) = srv.tcp._connections  # the one connection (white box: its write buffer)
+    assert server_conn._write_paused
+    return server_conn
+
+
 @pytest.mark.parametrize("path", ["immediate", "asgi"])
 async def test_a_peer_that_does_not_read_is_bounded(pki: TestPki, servers: Servers, path: str) -> None:
     """64 pipelined GETs of a 512 KiB block (32 MiB of answers) from a peer that reads nothing. Once the transport
@@ -226,9 +241,7 @@ async def test_a_peer_that_does_not_read_is_bounded(pki: TestPki, servers: Serve
     srv = servers.immediate if path == "immediate" else servers.asgi
     conn = await Raw.open(pki, "alice", srv)
     conn.writer.write(get(block_path(SMALL)) * 64)
-    await asyncio.sleep(1.0)
-    assert srv.tcp is not None
-    (server_conn,) = srv.tcp._connections  # the one connection (white box: its write buffer)
+    server_conn = await stalled(srv)
     buffered = _unsent(server_conn.transport)  # TLS's buffer and the socket transport's below it
     assert buffered <= 3 * IMMEDIATE_MAX, buffered
     assert len(servers.spy.answers) < 64
@@ -261,9 +274,7 @@ async def test_an_http2_peer_that_does_not_read_is_bounded(pki: TestPki, servers
         conn.send_headers(stream, [(":method", "GET"), (":scheme", "https"), (":authority", "127.0.0.1"),
                                    (":path", block_path(SMALL))], end_stream=True)
     writer.write(conn.data_to_send())
-    await asyncio.sleep(1.0)
-    assert servers.asgi.tcp is not None
-    (server_conn,) = servers.asgi.tcp._connections
+    server_conn = await stalled(servers.asgi)
     buffered = _unsent(server_conn.transport)
     assert buffered <= 3 * IMMEDIATE_MAX, buffered
     bodies: dict[int, bytearray] = {stream: bytearray() for stream in streams}
