@@ -36,8 +36,10 @@ from urllib.parse import quote, urlsplit
 import httpx
 
 from http3.body_sink import BufferSink, copy_into
+from http3.errors import ConnectTimeout as ConnectTimeout
+from http3.errors import RequestTimeout as RequestTimeout
+from http3.errors import TransportError as TransportError
 from http3.h1_client import H1Pool, IntoBuffer
-from http3.h1_deadlines import H1ConnectTimeout, H1Timeout, H1TransportError
 from http3.h3_client import (
     CONTROL_KEEPALIVE,
     H3ClientConnection,
@@ -55,25 +57,6 @@ log = logging.getLogger("kvsp.client")
 
 IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
 Body = bytes | bytearray | memoryview | AsyncIterable[bytes] | None
-
-
-class TransportError(ConnectionError):
-    """The request could not be completed: connection refused or reset, TLS failure, timeout. *unreachable*:
-    nothing listens at the origin's port (ICMP port unreachable ended the QUIC connection:
-    :class:`quic.protocol.PeerUnreachable`)."""
-
-    def __init__(self, detail: str, *, unreachable: bool = False) -> None:
-        super().__init__(detail)
-        self.unreachable = unreachable
-
-
-class RequestTimeout(TransportError, TimeoutError):
-    pass
-
-
-class ConnectTimeout(RequestTimeout):
-    """No connection could be opened within the connect timeout (scaled with the host's RTT when it is known:
-    :mod:`quic.rtt`): the peer answers no handshake. Not retried on the same origin; the caller goes elsewhere."""
 
 
 class Headers:
@@ -143,7 +126,7 @@ class Response:
                 if self._on_timeout is not None:
                     self._on_timeout()
                 raise RequestTimeout(f"no response data for {self._read_timeout} s") from None
-            except (H3StreamError, H1TransportError, httpx.TransportError) as exc:
+            except (H3StreamError, TransportError, httpx.TransportError) as exc:
                 raise TransportError(f"response body broken: {exc}") from None
             yield chunk
 
@@ -168,11 +151,11 @@ class Response:
             if self._receive_into is not None:
                 try:
                     return await self._receive_into(sink, self._read_timeout)
-                except TimeoutError:  # H1Timeout: the lean HTTP/1.1 path keeps its deadlines on one timer
+                except TimeoutError:  # RequestTimeout: the lean HTTP/1.1 path keeps its deadlines on one timer
                     if self._on_timeout is not None:
                         self._on_timeout()
                     raise RequestTimeout(f"the response body did not arrive within {self._read_timeout} s") from None
-                except H1TransportError as exc:
+                except TransportError as exc:
                     raise TransportError(f"response body broken: {exc}") from None
             pos = 0
             async for chunk in self.aiter_bytes():
@@ -416,11 +399,11 @@ class KvspClient:
         fields = [(k.lower().encode("ascii"), _field_value(v)) for k, v in headers.items()]
         try:
             h1 = await self._h1.request(*origin, method, target, fields, content, deadline=deadline)
-        except H1ConnectTimeout as exc:
+        except ConnectTimeout as exc:  # the lean path's own errors, named with the request
             raise ConnectTimeout(f"{method} {url}: {exc}") from None
-        except H1Timeout:
+        except RequestTimeout:
             raise RequestTimeout(f"{method} {url}: no response within {timeout} s") from None
-        except H1TransportError as exc:
+        except TransportError as exc:
             raise TransportError(f"{method} {url}: {exc}") from None
         return Response(h1.status, Headers(h1.headers, lowered=True), h1.http_version, h1.aiter_bytes(), h1.aclose,
                         timeout, receive_into=h1.receive_into if method != "HEAD" else None,

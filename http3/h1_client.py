@@ -18,14 +18,14 @@ parses the response head by hand and lets TLS decrypt the body straight into the
   over and neither side said ``Connection: close``; one that is closed while idle is never handed out.
 
 Every request checks that the server is the role called: its certificate's SAN URI must cover the URL
-(:func:`quic.tls.serves`: host, port when the identity states one, base path), else :class:`H1TransportError`
+(:func:`quic.tls.serves`: host, port when the identity states one, base path), else :class:`TransportError`
 before anything is sent (issue 13: a co-located role's valid certificate must not answer for another role).
 ``serves`` compares the host and port only, and a connection serves one origin with one certificate, so its
 answer is kept per connection once it is "yes" (it cost ~30 us a request).
 
-Failures (refused, reset, TLS, a malformed or truncated response) raise :class:`H1TransportError`; a connect
-that times out raises :class:`H1ConnectTimeout`; a request, body or chunk past its deadline raises
-:class:`H1Timeout` (deadlines of a pool's exchanges run on one timer, :class:`Deadlines`). Cancelling a request
+Failures (refused, reset, TLS, a malformed or truncated response) raise :class:`TransportError`; a connect
+that times out raises :class:`ConnectTimeout`; a request, body or chunk past its deadline raises
+:class:`RequestTimeout` (deadlines of a pool's exchanges run on one timer, :class:`Deadlines`). Cancelling a request
 (e.g. a caller's timeout) closes its connection. Backpressure: a streamed body that the caller does not take
 pauses reading at :data:`RX_HIGH_WATER`.
 
@@ -48,7 +48,8 @@ from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from typing import cast
 
 from http3.body_sink import BufferSink, copy_into
-from http3.h1_deadlines import Deadlines, H1ConnectTimeout, H1Timeout, H1TransportError
+from http3.errors import ConnectTimeout, RequestTimeout, TransportError
+from http3.h1_deadlines import Deadlines
 from quic.rtt import TCP_INFO_SIZE, RttTable, tcp_info_rtt
 from quic.tls import serves, ssl_peer_identity
 
@@ -153,7 +154,7 @@ class H1Connection(asyncio.BufferedProtocol):
             self._push(bytes(self._scratch_view[:nbytes]))
             self._wake()
         else:  # octets nobody asked for: the connection is out of step
-            self._fail(H1TransportError("unexpected data from the server"))
+            self._fail(TransportError("unexpected data from the server"))
 
     def eof_received(self) -> bool | None:
         self.reusable = False
@@ -161,7 +162,7 @@ class H1Connection(asyncio.BufferedProtocol):
             self._phase = _DONE
             self._wake()
         elif self._phase != _DONE:
-            self._fail(H1TransportError("the server closed the connection mid-response"))
+            self._fail(TransportError("the server closed the connection mid-response"))
         return False  # close the transport
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -172,7 +173,7 @@ class H1Connection(asyncio.BufferedProtocol):
             self._phase = _DONE
             self._wake()
         elif self._phase != _DONE:
-            self._fail(H1TransportError(f"connection lost: {exc}" if exc else "connection closed by the server"))
+            self._fail(TransportError(f"connection lost: {exc}" if exc else "connection closed by the server"))
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
 
@@ -234,13 +235,13 @@ class H1Connection(asyncio.BufferedProtocol):
             end = self._head.find(b"\r\n\r\n")
             if end < 0:
                 if len(self._head) > MAX_HEAD:
-                    self._fail(H1TransportError("response head too large"))
+                    self._fail(TransportError("response head too large"))
                 return
             head, rest = bytes(self._head[:end]), memoryview(self._head)[end + 4:]
             try:
                 status, fields, framing = _parse(head)
             except ValueError as exc:
-                self._fail(H1TransportError(f"malformed response head: {exc}"))
+                self._fail(TransportError(f"malformed response head: {exc}"))
                 return
             if 100 <= status < 200:  # 100 Continue and friends: skip, a final response follows
                 self._head = bytearray(rest)
@@ -298,7 +299,7 @@ class H1Connection(asyncio.BufferedProtocol):
             if nl < 0:
                 self._line += data[pos:]
                 if len(self._line) > MAX_HEAD:
-                    self._fail(H1TransportError("chunk line too long"))
+                    self._fail(TransportError("chunk line too long"))
                 return
             self._line += data[pos:pos + nl + 1]
             pos += nl + 1
@@ -308,16 +309,16 @@ class H1Connection(asyncio.BufferedProtocol):
                 try:
                     size = int(line.split(b";", 1)[0].strip(), 16)
                 except ValueError:
-                    self._fail(H1TransportError(f"bad chunk size line {line[:40]!r}"))
+                    self._fail(TransportError(f"bad chunk size line {line[:40]!r}"))
                     return
                 if size < 0:
-                    self._fail(H1TransportError("negative chunk size"))
+                    self._fail(TransportError("negative chunk size"))
                     return
                 self._left = size
                 self._chunk_state = _C_DATA if size else _C_TRAILER
             elif state == _C_DATA_END:
                 if line:
-                    self._fail(H1TransportError("chunk data longer than its size"))
+                    self._fail(TransportError("chunk data longer than its size"))
                     return
                 self._chunk_state = _C_SIZE
             elif not line:  # _C_TRAILER: an empty line ends the message
@@ -345,10 +346,10 @@ class H1Connection(asyncio.BufferedProtocol):
     async def exchange(self, method: str, target: str, fields: Fields, body: Buffer | AsyncIterable[bytes] | None,
                        deadline: float = math.inf) -> tuple[int, list[tuple[bytes, bytes]]]:
         """Send one request and wait for the response head; the body is read through :class:`H1Response`.
-        Past *deadline* (``loop.time()``) it fails with :class:`H1Timeout` (:class:`Deadlines`)."""
+        Past *deadline* (``loop.time()``) it fails with :class:`RequestTimeout` (:class:`Deadlines`)."""
         transport = self.transport
         if transport is None or self.closed:
-            raise H1TransportError("connection closed")
+            raise TransportError("connection closed")
         self.busy = True
         self._error = None
         self._resume()
@@ -453,7 +454,7 @@ class H1Connection(asyncio.BufferedProtocol):
         return self._queued
 
     async def next_chunk(self, timeout: float | None = None) -> bytes | None:
-        """The next streamed body chunk, or None at the end of the body; :class:`H1Timeout` when none comes
+        """The next streamed body chunk, or None at the end of the body; :class:`RequestTimeout` when none comes
         within *timeout* seconds."""
         deadline = math.inf
         while True:
@@ -481,7 +482,7 @@ class H1Connection(asyncio.BufferedProtocol):
 
     async def receive_into(self, sink: BufferSink, deadline: float = math.inf) -> int:
         """Deliver the rest of the body to *sink* (``get_buffer`` / ``buffer_updated``); the octets delivered.
-        Past *deadline* (``loop.time()``) it fails with :class:`H1Timeout`."""
+        Past *deadline* (``loop.time()``) it fails with :class:`RequestTimeout`."""
         if deadline == math.inf:
             return await self._receive_into(sink)
         self.deadlines.watch(self, deadline, "the response body did not arrive in time")
@@ -522,7 +523,7 @@ class IntoBuffer:
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.filled >= len(self.view):
-            raise H1TransportError(f"the response body is larger than the buffer ({len(self.view)} octets)")
+            raise TransportError(f"the response body is larger than the buffer ({len(self.view)} octets)")
         return self.view[self.filled:]
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -580,7 +581,7 @@ class H1Response:
         return self._conn.buffered if self._conn is not None else 0
 
     async def aiter_bytes(self, timeout: float | None = None) -> AsyncIterator[bytes]:
-        """The body chunk by chunk; :class:`H1Timeout` when the next one does not come within *timeout* s."""
+        """The body chunk by chunk; :class:`RequestTimeout` when the next one does not come within *timeout* s."""
         conn = self._conn
         if conn is None:
             return
@@ -600,7 +601,7 @@ class H1Response:
         """Deliver the whole (rest of the) body to *sink* as TLS decrypts it (e.g. a
         :class:`~kvsp_quic.container.ContainerDecoder`, which verifies each layer as it completes); the octets
         delivered. An exception from the sink ends the exchange (and the connection) and is raised here; so does
-        :class:`H1Timeout` when the body is not all in within *timeout* seconds."""
+        :class:`RequestTimeout` when the body is not all in within *timeout* seconds."""
         conn = self._conn
         if conn is None:
             return 0
@@ -663,10 +664,10 @@ class H1Pool:
                                                        origin[1], ssl=self.context, server_hostname=origin[0])
         except TimeoutError:
             if left < timeout:
-                raise H1Timeout(f"connecting to {origin[0]}:{origin[1]}: the request's deadline passed") from None
-            raise H1ConnectTimeout(f"connecting to {origin[0]}:{origin[1]} timed out ({timeout:.2g} s)") from None
+                raise RequestTimeout(f"connecting to {origin[0]}:{origin[1]}: the request's deadline passed") from None
+            raise ConnectTimeout(f"connecting to {origin[0]}:{origin[1]} timed out ({timeout:.2g} s)") from None
         except (OSError, ssl.SSLError) as exc:
-            raise H1TransportError(f"connecting to {origin[0]}:{origin[1]}: {exc}") from None
+            raise TransportError(f"connecting to {origin[0]}:{origin[1]}: {exc}") from None
         self._observe(origin[0], conn)
         self.connects += 1
         self._all.add(conn)
@@ -702,7 +703,7 @@ class H1Pool:
                       deadline: float = math.inf) -> H1Response:
         """Send a request and wait for the response head. *deadline* (``loop.time()``; a bytes-like or no *body*:
         a streamed body is the caller's to time): the connect and the head must be done by then, else
-        :class:`H1Timeout` (a connect that times out on its own, before the deadline: :class:`H1ConnectTimeout`)."""
+        :class:`RequestTimeout` (a connect that times out on its own, before the deadline: :class:`ConnectTimeout`)."""
         conn = await self.connection(host, port, deadline)
         if self.check_identity and not conn.serves_origin:
             # serves() compares the identity with the URL's host and port, never its path: one answer per
@@ -711,16 +712,16 @@ class H1Pool:
             if problem is not None:  # a valid certificate of another role: nothing is sent to it
                 conn.close()
                 self._all.discard(conn)
-                raise H1TransportError(f"{method} https://{host}:{port}{target}: {problem}")
+                raise TransportError(f"{method} https://{host}:{port}{target}: {problem}")
             conn.serves_origin = True
         try:
             status, headers = await conn.exchange(method, target, fields, body, deadline)
         except (OSError, ssl.SSLError) as exc:
             conn.close()
             self._all.discard(conn)
-            if isinstance(exc, H1TransportError):
+            if isinstance(exc, TransportError):
                 raise
-            raise H1TransportError(f"{method} {target}: {exc}") from None
+            raise TransportError(f"{method} {target}: {exc}") from None
         except BaseException:
             conn.close()
             self._all.discard(conn)
@@ -758,7 +759,4 @@ class H1Pool:
                 conn.transport.abort()
 
 
-__all__ = [
-    "BufferSink", "Deadlines", "H1ConnectTimeout", "H1Connection", "H1Pool", "H1Response", "H1Timeout",
-    "H1TransportError", "IntoBuffer",
-]
+__all__ = ["H1Connection", "H1Pool", "H1Response", "IntoBuffer"]

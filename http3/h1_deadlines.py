@@ -1,11 +1,14 @@
-"""Errors and deadlines of the lean HTTP/1.1 client (:mod:`http3.h1_client`): the deadlines of a pool's exchanges
-run on one timer (:class:`Deadlines`) rather than two ``asyncio.timeout`` per request."""
+"""Deadlines of the lean HTTP/1.1 client (:mod:`http3.h1_client`): the deadlines of a pool's exchanges run on one
+timer (:class:`Deadlines`) rather than two ``asyncio.timeout`` per request; a passed one is
+:class:`http3.errors.RequestTimeout`."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 from typing import Protocol
+
+from http3.errors import RequestTimeout
 
 
 class _Waiting(Protocol):
@@ -14,26 +17,14 @@ class _Waiting(Protocol):
     def fail(self, exc: BaseException) -> None: ...
 
 
-class H1TransportError(ConnectionError):
-    """The exchange failed below HTTP: connect refused, reset, TLS failure, malformed or truncated response."""
-
-
-class H1ConnectTimeout(H1TransportError, TimeoutError):
-    pass
-
-
-class H1Timeout(H1TransportError, TimeoutError):
-    """A deadline given to :meth:`H1Pool.request` (the response head) or :meth:`H1Response.receive_into` (the
-    body) passed; the connection is closed."""
-
-
 class Deadlines:
     """The deadlines of one pool's exchanges, kept by one timer rather than one per request (an
     ``asyncio.timeout`` costs ~16 us to enter and leave, twice per request, against ~1 ms of CPU for a whole
     256 KiB block GET: issue 16). A connection waiting under a deadline is listed; the timer is set for the
     earliest deadline and moved only when an earlier one comes, so back-to-back requests with the same timeout
     set it about once per timeout. When it fires, every listed connection whose deadline passed fails with
-    :class:`H1Timeout` (its waiters wake with it and its transport is aborted) and the timer is set for the next."""
+    :class:`~http3.errors.RequestTimeout` (its waiters wake with it and its transport is aborted) and the timer is
+    set for the next."""
 
     SLACK = 0.001  # s: a timer that fires this early counts as on time (event loop timers round)
 
@@ -44,7 +35,7 @@ class Deadlines:
         self._at = math.inf
 
     def watch(self, conn: _Waiting, deadline: float, what: str) -> None:
-        """*conn* fails with ``H1Timeout(what)`` unless :meth:`clear` comes before *deadline* (``loop.time()``)."""
+        """*conn* fails with ``RequestTimeout(what)`` unless :meth:`clear` comes before *deadline* (``loop.time()``)."""
         self._waiting[conn] = (deadline, what)
         loop = asyncio.get_running_loop()
         if deadline < self._at or loop is not self._loop:
@@ -75,9 +66,9 @@ class Deadlines:
         expired = [(conn, what) for conn, (at, what) in self._waiting.items() if at <= now]
         for conn, what in expired:
             del self._waiting[conn]
-            conn.fail(H1Timeout(what))
+            conn.fail(RequestTimeout(what))
         if self._waiting:
             self._arm(loop, min(at for at, _ in self._waiting.values()))
 
 
-__all__ = ["Deadlines", "H1ConnectTimeout", "H1Timeout", "H1TransportError"]
+__all__ = ["Deadlines"]

@@ -15,7 +15,6 @@ import pytest
 from http3.asgi_types import Receive, Scope, Send
 from http3.client import KvspClient, RequestTimeout, TransportError
 from http3.h1_client import HEAD_READ, H1Pool, IntoBuffer
-from http3.h1_deadlines import H1Timeout, H1TransportError
 from http3.server import RoleServer
 from http3.tcp_server import TcpServer
 from kvsp_http.holder_app import holder_app
@@ -135,7 +134,7 @@ async def test_get_keep_alive_and_readinto(server: TcpServer, pool: H1Pool) -> N
 
 async def test_readinto_refuses_a_small_buffer(server: TcpServer, pool: H1Pool) -> None:
     response = await pool.request("127.0.0.1", server.port, "GET", "/big")
-    with pytest.raises(H1TransportError, match="larger than the buffer"):
+    with pytest.raises(TransportError, match="larger than the buffer"):
         await response.readinto(bytearray(MiB))
     assert pool.idle("127.0.0.1", server.port) == 0  # that connection is gone, the next one is fresh
     response = await pool.request("127.0.0.1", server.port, "GET", "/big")
@@ -198,12 +197,12 @@ async def test_deadlines_of_the_head_and_the_body(pki: TestPki) -> None:
     loop = asyncio.get_running_loop()
     try:
         start = loop.time()
-        with pytest.raises(H1Timeout):
+        with pytest.raises(RequestTimeout):
             await pool.request("127.0.0.1", srv.port, "GET", "/silent", deadline=start + 0.3)
         assert 0.25 < loop.time() - start < 2.5
         response = await pool.request("127.0.0.1", srv.port, "GET", "/stall", deadline=loop.time() + 10)
         start = loop.time()
-        with pytest.raises(H1Timeout):
+        with pytest.raises(RequestTimeout):
             await response.readinto(bytearray(MiB), timeout=0.3)
         assert 0.25 < loop.time() - start < 2.5
         ok = await pool.request("127.0.0.1", srv.port, "GET", "/big", deadline=loop.time() + 10)
@@ -248,9 +247,9 @@ async def test_early_answer_stops_the_body(pki: TestPki) -> None:
 
 async def test_broken_body_and_refused_connect(pki: TestPki, server: TcpServer, pool: H1Pool) -> None:
     response = await pool.request("127.0.0.1", server.port, "GET", "/broken")
-    with pytest.raises(H1TransportError):
+    with pytest.raises(TransportError):
         await response.aread()
-    with pytest.raises(H1TransportError):
+    with pytest.raises(TransportError):
         await pool.request("127.0.0.1", 1, "GET", "/")
     async with KvspClient(pki.files("alice"), prefer="tcp", retries=0) as client:
         with pytest.raises(TransportError):
