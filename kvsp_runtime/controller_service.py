@@ -7,7 +7,9 @@ lock per session, the tick loop that starts migrations (at once when a report sa
 restarted), suspect reports (a probe of the run, then a migration at once: docs/wire.md, "Suspect reports"), the
 reshard fan-out with its deadline (:mod:`kvsp_runtime.controller_maps`), and the placement timing. It holds no protocol
 rules: every result goes back to the role, which judges it (the outcome types of
-:mod:`kvsp_quic.roles.controller_sessions`).
+:mod:`kvsp_quic.roles.controller_sessions`). A placement is the role's
+:class:`~kvsp_quic.roles.controller_placement.PlacementPlan`: the steps it yields (lookup, wake, start hook, wait
+for an instance, prefetch, store, start) are performed here (:meth:`ControllerService._carry_out`), in its order.
 
     controller = PlacementController(service, clock=clock, metrics=registry)
     pc = ControllerService(controller, HttpInstanceLink(client), starter=CommandStarter(argv, pc_uri=base_uri))
@@ -27,21 +29,29 @@ from typing import Any
 
 from kvsp_quic.auth import Principal
 from kvsp_quic.compat import InstanceState
-from kvsp_quic.problems import BadRequest, NotFound, Problem, StaleEpoch, Unavailable
+from kvsp_quic.problems import NotFound, Problem, StaleEpoch, Unavailable
 from kvsp_quic.records import (
     CheckpointAck,
     InstanceStatusRecord,
-    LookupResponse,
     SessionCheckpoint,
     ShardMap,
     StateMessage,
 )
 from kvsp_quic.roles.controller import PlacementController
+from kvsp_quic.roles.controller_placement import (
+    AwaitInstanceStep,
+    LookupStep,
+    PlacementPlan,
+    PlacementStep,
+    PrefetchStep,
+    StartHookStep,
+    StoreStep,
+    WakeStep,
+)
 from kvsp_quic.roles.controller_records import (
     SessionInfo,
     SessionRequest,
     SessionResume,
-    SessionStart,
     SessionState,
     SuspectAnswer,
     SuspectReport,
@@ -51,14 +61,11 @@ from kvsp_quic.roles.controller_reshard import ReshardContext, ReshardOutcome
 from kvsp_quic.roles.controller_sessions import (
     Admitted,
     Assignment,
-    CapacityAction,
     PlacedSession,
     RunHealth,
-    StartOutcome,
     SuspectStep,
 )
 from kvsp_quic.roles.controller_store import load_statuses, placed_session, stored_session, stored_status
-from kvsp_quic.roles.placement import Choice
 from kvsp_quic.storage.control_store import ControlStore
 from kvsp_runtime.controller_link import InstanceLink, Starter
 from kvsp_runtime.controller_maps import ShardMaps, why
@@ -259,42 +266,51 @@ class ControllerService:
 
     # -- placement ------------------------------------------------------------------------------------------------
 
-    async def _rank(self, session: PlacedSession, exclude: set[str]) -> tuple[list[Choice], LookupResponse | None]:
-        query = self.role.placement_query(session, exclude)
-        if query is None:
-            return [], None
-        found = None
-        if query.lookup is not None:
-            found = await self.role.index.lookup(self.role.principal, query.lookup)
-        return self.role.rank(session, query, found), found
+    async def _place(self, session: PlacedSession) -> bool:
+        """Place *session* (its epoch already fresh): carry out the role's :class:`PlacementPlan` step by step."""
+        plan = PlacementPlan(self.role, session, can_start=self.starter is not None)
+        for step in plan:
+            await self._carry_out(step, session)
+        return plan.placed
 
-    async def _more_capacity(self, reason: str, scope_id: bytes | None = None) -> bool:
-        """Wake a sleeping instance (of *scope_id*, when given), or run the start hook and wait for an instance to
-        become active. True when an instance became active."""
-        for instance in self.role.sleeping(scope_id):
+    async def _carry_out(self, step: PlacementStep, session: PlacedSession) -> None:
+        """The I/O of one step of a placement, its result written into the step for the plan to judge."""
+        if isinstance(step, LookupStep):
+            step.found = await self.role.index.lookup(self.role.principal, step.request)
+        elif isinstance(step, WakeStep):
             try:
-                answered = await self.set_instance_state(instance, InstanceState.ACTIVE)
+                step.answered = await self.set_instance_state(step.instance, InstanceState.ACTIVE)
             except (Problem, OSError) as exc:
-                log.warning("waking %s failed: %s", instance, exc)
-                continue
-            if self.role.woke(instance, answered, reason):
-                return True
-        if self.starter is None:
-            return False
-        step = self.role.capacity_step()
-        if step.action is CapacityAction.NONE:
-            return False
-        if step.action is CapacityAction.RUN_HOOK:
+                log.warning("waking %s failed: %s", step.instance, exc)
+        elif isinstance(step, StartHookStep):
+            assert self.starter is not None  # the plan runs the hook only when there is one
             try:
-                await self.starter.start(reason)
+                await self.starter.start(step.reason)
             except Exception as exc:  # a broken hook must not fail the request; it is placed on what exists
                 log.error("the start hook failed: %s", exc)
-                return False
-            self.role.hook_ran()
-            self._activation = asyncio.Event()
+                return
+            step.ran = True
+            self._activation = asyncio.Event()  # for the hook's instance: set when an instance becomes active
+        elif isinstance(step, AwaitInstanceStep):
+            step.activated = await self._await_instance(step.wait_s)
+        elif isinstance(step, PrefetchStep):
+            try:
+                await self.link.prefetch(step.instance, step.directive)
+            except (Problem, OSError) as exc:
+                step.error = exc
+        elif isinstance(step, StoreStep):
+            await self._persist(session)
+        else:
+            try:
+                await self._send(step.assignment, session)
+            except (Problem, OSError) as exc:
+                step.error = exc
+
+    async def _await_instance(self, wait_s: float) -> bool:
+        """Whether an instance becomes active within *wait_s* seconds (the start hook's, or any)."""
         waiting = self._activation = self._activation or asyncio.Event()
         try:
-            async with asyncio.timeout(step.wait_s):
+            async with asyncio.timeout(wait_s):
                 await self._until_activated(waiting)
         except TimeoutError:
             log.warning("no instance became active within %d ms of the start hook",
@@ -337,56 +353,6 @@ class ControllerService:
             await self.link.resume(assignment.instance, session.id, message)
         else:
             await self.link.start(assignment.instance, message)
-
-    async def _try(self, session: PlacedSession, choices: list[Choice], found: LookupResponse | None,
-                   exclude: set[str]) -> bool:
-        """Prefetch and start (or resume) *session* on the first choice that takes it."""
-        for choice in choices:
-            entry = self.role.still_active(choice.instance, session.request.scope_id)
-            if entry is None:
-                continue
-            directive = self.role.directive(session, choice, found)
-            if directive is not None:
-                error: Problem | OSError | None = None
-                try:
-                    await self.link.prefetch(choice.instance, directive)
-                except (Problem, OSError) as exc:
-                    error = exc
-                if self.role.prefetch_outcome(choice.instance, error).next_instance:
-                    exclude.add(choice.instance)
-                    continue
-            assignment = self.role.assign(session, entry, found)
-            await self._persist(session)  # the instance may checkpoint (at any replica) before it answers
-            error = None
-            try:
-                await self._send(assignment, session)
-            except (Problem, OSError) as exc:
-                error = exc
-            if isinstance(error, BadRequest) and isinstance(assignment.message, SessionStart):
-                # The instance refused the request itself (a token id beyond the vocabulary, a prompt too long):
-                # every instance of the model would, so it is the caller's 400, not tried elsewhere.
-                self.role.start_outcome(session, assignment, error, choice, found)
-                raise error
-            outcome = self.role.start_outcome(session, assignment, error, choice, found)
-            await self._persist(session)
-            if outcome is StartOutcome.OK:
-                return True
-            exclude.add(choice.instance)
-        return False
-
-    async def _place(self, session: PlacedSession) -> bool:
-        """Assign *session* (its epoch already fresh): rank, look for capacity when nothing is acceptable, try."""
-        exclude: set[str] = set()
-        scope = session.request.scope_id
-        choices, found = await self._rank(session, exclude)
-        if not self.role.acceptable(choices) and await self._more_capacity(f"session {session.id}", scope):
-            choices, found = await self._rank(session, exclude)
-        if await self._try(session, choices, found, exclude):
-            return True
-        if choices and await self._more_capacity(f"session {session.id}: every candidate refused", scope):
-            choices, found = await self._rank(session, exclude)
-            return await self._try(session, choices, found, exclude)
-        return False
 
     def _lock(self, session_id: uuid.UUID) -> asyncio.Lock:
         return self._locks.setdefault(session_id, asyncio.Lock())

@@ -20,7 +20,9 @@ process (the spec allows combining them; docs/wire.md, "Placement Controller") a
   (:mod:`kvsp_quic.roles.placement`; default: the spec's cost). Only active instances whose principal holds the
   session's scope are ever candidates (the scopes of the principal that reported each instance's status,
   :meth:`~PlacementController.serves_scope`; docs/wire.md, "Placement Controller"), and each is re-checked right
-  before a directive or a start is sent to it (:meth:`~PlacementController.still_active`).
+  before a directive or a start is sent to it (:meth:`~PlacementController.still_active`). The sequence of a
+  placement (rank, capacity, rank again, try) is :class:`~kvsp_quic.roles.controller_placement.PlacementPlan`'s,
+  which yields the I/O steps the adapter carries out.
 * **Prefetch**: before the session starts, the chosen instance gets ``POST prefetch`` for the matched blocks it
   does not hold (when loading beats recomputing, :meth:`~PlacementController.directive`).
 * **Capacity**: when no active instance has acceptable cost or capacity, a sleeping instance is woken, else the
