@@ -9,14 +9,17 @@ from typing import Any
 
 import pytest
 
+from http3.client import KvspClient
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.roles.index import IndexService
 from kvsp_quic.storage.index_store import IndexStore
 from kvsp_quic.storage.memory_index import MemoryIndexStore
+from quic.tls import TlsFiles
 from tests import vectors
 from tests.helpers import Clock, Process
 from tests.peers import missing_peer
 from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
+from tests.support.cluster import CONTAINER_SIZE
 from tests.support.descriptors import small_descriptor  # noqa: F401  (still imported from here by two modules)
 from tests.support.index import Env, make_config
 
@@ -95,3 +98,87 @@ async def env(request: pytest.FixtureRequest) -> AsyncIterator[Env]:
         yield Env(IndexService(store, clock=clock, config=make_config()), store, clock, True)
     finally:
         await client.aclose()
+
+
+# -- real kvsp-quic processes (tests/support/cluster.py) -------------------------------------------------------------
+
+
+@pytest.fixture(params=["memory", "redis"])
+def index_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[list[str]]:
+    """The index's store as ``kvsp-quic index`` arguments: the memory store, then a redis-server of the test's own."""
+    if request.param == "memory":
+        yield []
+        return
+    if REDIS_SERVER is None:
+        missing_peer(SKIP_REASON)
+    with RedisServer.start(tmp_path / "redis") as server:
+        yield ["--redis", server.url]
+
+
+@pytest.fixture
+def dev_cluster(tmp_path: Path, index_store: list[str]) -> Iterator[dict[str, Any]]:
+    """``kvsp-quic index --dev`` (on each :func:`index_store`) and one ``kvsp-quic holder --dev`` with room for two
+    and a half blocks in memory: their ready lines (``index``, ``holder``) and the dev directory (``dev``)."""
+    dev = tmp_path / "dev"
+    procs: list[Process] = []
+    try:
+        index = Process("index", "--dev", str(dev), *index_store)
+        procs.append(index)
+        # Room for two blocks in memory: a third one forces an eviction.
+        holder = Process("holder", "--dev", str(dev), "--index", index.ready["base_uri"],
+                         "--host-capacity", str(2 * CONTAINER_SIZE + CONTAINER_SIZE // 2), "--replica-ttl-ms", "30000")
+        procs.append(holder)
+        yield {"index": index.ready, "holder": holder.ready, "dev": dev}
+    finally:
+        for proc in reversed(procs):
+            err = proc.stop()
+            assert "Traceback" not in err, err
+
+
+@pytest.fixture
+async def dev_client(dev_cluster: dict[str, Any]) -> AsyncIterator[KvspClient]:
+    """A client of :func:`dev_cluster` with its dev client certificate."""
+    ready = dev_cluster["holder"]
+    async with KvspClient(TlsFiles(Path(ready["ca"]), Path(ready["client_cert"]), Path(ready["client_key"])),
+                          timeout=20) as c:
+        yield c
+
+
+@pytest.fixture
+def index(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """``kvsp-quic index --dev`` alone (the test starts its holders in the same dev directory): its ready line."""
+    proc = Process("index", "--dev", str(tmp_path / "dev"))
+    try:
+        yield proc.ready
+    finally:
+        err = proc.stop()
+        assert "Traceback" not in err, err
+
+
+@pytest.fixture
+async def index_client(index: dict[str, Any]) -> AsyncIterator[KvspClient]:
+    """A client of :func:`index`'s dev directory, with its dev client certificate."""
+    async with KvspClient(TlsFiles(Path(index["ca"]), Path(index["client_cert"]), Path(index["client_key"])),
+                          timeout=20) as c:
+        yield c
+
+
+@pytest.fixture
+def two_holder_cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """``kvsp-quic index`` and two holders, one process each (SIGKILL kills, SIGSTOP freezes, all of a holder): the
+    ready lines (``index``, ``holders``) and the processes (``procs``)."""
+    dev = tmp_path / "dev"
+    procs: list[Process] = []
+    try:
+        procs.append(Process("index", "--dev", str(dev)))
+        index = procs[0].ready["base_uri"]
+        for _ in range(2):
+            procs.append(Process("holder", "--dev", str(dev), "--index", index, "--replica-ttl-ms", "60000",
+                                 "--workers", "1"))
+        yield {"index": procs[0].ready, "holders": [p.ready for p in procs[1:]], "procs": procs}
+    finally:
+        for proc in reversed(procs):
+            if proc.proc.poll() is None:
+                proc.proc.send_signal(signal.SIGCONT)  # a frozen one must hear the stop
+            err = proc.stop()
+            assert "Traceback" not in err, err

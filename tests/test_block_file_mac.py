@@ -29,11 +29,10 @@ from kvsp_quic.storage import file_seal as fs
 from kvsp_quic.storage import tiers as t
 from kvsp_quic.storage.tiers import BlockMeta, LocalStorageConfig, LocalStorageTier, TierFault
 from tests.helpers import Process
+from tests.support.cluster import CONTAINER_SIZE, DESCRIPTOR, KEYER, block_url, put_in_chain, settle
+from tests.support.cluster import block as cluster_block
 from tests.support.descriptors import small_descriptor
-from tests.test_cluster import CONTAINER_SIZE, DESCRIPTOR, KEYER, block_url
-from tests.test_cluster import block as cluster_block
-from tests.test_prefix_eviction import client, index, put_in_chain, settle  # noqa: F401 (fixtures)
-from tests.test_tiers import block
+from tests.support.tiers import block
 
 KEY = bytes(range(32))
 OTHER_KEY = bytes(range(100, 132))
@@ -274,17 +273,17 @@ def cluster_meta(i: int, name: int | None = None) -> tuple[BlockMeta, memoryview
 
 
 async def test_a_restarted_holder_refuses_planted_foreign_and_tampered_files(
-        index: dict[str, Any], client: KvspClient, tmp_path: Path) -> None:  # noqa: F811
+        index: dict[str, Any], index_client: KvspClient, tmp_path: Path) -> None:
     storage = tmp_path / "local"
     args = ["holder", "--dev", str(tmp_path / "dev"), "--index", index["base_uri"], "--workers", "1",
             "--host-capacity", str(CONTAINER_SIZE + CONTAINER_SIZE // 2), "--local-storage", str(storage),
             "--replica-ttl-ms", "60000", "--log-level", "WARNING"]
     first = Process(*args)
     holder = first.ready["base_uri"]
-    fetcher = BlockFetcher(client, index["base_uri"])
+    fetcher = BlockFetcher(index_client, index["base_uri"])
     try:
         for i in range(4):  # written through: every block has its file
-            await put_in_chain(client, holder, i)
+            await put_in_chain(index_client, holder, i)
         assert await settle(fetcher, 4, lambda n: n == 4) == 4
     finally:
         first.proc.send_signal(signal.SIGKILL)
@@ -311,7 +310,7 @@ async def test_a_restarted_holder_refuses_planted_foreign_and_tampered_files(
     try:
         # (c) the honest files (0 and 3) are adopted and served with their octets, and advertised again
         for i in (0, 3):
-            r = await client.request("GET", block_url(holder, cluster_block(i)[0]))
+            r = await index_client.request("GET", block_url(holder, cluster_block(i)[0]))
             assert r.status == 200 and await r.aread() == cluster_block(i)[1]
         deadline = time.monotonic() + 15
         refused = (1, 2, 5, 6)
@@ -322,11 +321,11 @@ async def test_a_restarted_holder_refuses_planted_foreign_and_tampered_files(
                 break
         assert found == [1, 0, 0, 1, 0, 0, 0]
         for i in refused:  # never served
-            assert (await client.request("GET", block_url(holder, cluster_block(i)[0]))).status == 404, i
+            assert (await index_client.request("GET", block_url(holder, cluster_block(i)[0]))).status == 404, i
         assert holder_file(storage, 6).exists()  # another key's file: left alone
         assert not any(holder_file(storage, i).exists() for i in (1, 2, 5))  # refused: deleted
-        await put_in_chain(client, holder, 1)  # the holder takes block 1 again, sealed under its key
-        r = await client.request("GET", block_url(holder, cluster_block(1)[0]))
+        await put_in_chain(index_client, holder, 1)  # the holder takes block 1 again, sealed under its key
+        r = await index_client.request("GET", block_url(holder, cluster_block(1)[0]))
         assert r.status == 200 and await r.aread() == cluster_block(1)[1]
     finally:
         err = again.stop()

@@ -40,8 +40,7 @@ from quic.rtt import (
 )
 from quic.tls import TlsFiles, TransportSettings
 from tests.helpers import Clock, Process
-from tests.test_cluster import DESCRIPTOR, KEYER, block, block_url
-from tests.test_dead_sources import cluster  # noqa: F401  (the fixture, by name)
+from tests.support.cluster import DESCRIPTOR, KEYER, block, block_url
 
 # -- the formulas -----------------------------------------------------------------------------------------------
 
@@ -186,14 +185,14 @@ def replica(match: LookupMatch, holder: str) -> ReplicaRecord:
 
 
 @pytest.mark.parametrize("kind", ["moqt", "https"])
-async def test_a_black_hole_replica_costs_one_scaled_connect_timeout(cluster: dict[str, Any], black_hole: int,  # noqa: F811
-                                                                   kind: str) -> None:
+async def test_a_black_hole_replica_costs_one_scaled_connect_timeout(two_holder_cluster: dict[str, Any],
+                                                                   black_hole: int, kind: str) -> None:
     """The first replica of a block is at a port that answers nothing: the fetcher gives up on it after the
     connect timeout scaled from the RTT it measured to 127.0.0.1 (1 s, the floor) -- HTTP/3, then HTTP/1.1 over
     TCP for an ``https`` record -- and the real holder's replica delivers the block. With the fixed timeouts it
     took 10 s (MOQT) and 5 s + 5 s (HTTP/3, then HTTP/1.1; the GET was retried twice more: 20 s)."""
-    ready = cluster["index"]
-    holder = cluster["holders"][0]
+    ready = two_holder_cluster["index"]
+    holder = two_holder_cluster["holders"][0]
     files = files_of(ready)
     rtts = RttTable()
     async with KvspClient(files, timeout=30, rtts=rtts) as client, \
@@ -223,13 +222,13 @@ async def test_a_black_hole_replica_costs_one_scaled_connect_timeout(cluster: di
         assert elapsed >= 0.9 * (1.0 if kind == "moqt" else 2.0)  # it did wait for the black hole
 
 
-async def test_a_holder_frozen_mid_body_costs_one_scaled_stall_timeout(cluster: dict[str, Any]) -> None:  # noqa: F811
+async def test_a_holder_frozen_mid_body_costs_one_scaled_stall_timeout(two_holder_cluster: dict[str, Any]) -> None:
     """A holder stopped with SIGSTOP while it sends a block over HTTP/3 (our receive window is small, so most of
     the block is still at the holder): no octet arrives any more, no ICMP either; the fetcher gives up after the
     stall timeout scaled from the RTT (1 s, the floor, and the block's transfer time at 50 MB/s) and asks the other
     holder for the layers still missing. Before, the body waited out the request timeout (30 s here)."""
-    ready = cluster["index"]
-    frozen, alive = cluster["holders"]
+    ready = two_holder_cluster["index"]
+    frozen, alive = two_holder_cluster["holders"]
     files = files_of(ready)
     settings = TransportSettings(stream_window=64 << 10, connection_window=256 << 10)
     async with KvspClient(files, timeout=30, settings=settings, rtts=RttTable()) as client:
@@ -243,10 +242,10 @@ async def test_a_holder_frozen_mid_body_costs_one_scaled_stall_timeout(cluster: 
             async for layer in stream:
                 layers.append(layer)
                 if len(layers) == 1:
-                    cluster["procs"][1].proc.send_signal(signal.SIGSTOP)
+                    two_holder_cluster["procs"][1].proc.send_signal(signal.SIGSTOP)
                     start = time.monotonic()
         elapsed = time.monotonic() - start
-        cluster["procs"][1].proc.send_signal(signal.SIGCONT)
+        two_holder_cluster["procs"][1].proc.send_signal(signal.SIGCONT)
         assert stream.complete and [x.index for x in layers] == list(range(DESCRIPTOR.layers))
         assert [r.holder for r in stream.records] == [first.holder, second.holder]
         assert fetcher.metrics.transport_errors == 1, fetcher.metrics.snapshot()

@@ -10,11 +10,9 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from http3.client import KvspClient
 from kvsp_client.retrieval import BlockFetcher, HttpSource
@@ -24,8 +22,7 @@ from kvsp_quic.retrieval_plan import FailureMemory, LayerRange, endpoint_key
 from kvsp_quic.roles.status import endpoint
 from moqt.aio import MoqtPool
 from quic.tls import TlsFiles
-from tests.helpers import Process
-from tests.test_cluster import DESCRIPTOR, KEYER, block, block_url
+from tests.support.cluster import DESCRIPTOR, KEYER, block, block_url
 
 BLOCKS = 6
 
@@ -39,27 +36,6 @@ class Prefer:
 
     def __call__(self, replicas: Sequence[ReplicaRecord], layers: LayerRange) -> list[ReplicaRecord]:
         return sorted(self.inner(replicas, layers), key=lambda r: 0 if endpoint(r.holder) == self.best else 1)
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """``kvsp-quic index`` and two holders, one process each (SIGKILL kills, SIGSTOP freezes, all of a holder);
-    tests/test_connect_timeouts.py uses it too."""
-    dev = tmp_path / "dev"
-    procs: list[Process] = []
-    try:
-        procs.append(Process("index", "--dev", str(dev)))
-        index = procs[0].ready["base_uri"]
-        for _ in range(2):
-            procs.append(Process("holder", "--dev", str(dev), "--index", index, "--replica-ttl-ms", "60000",
-                                 "--workers", "1"))
-        yield {"index": procs[0].ready, "holders": [p.ready for p in procs[1:]], "procs": procs}
-    finally:
-        for proc in reversed(procs):
-            if proc.proc.poll() is None:
-                proc.proc.send_signal(signal.SIGCONT)  # a frozen one must hear the stop
-            err = proc.stop()
-            assert "Traceback" not in err, err
 
 
 async def replicas(fetcher: BlockFetcher, count: int) -> list[set[str]]:
@@ -76,10 +52,10 @@ async def wait_for(check: Any, timeout: float) -> bool:
     return True
 
 
-async def test_a_holder_killed_mid_load_costs_little(cluster: dict[str, Any]) -> None:
-    ready = cluster["index"]
+async def test_a_holder_killed_mid_load_costs_little(two_holder_cluster: dict[str, Any]) -> None:
+    ready = two_holder_cluster["index"]
     files = TlsFiles(Path(ready["ca"]), Path(ready["client_cert"]), Path(ready["client_key"]))
-    dead, alive = cluster["holders"]
+    dead, alive = two_holder_cluster["holders"]
     async with KvspClient(files, timeout=20) as client, MoqtPool(files) as pool:
         for holder in (dead, alive):
             for i in range(BLOCKS):
@@ -95,8 +71,8 @@ async def test_a_holder_killed_mid_load_costs_little(cluster: dict[str, Any]) ->
         first = await fetcher.load_prefix(DESCRIPTOR.compat_id, KEYER.scope_id, [block(0)[0]])
         assert first[0] is not None and first[0].record.holder == dead["moqt"]  # a MOQT connection to it is open
 
-        cluster["procs"][1].proc.send_signal(signal.SIGKILL)
-        cluster["procs"][1].proc.wait(10)
+        two_holder_cluster["procs"][1].proc.send_signal(signal.SIGKILL)
+        two_holder_cluster["procs"][1].proc.wait(10)
         start = time.monotonic()
         results = await fetcher.load_prefix(DESCRIPTOR.compat_id, KEYER.scope_id, [block(i)[0] for i in range(BLOCKS)])
         elapsed = time.monotonic() - start

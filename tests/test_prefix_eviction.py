@@ -10,11 +10,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-import time
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,89 +19,48 @@ import pytest
 
 from http3.client import KvspClient
 from kvsp_client.retrieval import BlockFetcher
-from quic.tls import TlsFiles
 from tests.helpers import Process
-from tests.test_cluster import CONTAINER_SIZE, DESCRIPTOR, KEYER, block, block_url
+from tests.support.cluster import CONTAINER_SIZE, DESCRIPTOR, KEYER, block, block_url, put_in_chain, settle
 
 CHAIN = 24  # blocks in the chain
 ROOM = 5  # blocks the holder's memory holds
 
 
-@pytest.fixture
-def index(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    proc = Process("index", "--dev", str(tmp_path / "dev"))
-    try:
-        yield proc.ready
-    finally:
-        err = proc.stop()
-        assert "Traceback" not in err, err
-
-
-@pytest.fixture
-async def client(index: dict[str, Any]) -> AsyncIterator[KvspClient]:
-    async with KvspClient(TlsFiles(Path(index["ca"]), Path(index["client_cert"]), Path(index["client_key"])),
-                          timeout=20) as c:
-        yield c
-
-
-async def put_in_chain(client: KvspClient, holder: str, i: int) -> None:
-    key, body = block(i)
-    chain = block(0)[0].hex()
-    r = await client.request("PUT", f"{block_url(holder, key)}?chain={chain}&position={i}", content=body,
-                             headers={"content-type": "application/kvsp-block", "if-none-match": "*"})
-    assert r.status == 201, await r.aread()
-
-
-async def matched_run(fetcher: BlockFetcher, count: int) -> int:
-    found = await fetcher.lookup(DESCRIPTOR.compat_id, KEYER.scope_id, [block(i)[0] for i in range(count)])
-    return found.matched
-
-
-async def settle(fetcher: BlockFetcher, count: int, want: Any, timeout: float = 15.0) -> int:
-    """The publisher works asynchronously: wait until the matched run satisfies *want*, return it."""
-    deadline = time.monotonic() + timeout
-    while True:
-        run = await matched_run(fetcher, count)
-        if want(run) or time.monotonic() > deadline:
-            return run
-        await asyncio.sleep(0.1)
-
-
 @pytest.mark.parametrize("workers", ["1", "2"])
 async def test_a_holder_over_capacity_keeps_a_leading_run_of_a_long_chain(
-        index: dict[str, Any], client: KvspClient, tmp_path: Path, workers: str) -> None:
+        index: dict[str, Any], index_client: KvspClient, tmp_path: Path, workers: str) -> None:
     holder_proc = Process("holder", "--dev", str(tmp_path / "dev"), "--index", index["base_uri"],
                           "--workers", workers, "--host-capacity", str(ROOM * CONTAINER_SIZE + CONTAINER_SIZE // 2),
                           "--replica-ttl-ms", "60000")
     try:
         holder = holder_proc.ready["base_uri"]
-        fetcher = BlockFetcher(client, index["base_uri"])
+        fetcher = BlockFetcher(index_client, index["base_uri"])
         for i in range(CHAIN):  # (with two processes, the kernel spreads the PUTs over both)
-            await put_in_chain(client, holder, i)
+            await put_in_chain(index_client, holder, i)
         # every eviction took the deepest block held: blocks 0..ROOM-2 stay, with the newest block behind a gap
         run = await settle(fetcher, CHAIN, lambda n: n == ROOM - 1)
         assert run == ROOM - 1
         for i in range(ROOM - 1):
-            r = await client.request("GET", block_url(holder, block(i)[0]))
+            r = await index_client.request("GET", block_url(holder, block(i)[0]))
             assert r.status == 200 and await r.aread() == block(i)[1]
-        assert (await client.request("GET", block_url(holder, block(CHAIN - 2)[0]))).status == 404
+        assert (await index_client.request("GET", block_url(holder, block(CHAIN - 2)[0]))).status == 404
     finally:
         err = holder_proc.stop()
         assert "Traceback" not in err, err
 
 
 async def test_a_restarted_holder_serves_and_advertises_exactly_what_it_recovered(
-        index: dict[str, Any], client: KvspClient, tmp_path: Path) -> None:
+        index: dict[str, Any], index_client: KvspClient, tmp_path: Path) -> None:
     storage = tmp_path / "local"
     args = ["holder", "--dev", str(tmp_path / "dev"), "--index", index["base_uri"], "--workers", "1",
             "--host-capacity", str(2 * CONTAINER_SIZE + CONTAINER_SIZE // 2), "--local-storage", str(storage),
             "--replica-ttl-ms", "60000"]
     first = Process(*args)
     holder = first.ready["base_uri"]
-    fetcher = BlockFetcher(client, index["base_uri"])
+    fetcher = BlockFetcher(index_client, index["base_uri"])
     try:
         for i in range(6):  # 4 go down to local storage, 2 stay in memory (and are written through)
-            await put_in_chain(client, holder, i)
+            await put_in_chain(index_client, holder, i)
         assert await settle(fetcher, 6, lambda n: n == 6) == 6
     finally:
         first.proc.send_signal(signal.SIGKILL)  # nothing withdrawn, nothing written at exit
@@ -124,11 +80,11 @@ async def test_a_restarted_holder_serves_and_advertises_exactly_what_it_recovere
         # block 3's record is withdrawn at once (not after its 60 s TTL): the lookup stops there
         assert await settle(fetcher, 6, lambda n: n == 3) == 3
         for i in (0, 1, 2, 4, 5):  # everything else acknowledged survived, memory blocks included
-            r = await client.request("GET", block_url(holder, block(i)[0]))
+            r = await index_client.request("GET", block_url(holder, block(i)[0]))
             assert r.status == 200 and await r.aread() == block(i)[1]
             found = await fetcher.lookup(DESCRIPTOR.compat_id, KEYER.scope_id, [block(i)[0]])
             assert found.matched == 1 and holder in {r.holder for r in found.blocks[0].replicas}
-        assert (await client.request("GET", block_url(holder, block(3)[0]))).status == 404
+        assert (await index_client.request("GET", block_url(holder, block(3)[0]))).status == 404
         found = await fetcher.lookup(DESCRIPTOR.compat_id, KEYER.scope_id, [block(3)[0]])
         assert found.matched == 0
         assert not bad.exists() and os.path.exists(storage / "replicas.journal")

@@ -39,8 +39,8 @@ from kvsp_quic.retrieval_plan import TIER_ORDER, DefaultRanking, covers, decodab
 from kvsp_quic.storage.index_store import pack_body, unpack_body
 from kvsp_quic.storage.memory_index import MemoryIndexStore
 from tests import vectors
+from tests.support.cluster import DESCRIPTOR, KEYER, block, eventually, put
 from tests.support.index import C1, H1, H2, RELAY, S1, Env, bk, hid, replica, who
-from tests.test_cluster import DESCRIPTOR, KEYER, block, client, cluster, eventually, index_store, put  # noqa: F401
 from tests.test_records import SPEC_EXAMPLES
 
 NEW_CODEC = 0xFE01  # not in today's KVSP Codecs registry, not Private Use: a newer registry's codec
@@ -265,23 +265,23 @@ def _replica_url(index: str, holder: str, key: bytes) -> str:
 
 
 async def test_a_lookup_with_a_newer_holders_records_still_matches_and_retrieves(
-        cluster: dict[str, Any], client: KvspClient) -> None:  # noqa: F811
-    index, holder = cluster["index"]["base_uri"], cluster["holder"]["base_uri"]
+        dev_cluster: dict[str, Any], dev_client: KvspClient) -> None:
+    index, holder = dev_cluster["index"]["base_uri"], dev_cluster["holder"]["base_uri"]
     for i in (0, 1):
-        assert (await put(client, holder, i)).status == 201
-    probe = BlockFetcher(client, index)
+        assert (await put(dev_client, holder, i)).status == 201
+    probe = BlockFetcher(dev_client, index)
     await eventually(probe, 0, True)
     await eventually(probe, 1, True)
 
     # The newer holder publishes its records of both blocks: an unknown codec, an unknown tier, an unknown member.
     for i in (0, 1):
-        published = await client.request("PUT", _replica_url(index, NEWER_HOLDER, block(i)[0]), headers=JSON,
+        published = await dev_client.request("PUT", _replica_url(index, NEWER_HOLDER, block(i)[0]), headers=JSON,
                                          content=json.dumps(_newer_record(i)).encode())
         assert published.status == 201, published.content
     # Malformed values stay a 400 kvsp problem.
     bad = _newer_record(0)
     bad["residency"][1]["tier"] = "CXL Pool"
-    refused = await client.request("PUT", _replica_url(index, NEWER_HOLDER, block(0)[0]), headers=JSON,
+    refused = await dev_client.request("PUT", _replica_url(index, NEWER_HOLDER, block(0)[0]), headers=JSON,
                                    content=json.dumps(bad).encode())
     problem = problem_from_json(refused.status, refused.content or b"")
     assert refused.status == 400 and refused.headers.get("content-type") == "application/problem+json"
@@ -292,11 +292,11 @@ async def test_a_lookup_with_a_newer_holders_records_still_matches_and_retrieves
     own = next(r for r in (await probe.lookup(DESCRIPTOR.compat_id, KEYER.scope_id, keys)).blocks[1].replicas
                if r.holder == holder)
     moved = dict(own.to_json(), residency=[{"tier": NEW_TIER, "layers": [0, DESCRIPTOR.layers - 1]}])
-    assert (await client.request("PUT", _replica_url(index, holder, block(1)[0]), headers=JSON,
+    assert (await dev_client.request("PUT", _replica_url(index, holder, block(1)[0]), headers=JSON,
                                  content=json.dumps(moved).encode())).status in (200, 201)
 
     # The client prefers the newer holder (so without the codec rule it would be tried first, and fail).
-    fetcher = BlockFetcher(client, index, descriptors=[DESCRIPTOR],
+    fetcher = BlockFetcher(dev_client, index, descriptors=[DESCRIPTOR],
                            ranking=lambda replicas, layers: sorted(replicas, key=lambda r: r.holder != NEWER_HOLDER))
     found = await fetcher.lookup(DESCRIPTOR.compat_id, KEYER.scope_id, keys)
     assert found.matched == 2

@@ -53,7 +53,7 @@ from kvsp_quic.repr_digest import parse_repr_digest
 from quic.tls import TlsFiles, TransportSettings, ssl_client_context
 from tests.helpers import Process
 from tests.pki import make_pki
-from tests.test_cluster import DESCRIPTOR, KEYER, block, block_url
+from tests.support.cluster import DESCRIPTOR, KEYER, block, block_url
 
 SLOW = os.environ.get("KVSP_SLOW") == "1"
 slow = pytest.mark.skipif(not SLOW, reason="a bigger attack: KVSP_SLOW=1")

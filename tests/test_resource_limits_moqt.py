@@ -20,7 +20,7 @@ from moqt.aio import MoqtConnectError, MoqtRequestError, MoqtSessionClosed, Moqt
 from moqt.types import Location
 from quic.tls import TlsFiles, TransportSettings
 from tests.helpers import Process
-from tests.test_cluster import DESCRIPTOR, KEYER, block
+from tests.support.cluster import DESCRIPTOR, KEYER, block
 from tests.test_resource_limits import (
     BLOCKS,
     Legit,

@@ -12,7 +12,7 @@ from quic.tls import TlsFiles
 from tests.helpers import Process
 from tests.peers import missing_peer
 from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
-from tests.test_cluster import DESCRIPTOR, KEYER, block
+from tests.support.cluster import DESCRIPTOR, KEYER, block
 
 
 async def test_a_lookup_while_redis_is_down_is_a_503(tmp_path: Path) -> None:

@@ -16,29 +16,28 @@ from http3.client import KvspClient
 from kvsp_client.retrieval import BlockFetcher
 from kvsp_quic.problems import KVSP_TYPE_BASE
 from tests.helpers import Process
-from tests.test_cluster import CONTAINER_SIZE, DESCRIPTOR, KEYER, block, block_url
-from tests.test_prefix_eviction import client, index, put_in_chain, settle  # noqa: F401 (fixtures)
+from tests.support.cluster import CONTAINER_SIZE, DESCRIPTOR, KEYER, block, block_url, put_in_chain, settle
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])  # 2: a GET may be served by the worker process
 async def test_a_corrupt_local_storage_file_answers_422_and_is_dropped_and_withdrawn(
-        index: dict[str, object], client: KvspClient, tmp_path: Path, workers: str) -> None:  # noqa: F811
+        index: dict[str, object], index_client: KvspClient, tmp_path: Path, workers: str) -> None:
     storage = tmp_path / "local"
     proc = Process("holder", "--dev", str(tmp_path / "dev"), "--index", str(index["base_uri"]), "--workers", workers,
                    "--host-capacity", str(2 * CONTAINER_SIZE + CONTAINER_SIZE // 2), "--local-storage", str(storage),
                    "--replica-ttl-ms", "60000")
     try:
         holder = proc.ready["base_uri"]
-        fetcher = BlockFetcher(client, str(index["base_uri"]))
+        fetcher = BlockFetcher(index_client, str(index["base_uri"]))
         for i in range(6):  # blocks 0..3 go down to local storage; 4 and 5 stay in memory
-            await put_in_chain(client, holder, i)
+            await put_in_chain(index_client, holder, i)
         assert await settle(fetcher, 6, lambda n: n == 6) == 6
         bad = storage / f"{DESCRIPTOR.compat_id.hex()}.{KEYER.scope_id.hex()}.{block(1)[0].hex()}.kvb"
         raw = bytearray(bad.read_bytes())
         raw[-7] ^= 0x40  # block 1's file goes bad on disk while the holder runs
         bad.write_bytes(raw)
 
-        r = await client.request("GET", block_url(holder, block(1)[0]))
+        r = await index_client.request("GET", block_url(holder, block(1)[0]))
         body = await r.aread()
         assert r.status == 422, (r.status, body[:200])
         assert (r.headers.get("content-type") or "").startswith("application/problem+json")
@@ -49,13 +48,13 @@ async def test_a_corrupt_local_storage_file_answers_422_and_is_dropped_and_withd
         while (await fetcher.lookup(DESCRIPTOR.compat_id, KEYER.scope_id, [block(1)[0]])).matched:
             assert time.monotonic() < deadline, "the bad replica's record was not withdrawn"
             await asyncio.sleep(0.1)
-        while (await client.request("GET", block_url(holder, block(1)[0]))).status != 404:
+        while (await index_client.request("GET", block_url(holder, block(1)[0]))).status != 404:
             assert time.monotonic() < deadline, "the bad replica is still there"  # (dropped once withdrawn)
             await asyncio.sleep(0.1)
         for _ in range(4):  # whichever process answers
-            assert (await client.request("GET", block_url(holder, block(1)[0]))).status == 404
+            assert (await index_client.request("GET", block_url(holder, block(1)[0]))).status == 404
         for i in (0, 2, 3, 4, 5):  # the others are intact and served
-            r = await client.request("GET", block_url(holder, block(i)[0]))
+            r = await index_client.request("GET", block_url(holder, block(i)[0]))
             assert r.status == 200 and await r.aread() == block(i)[1]
     finally:
         err = proc.stop()

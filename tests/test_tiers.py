@@ -7,34 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from kvsp_quic import container as c
 from kvsp_quic.compat import CompatDescriptor
-from kvsp_quic.samples import random_sections
 from kvsp_quic.storage import tiers as t
-from kvsp_quic.storage.tiers import BlockId, BlockMeta, HostTier, LocalStorageConfig, LocalStorageTier, TieredStore
+from kvsp_quic.storage.tiers import BlockMeta, HostTier, LocalStorageConfig, LocalStorageTier, TieredStore
 from tests.support.descriptors import small_descriptor
+from tests.support.tiers import block, never
 
 KEY = bytes(range(32))
-
-
-def block(descriptor: CompatDescriptor, n: int, scope: bytes = bytes(16)) -> tuple[BlockMeta, memoryview]:
-    """Block number *n*: a complete container of the descriptor, with its meta."""
-    enc = c.encode(random_sections(descriptor, descriptor.block_tokens, 0, descriptor.layers - 1, n),
-                   first_layer=0, token_count=descriptor.block_tokens, descriptor=descriptor)
-    data = memoryview(enc.tobytes())
-    assert enc.layer_digests is not None
-    meta = BlockMeta(BlockId(descriptor.compat_id, scope, n.to_bytes(32, "big")), enc.header, enc.layer_digests,
-                     len(data))
-    return meta, data
 
 
 @pytest.fixture
 def d() -> CompatDescriptor:
     return small_descriptor()
-
-
-def never(_block: BlockId) -> bool:
-    return False
 
 
 def local(tmp_path: Path, capacity: int, **kw: object) -> LocalStorageTier:

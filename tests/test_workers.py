@@ -30,10 +30,10 @@ from kvsp_quic.storage.shared_host import STAGED_PREFIX, Allocation, SharedHostR
 from kvsp_quic.storage.tiers import TieredStore
 from quic.tls import TlsFiles
 from tests.helpers import Process
+from tests.support.cluster import CONTAINER_SIZE, DESCRIPTOR, KEYER, block, block_url, matched
 from tests.support.descriptors import small_descriptor
-from tests.test_cluster import CONTAINER_SIZE, DESCRIPTOR, KEYER, block, block_url, matched
-from tests.test_tiers import block as tier_block
-from tests.test_tiers import never
+from tests.support.tiers import block as tier_block
+from tests.support.tiers import never
 
 # -- the shared host tier ----------------------------------------------------------------------------------------
 
