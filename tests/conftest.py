@@ -18,9 +18,11 @@ from quic.tls import TlsFiles
 from tests import vectors
 from tests.helpers import Clock, Process
 from tests.peers import missing_peer
+from tests.pki import TestPki, make_pki
 from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
 from tests.support.cluster import CONTAINER_SIZE
 from tests.support.descriptors import small_descriptor  # noqa: F401  (still imported from here by two modules)
+from tests.support.holder_app import HOLDER_URI, INDEX_URI
 from tests.support.index import Env, make_config
 
 
@@ -29,6 +31,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     for mark in item.iter_markers("needs_peer"):  # tests/peers.py
         if mark.args and mark.args[0] is not None:
             missing_peer(mark.args[0])
+
+
+# -- the test PKI (tests/pki.py's make_pki): one fixture per set of roles that several modules use -------------------
+# A module that needs roles of its own (a certificate naming its port, a role no other module has) keeps its own
+# fixture and says why.
+
+
+@pytest.fixture
+def holder_certs(tmp_path: Path) -> TestPki:
+    """A PKI of the test's own with a holder at tests/support/holder_app.py's HOLDER_URI and an index at INDEX_URI."""
+    return make_pki(tmp_path / "pki", roles={"holder": HOLDER_URI, "index": INDEX_URI})
 
 
 @pytest.fixture

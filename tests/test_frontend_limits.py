@@ -29,7 +29,7 @@ from kvsp_quic.fields import MAX_JSON_DEPTH
 from kvsp_quic.keys import BlockKeyer
 from quic.tls import TlsFiles, TransportSettings
 from tests.pki import TestPki, make_pki
-from tests.test_frontend_auth import DESCRIPTOR, OneInstance, Utf8
+from tests.support.frontend import DESCRIPTOR, OneInstance, Utf8
 
 LIMIT = 256 << 10  # the front end's body limit in these tests
 CHUNK = 64 << 10

@@ -12,20 +12,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aioquic.quic.configuration import QuicConfiguration
 
 from http3.client import KvspClient, TransportError
 from http3.h1_client import IntoBuffer
-from http3.h3_client import H3ClientConnection, H3ConnectError, connect_h3
+from http3.h3_client import H3ConnectError, connect_h3
 from http3.h3_server import h3_handler
-from quic.connection import KvspQuicConnection
 from quic.listener import QuicListener
-from quic.tls import TlsFiles, TransportSettings, scope_identity
-from quic.udp import BatchedUdpTransport, bind_udp
+from quic.tls import TlsFiles, scope_identity
+from quic.udp import bind_udp
 from tests.pki import TestPki, make_pki
-
-SMALL_WINDOWS = TransportSettings(stream_window=1 << 20, connection_window=2 << 20, send_buffer=1 << 20,
-                                  max_body_bytes=96 << 20, shutdown_grace=5.0)
+from tests.support.transport import SMALL_WINDOWS, connect_without_certificate
 
 
 class App:
@@ -124,23 +120,6 @@ async def test_bad_certificates_are_refused_in_the_handshake(server, certs: Test
     reason = {"expired": "no longer valid", "notyet": "not valid yet", "foreign": "unable to get local issuer"}[who]
     assert reason in str(info.value)
     assert app.calls == 0
-
-
-async def connect_without_certificate(ca: Path, port: int) -> str:
-    """Connect over QUIC with no client certificate; return why the server closed the connection."""
-    config = QuicConfiguration(is_client=True, alpn_protocols=["h3"], server_name="127.0.0.1")
-    config.load_verify_locations(cadata=ca.read_bytes())  # verifies the server, but has no certificate
-    loop = asyncio.get_running_loop()
-    protocol = H3ClientConnection(KvspQuicConnection(configuration=config), settings=SMALL_WINDOWS)
-    transport = BatchedUdpTransport(loop, bind_udp("127.0.0.1", 0, 1 << 20), protocol)
-    try:
-        protocol.connect(("127.0.0.1", port))
-        await asyncio.wait_for(protocol.wait_connected(), 5)  # the client's side of TLS completes...
-        with pytest.raises(ConnectionError):
-            await asyncio.wait_for(protocol.confirmed, 5)  # ...but the server never confirms the handshake
-        return protocol.close_reason
-    finally:
-        transport.close()
 
 
 async def test_no_client_certificate_is_refused(server, certs: TestPki) -> None:

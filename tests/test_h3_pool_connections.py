@@ -13,7 +13,6 @@ import hashlib
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -35,6 +34,7 @@ from quic.listener import QuicListener
 from quic.tls import TransportSettings
 from tests.pki import TestPki, make_pki
 from tests.support.descriptors import small_descriptor
+from tests.support.transport import DelayingRelay
 
 SETTINGS = TransportSettings(shutdown_grace=2.0)
 
@@ -72,62 +72,6 @@ class App:
             while self.arrived < arrived:
                 self.changed.clear()
                 await self.changed.wait()
-
-
-class DelayingRelay(asyncio.DatagramProtocol):
-    """A UDP relay in front of the server: each client flow gets its own upstream socket (so the server still sees
-    one 4-tuple per client connection); the datagrams of every flow after the first are held back *delay* seconds
-    for the first *slow_for* seconds of the flow (a slow handshake)."""
-
-    def __init__(self, target: tuple[str, int], delay: float, slow_for: float) -> None:
-        self.target = target
-        self.delay = delay
-        self.slow_for = slow_for
-        self.transport: asyncio.DatagramTransport | None = None
-        self.flows: dict[tuple[str, int], tuple[asyncio.DatagramTransport, float | None]] = {}  # upstream, slow until
-        self._pending: dict[tuple[str, int], list[bytes]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
-        loop = asyncio.get_running_loop()
-        flow = self.flows.get(addr)
-        if flow is None:
-            if addr in self._pending:
-                self._pending[addr].append(data)
-                return
-            self._pending[addr] = [data]
-            task = loop.create_task(self._open(addr))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-            return
-        upstream, slow_until = flow
-        if slow_until is not None and loop.time() < slow_until:
-            loop.call_later(self.delay, upstream.sendto, data)
-        else:
-            upstream.sendto(data)
-
-    async def _open(self, addr: tuple[str, int]) -> None:
-        loop = asyncio.get_running_loop()
-        relay = self
-
-        class Back(asyncio.DatagramProtocol):
-            def datagram_received(self, data: bytes, _: Any) -> None:
-                assert relay.transport is not None
-                relay.transport.sendto(data, addr)
-
-        upstream, _ = await loop.create_datagram_endpoint(Back, remote_addr=self.target)
-        self.flows[addr] = (upstream, loop.time() + self.slow_for if self.flows else None)
-        for data in self._pending.pop(addr):
-            self.datagram_received(data, addr)
-
-    def close(self) -> None:
-        for upstream, _ in self.flows.values():
-            upstream.close()
-        if self.transport is not None:
-            self.transport.close()
 
 
 @pytest.fixture

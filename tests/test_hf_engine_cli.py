@@ -21,7 +21,7 @@ from kvsp_app.serve import read_scope_key
 from kvsp_quic.keys import BlockKeyer
 from quic.tls import TlsFiles
 from tests.helpers import Process
-from tests.test_hf_engine import write_hf_model
+from tests.support.hf_model import write_hf_model
 
 
 def _has_engine_flag() -> bool:

@@ -37,7 +37,7 @@ from kvsp_quic.storage.memory_index import MemoryIndexStore  # noqa: E402
 from kvsp_runtime.instance_service import ServiceOptions  # noqa: E402
 from tests.asgi import Router  # noqa: E402
 from tests.pki import TestPki, make_pki  # noqa: E402
-from tests.test_hf_engine import write_hf_model  # noqa: E402
+from tests.support.hf_model import write_hf_model  # noqa: E402
 from tests.test_instance_app import (  # noqa: E402
     SCOPE_KEY,
     SERVER_IDENTITY,

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvsp_quic import container as c
-from kvsp_quic.auth import ALL, Principal, Role
+from kvsp_quic.auth import Principal
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.fields import BlockKey, CompatId, ScopeId
 from kvsp_quic.problems import (
@@ -35,29 +35,10 @@ from kvsp_quic.samples import random_sections
 from kvsp_quic.storage.tiers import BlockId, LocalStorageConfig
 from tests.helpers import Clock
 from tests.support.descriptors import small_descriptor
+from tests.support.holder import ALICE, BASE, BOB, SCOPE, body, key, principal
 
-BASE = "https://h1.example/kvsp/"
-SCOPE = bytes.fromhex("6d1c6481cd428737da312c089db3832a")
 OTHER_SCOPE = bytes(16)
 TTL_MS = 30_000
-
-
-def principal(name: str = "ii", scopes: Any = ALL) -> Principal:
-    return Principal(f"urn:kvsp:client:{name}", frozenset({Role.INSTANCE}), scopes)
-
-
-ALICE = principal("alice")
-BOB = principal("bob")
-
-
-def key(n: int) -> bytes:
-    return hashlib.sha256(b"key%d" % n).digest()
-
-
-def body(d: CompatDescriptor, n: int) -> bytes:
-    enc = c.encode(random_sections(d, d.block_tokens, 0, d.layers - 1, n), first_layer=0,
-                   token_count=d.block_tokens, descriptor=d)
-    return enc.tobytes()
 
 
 @pytest.fixture
@@ -276,7 +257,6 @@ def test_leases_need_every_key_and_respect_quotas(make, d: CompatDescriptor) -> 
         h.release_lease(BOB, first)
     h.release_lease(ALICE, first)
     assert len(h.leases) == 0
-
 
 
 def test_stored_octets_per_owner_follow_every_change(make, d: CompatDescriptor) -> None:  # type: ignore[no-untyped-def]

@@ -8,8 +8,6 @@ import base64
 import hashlib
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,31 +22,24 @@ from kvsp_quic.keys import uri_id
 from kvsp_quic.records import LeaseRequest, LeaseResponse, ReplicaRecord
 from kvsp_quic.roles.holder import Holder, HolderSettings
 from kvsp_quic.roles.leases import LeaseLimits
-from kvsp_quic.samples import random_sections
 from kvsp_runtime.publisher import ReplicaPublisher
 from quic.tls import scope_identity
 from tests.asgi import read_body
-from tests.pki import TestPki, make_pki
+from tests.pki import TestPki
 from tests.support.descriptors import small_descriptor
-
-HOLDER_URI = "https://127.0.0.1/kvsp/"
-INDEX_URI = "https://127.0.0.1/is/"
-SCOPE = "6d1c6481cd428737da312c089db3832a"
-OTHER_SCOPE = "00112233445566778899aabbccddeeff"
-ALICE = "urn:kvsp:client:alice"
-BOB = "urn:kvsp:client:bob"
-BLOCK = "application/kvsp-block"
-JSON = "application/kvsp+json"
-
-
-def key(n: int) -> str:
-    return hashlib.sha256(b"key%d" % n).hexdigest()
-
-
-def body(d: CompatDescriptor, n: int) -> bytes:
-    return c.encode(random_sections(d, d.block_tokens, 0, d.layers - 1, n), first_layer=0,
-                    token_count=d.block_tokens, descriptor=d).tobytes()
-
+from tests.support.holder_app import (
+    ALICE,
+    BLOCK,
+    BOB,
+    HOLDER_URI,
+    JSON,
+    OTHER_SCOPE,
+    SCOPE,
+    Setup,
+    body,
+    key,
+    problem_type,
+)
 
 POLICY = Policy.from_dict({"principal": [
     {"identity": ALICE, "roles": ["instance"], "scopes": [SCOPE]},
@@ -58,57 +49,24 @@ POLICY = Policy.from_dict({"principal": [
 
 
 @pytest.fixture
-def certs(tmp_path: Path) -> TestPki:
-    return make_pki(tmp_path / "pki", roles={"holder": HOLDER_URI, "index": INDEX_URI})
-
-
-@pytest.fixture
 def d() -> CompatDescriptor:
     return small_descriptor(layers=32)
 
 
-@dataclass
-class Setup:
-    server: RoleServer
-    holder: Holder
-    d: CompatDescriptor
-    alice: KvspClient
-    bob: KvspClient
-
-    def url(self, path: str) -> str:
-        return self.server.base_uri("/kvsp/") + path
-
-    def block_url(self, n: int, query: str = "", scope: str = SCOPE, compat: str | None = None) -> str:
-        compat = compat or self.d.compat_id.hex()
-        return self.url(f"blocks/{compat}/{scope}/{key(n)}") + (f"?{query}" if query else "")
-
-    async def put(self, n: int, client: KvspClient | None = None, content: Any = None,
-                  headers: dict[str, str] | None = None) -> Response:
-        headers = {"content-type": BLOCK, "if-none-match": "*"} if headers is None else headers
-        return await (client or self.alice).request("PUT", self.block_url(n), headers=headers,
-                                                    content=body(self.d, n) if content is None else content)
-
-
 @pytest.fixture
-async def setup(certs: TestPki, d: CompatDescriptor) -> AsyncIterator[Setup]:
+async def setup(holder_certs: TestPki, d: CompatDescriptor) -> AsyncIterator[Setup]:
     size = len(body(d, 1))
     holder = Holder(HolderSettings(HOLDER_URI, (d,), host_capacity=3 * size, replica_ttl_ms=60_000,
                                    leases=LeaseLimits(max_ttl_ms=30_000, max_octets_per_client=2 * size)))
-    server = RoleServer(holder_app(holder, POLICY), certs.files("holder"))
+    server = RoleServer(holder_app(holder, POLICY), holder_certs.files("holder"))
     await server.start("127.0.0.1", 0)
-    alice, bob = KvspClient(certs.files("alice")), KvspClient(certs.files("bob"))
+    alice, bob = KvspClient(holder_certs.files("alice")), KvspClient(holder_certs.files("bob"))
     try:
         yield Setup(server, holder, d, alice, bob)
     finally:
         await alice.aclose()
         await bob.aclose()
         await server.close()
-
-
-def problem_type(response: Response) -> str:
-    assert response.headers["content-type"] == "application/problem+json"
-    assert response.headers["cache-control"] == "no-store"
-    return str(response.json()["type"]).removeprefix("https://iana.org/assignments/kvsp#")
 
 
 def verify_repr_digest(response: Response) -> None:
@@ -187,8 +145,8 @@ async def test_block_errors_are_problems(setup: Setup) -> None:
     assert setup.holder.blocks() and len(setup.holder.blocks()) == 1
 
 
-async def test_blocks_over_tcp_too(setup: Setup, certs: TestPki) -> None:
-    async with KvspClient(certs.files("alice"), h3=False) as tcp:  # HTTP/2 or HTTP/1.1, whatever ALPN picks
+async def test_blocks_over_tcp_too(setup: Setup, holder_certs: TestPki) -> None:
+    async with KvspClient(holder_certs.files("alice"), h3=False) as tcp:  # HTTP/2 or HTTP/1.1, whatever ALPN picks
         stored = await setup.put(3, client=tcp)
         assert stored.status == 201 and stored.http_version in ("HTTP/2", "HTTP/1.1")
         got = await tcp.request("GET", setup.block_url(3, "layers=0-0"))
@@ -295,14 +253,14 @@ class FakeIndex:
                 await self.changed.wait()
 
 
-async def test_publisher_publishes_refreshes_retries_and_withdraws(certs: TestPki, d: CompatDescriptor) -> None:
+async def test_publisher_publishes_refreshes_retries_and_withdraws(holder_certs: TestPki, d: CompatDescriptor) -> None:
     index = FakeIndex(fail=1)
-    server = RoleServer(index, certs.files("index"))
+    server = RoleServer(index, holder_certs.files("index"))
     await server.start("127.0.0.1", 0)
     size = len(body(d, 1))
     holder = Holder(HolderSettings(HOLDER_URI, (d,), host_capacity=size, replica_ttl_ms=900,
                                    publish_backoff_ms=(50, 200)))
-    client = KvspClient(certs.files("holder"))
+    client = KvspClient(holder_certs.files("holder"))
     publisher = ReplicaPublisher(holder, client, server.base_uri("/is/"))
     principal = POLICY.principal(ALICE)
     assert principal is not None
@@ -333,9 +291,10 @@ async def test_publisher_publishes_refreshes_retries_and_withdraws(certs: TestPk
         await server.close()
 
 
-async def test_publisher_stops_cleanly_while_the_index_is_unreachable(certs: TestPki, d: CompatDescriptor) -> None:
+async def test_publisher_stops_cleanly_while_the_index_is_unreachable(holder_certs: TestPki,
+                                                                      d: CompatDescriptor) -> None:
     holder = Holder(HolderSettings(HOLDER_URI, (d,), publish_backoff_ms=(50, 100)))
-    client = KvspClient(certs.files("holder"), connect_timeout=0.2, retries=0)
+    client = KvspClient(holder_certs.files("holder"), connect_timeout=0.2, retries=0)
     publisher = ReplicaPublisher(holder, client, "https://127.0.0.1:9/is/", timeout=0.5)  # nothing listens
     principal = POLICY.principal(ALICE)
     assert principal is not None

@@ -20,7 +20,7 @@ from kvsp_quic.storage.journal import ReplicaJournal
 from kvsp_quic.storage.tiers import BlockId, ChainPosition, LocalStorageConfig, file_header_size
 from tests.helpers import Clock
 from tests.support.descriptors import small_descriptor
-from tests.test_holder import ALICE, BASE, SCOPE, body, key
+from tests.support.holder import ALICE, BASE, SCOPE, body, key
 
 CHAIN = key(0)
 

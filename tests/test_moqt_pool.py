@@ -30,7 +30,7 @@ from moqt.events import FetchRequested
 from quic.listener import QuicListener
 from tests.pki import TestPki, make_pki
 from tests.support.descriptors import small_descriptor
-from tests.test_h3_pool_connections import DelayingRelay
+from tests.support.transport import DelayingRelay
 
 ALPNS = ["moqt-18", "moq-00"]
 DRAFTS = pytest.mark.parametrize("alpn", ALPNS)

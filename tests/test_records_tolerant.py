@@ -41,7 +41,7 @@ from kvsp_quic.storage.memory_index import MemoryIndexStore
 from tests import vectors
 from tests.support.cluster import DESCRIPTOR, KEYER, block, eventually, put
 from tests.support.index import C1, H1, H2, RELAY, S1, Env, bk, hid, replica, who
-from tests.test_records import SPEC_EXAMPLES
+from tests.support.records import SPEC_EXAMPLES
 
 NEW_CODEC = 0xFE01  # not in today's KVSP Codecs registry, not Private Use: a newer registry's codec
 NEW_TIER = "cxl-pool"  # not in today's KVSP Storage Tiers registry

@@ -28,9 +28,9 @@ from moqt.relay import RelayConfig
 from quic.crl import Revocation
 from quic.listener import QuicListener
 from tests.pki import TestPki, make_pki
+from tests.support.crl import holder, make_files, write_crl
 from tests.support.descriptors import small_descriptor
 from tests.test_moqt_relay import HOLDER_URI, RELAY_URI, SCOPE, World, layers
-from tests.test_security_crl import holder, make_files, write_crl
 
 CLIENTS = ("alice", "bob", "carol")
 
@@ -135,7 +135,7 @@ async def test_a_reload_closes_the_moqt_sessions_of_revoked_and_removed_peers(
 
 async def test_sighup_closes_the_moqt_session_of_a_revoked_client_of_a_holder_process(tmp_path: Path) -> None:
     """``kvsp-quic holder --crl``: SIGHUP after the CRL revokes carol ends her established MOQT session."""
-    from tests.test_security_crl import write_policy as write_client_policy
+    from tests.support.crl import write_policy as write_client_policy
 
     root = make_root(tmp_path).root
     policy, crl = tmp_path / "policy.toml", tmp_path / "ca.crl"

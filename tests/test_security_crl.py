@@ -7,52 +7,23 @@ A real ``kvsp-quic holder`` process on 127.0.0.1 with the test PKI (docs/securit
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import signal
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
 
 from kvsp_dev import pki
-from kvsp_dev.processes import RoleProcess
 from kvsp_quic.samples import example_descriptor
 from moqt.aio import MoqtConnectError, connect_moqt
 from quic.crl import CrlError, CrlSet
-from quic.tls import TlsFiles
 from tests.authz_matrix import TLS, Requester
 from tests.pki import make_pki
+from tests.support.crl import SCOPE, holder, make_files, write_crl, write_policy
 
-SCOPE = "0d" * 16
 TRANSPORTS = ("HTTP/1.1", "HTTP/2", "HTTP/3")
-DESCRIPTOR = Path(__file__).resolve().parents[1] / "kvsp_quic" / "data" / "example-descriptor.json"
 CLIENTS = ("alice", "bob", "carol", "dave", "erin")
-
-
-def write_crl(root: Path, revoked: list[str], path: Path, *, der: bool = False) -> None:
-    """A CRL of the test CA revoking the client certificates *revoked* (by name)."""
-    ca_cert, ca_key = pki.load_pair(root, "ca")
-    now = dt.datetime.now(dt.UTC)
-    builder = (x509.CertificateRevocationListBuilder().issuer_name(ca_cert.subject)
-               .last_update(now - dt.timedelta(minutes=1)).next_update(now + dt.timedelta(days=1)))
-    for name in revoked:
-        cert = x509.load_pem_x509_certificate((root / f"{name}.pem").read_bytes())
-        builder = builder.add_revoked_certificate(
-            x509.RevokedCertificateBuilder().serial_number(cert.serial_number).revocation_date(now).build())
-    crl = builder.sign(ca_key, hashes.SHA256())
-    path.write_bytes(crl.public_bytes(serialization.Encoding.DER if der else serialization.Encoding.PEM))
-
-
-def write_policy(path: Path, clients: list[str]) -> None:
-    lines = []
-    for name in clients:
-        lines += ["[[principal]]", f'identity = "urn:kvsp:client:{name}"', 'roles = ["client"]',
-                  f'scopes = ["{SCOPE}"]', ""]
-    path.write_text("\n".join(lines))
 
 
 def test_crl_files_are_checked(tmp_path: Path) -> None:
@@ -70,37 +41,6 @@ def test_crl_files_are_checked(tmp_path: Path) -> None:
     crl.write_text("-----BEGIN X509 CRL-----\nbroken\n-----END X509 CRL-----\n")
     with pytest.raises(CrlError, match="not a PEM or DER CRL"):
         CrlSet.load(crl, tls.ca.read_bytes())
-
-
-class Holder(RoleProcess):
-    """``kvsp-quic holder`` with the test PKI, a policy file and a CRL; its log goes to a file (INFO lines)."""
-
-    def __init__(self, tmp_path: Path, root: Path, policy: Path, crl: Path, workers: int) -> None:
-        self.workers = workers
-        self.log_file = tmp_path / "holder.log"
-        super().__init__("holder", "holder", "--tls-dir", str(root), "--name", "server", "--listen", "127.0.0.1:0",
-                         "--policy", str(policy), "--crl", str(crl), "--workers", str(workers), "--descriptor",
-                         str(DESCRIPTOR), stderr=self.log_file, log_level="INFO")
-        self.wait_ready()
-
-    def reload(self, expect: str, timeout: float = 30.0) -> None:
-        """SIGHUP, then wait for *expect* in the log once more than before from each process (they share it)."""
-        before = self.log_file.read_text().count(expect)
-        self.proc.send_signal(signal.SIGHUP)
-        deadline = time.monotonic() + timeout
-        while self.log_file.read_text().count(expect) < before + self.workers:
-            assert self.proc.poll() is None, f"the holder ended on SIGHUP: {self.log_file.read_text()}"
-            assert time.monotonic() < deadline, f"no {expect!r} in the log: {self.log_file.read_text()}"
-            time.sleep(0.1)
-
-
-@contextlib.contextmanager
-def holder(tmp_path: Path, root: Path, policy: Path, crl: Path, workers: int) -> Iterator[Holder]:
-    server = Holder(tmp_path, root, policy, crl, workers)
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 async def statuses(base: str, root: Path, name: str, requesters: dict[str, Requester] | None = None
@@ -125,10 +65,6 @@ async def again(requesters: dict[str, Requester]) -> dict[str, int | str]:
     compat = example_descriptor().compat_id.hex()
     path = f"blocks/{compat}/{SCOPE}/{'ab' * 32}"
     return {t: await r.request("GET", path, None, {}) for t, r in requesters.items()}
-
-
-def make_files(root: Path, name: str) -> TlsFiles:
-    return TlsFiles(root / "ca.pem", root / f"{name}.pem", root / f"{name}.key")
 
 
 async def moqt_refused(moqt_uri: str, root: Path, name: str) -> bool:

@@ -25,7 +25,7 @@ from kvsp_quic.keys import BlockKeyer
 from quic.tls import TransportSettings
 from tests.asgi import read_body
 from tests.pki import make_pki
-from tests.test_frontend_auth import DESCRIPTOR, KEY, Utf8
+from tests.support.frontend import DESCRIPTOR, KEY, Utf8
 
 INTERNAL = "https://10.9.8.7:4433/kvsp/ refused the start: connection reset by peer"
 

@@ -12,7 +12,7 @@ import pytest
 
 from http3.client import KvspClient, TransportError
 from http3.server import RoleServer
-from tests.test_security_tls import Counting, dev_roles
+from tests.support.tls import Counting, dev_roles
 
 
 async def test_the_http2_path_refuses_a_co_located_role_answering_for_another(tmp_path: Path) -> None:

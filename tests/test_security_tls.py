@@ -6,16 +6,13 @@ them (``kvsp_app.serve``)."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, MutableMapping
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from http3.client import KvspClient, TransportError
 from http3.h3_client import H3ConnectError, connect_h3
-from http3.server import RoleServer, bind_pair
+from http3.server import RoleServer
 from kvsp_dev import pki
 from kvsp_moqt.relay_policy import kvsp_relay
 from kvsp_moqt.relay_rules import RelayRules
@@ -23,50 +20,7 @@ from kvsp_quic.auth import Policy
 from moqt.aio import MoqtConnectError, connect_moqt, moqt_handlers
 from quic.listener import QuicListener
 from quic.tls import TlsFiles, TransportSettings, serves
-
-DEV_HOSTS = ["127.0.0.1", "localhost"]
-
-
-class Counting:
-    """An ASGI app that answers 200 and counts the requests that reached it."""
-
-    def __init__(self) -> None:
-        self.requests = 0
-
-    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        self.requests += 1
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
-        await send({"type": "http.response.body", "body": b"ok"})
-
-
-@contextlib.asynccontextmanager
-async def dev_roles(tmp_path: Path) -> AsyncIterator[tuple[dict[str, Any], TlsFiles]]:
-    """Two co-located roles as ``--dev`` makes them: each binds its port, then gets a certificate naming its base
-    URI (port included) and 127.0.0.1 / localhost. Yields {name: (socket pair, base URI, files)} and the client's
-    files."""
-    roles: dict[str, Any] = {}
-    for name, path in (("holder", "/kvsp/"), ("index", "/is/")):
-        pair = bind_pair("127.0.0.1", 0, 1 << 20)
-        port = pair[0].getsockname()[1]
-        roles[name] = (pair, f"https://127.0.0.1:{port}{path}", f"{name}-{port}")
-    pki.init(tmp_path, [pki.role(n, base) for _, base, n in roles.values()] + [pki.client("dev")],
-             extra_hosts=DEV_HOSTS)
-    out = {name: (pair, base, TlsFiles.in_dir(tmp_path, n)) for name, (pair, base, n) in roles.items()}
-    try:
-        yield out, TlsFiles.in_dir(tmp_path, "dev")
-    finally:
-        for pair, _, _ in out.values():
-            for sock in pair:
-                if sock is not None:
-                    sock.close()
+from tests.support.tls import Counting, dev_roles
 
 
 def test_the_matching_rule() -> None:

@@ -22,7 +22,7 @@ from kvsp_http.problem_response import install
 from kvsp_quic.auth import Policy, require_scope
 from quic.tls import TlsFiles, TransportSettings, scope_identity, ssl_client_context
 from tests.pki import TestPki, make_pki
-from tests.test_h3 import connect_without_certificate
+from tests.support.transport import connect_without_certificate
 
 SCOPE_A, SCOPE_B = "aa" * 16, "bb" * 16
 SETTINGS = TransportSettings(shutdown_grace=2.0)

@@ -8,7 +8,6 @@ import asyncio
 import json
 import resource
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
@@ -22,7 +21,7 @@ from kvsp_quic.fields import BlockKey, ScopeId
 from kvsp_quic.records import LeaseRequest, LeaseResponse
 from kvsp_quic.roles.holder import Holder, HolderSettings
 from kvsp_quic.roles.leases import LeaseLimits
-from tests.test_holder_app import ALICE, BOB, HOLDER_URI, JSON, SCOPE, Setup, body, key, problem_type
+from tests.support.holder_app import ALICE, BOB, HOLDER_URI, JSON, SCOPE, Setup, body, key, problem_type
 
 PRIVATE_CODEC = 0xFF00
 POLICY = Policy.from_dict({"principal": [  # two producers of one scope (quotas are per principal)
@@ -37,11 +36,11 @@ def private_header(d: CompatDescriptor, section: int) -> bytes:
     return c.ContainerHeader(PRIVATE_CODEC, 0, d.block_tokens, ((section, section),) * d.layers).pack()
 
 
-async def holder_server(certs, d: CompatDescriptor, **options: object) -> AsyncIterator[Setup]:  # type: ignore[no-untyped-def]
+async def holder_server(holder_certs, d: CompatDescriptor, **options: object) -> AsyncIterator[Setup]:  # type: ignore[no-untyped-def]
     holder = Holder(HolderSettings(HOLDER_URI, (d,), replica_ttl_ms=60_000, **options))  # type: ignore[arg-type]
-    server = RoleServer(holder_app(holder, POLICY), certs.files("holder"))
+    server = RoleServer(holder_app(holder, POLICY), holder_certs.files("holder"))
     await server.start("127.0.0.1", 0)
-    alice, bob = KvspClient(certs.files("alice")), KvspClient(certs.files("bob"))
+    alice, bob = KvspClient(holder_certs.files("alice")), KvspClient(holder_certs.files("bob"))
     try:
         yield Setup(server, holder, d, alice, bob)
     finally:
@@ -69,8 +68,8 @@ def rss_peak() -> int:
 # -- uploads allocate what the descriptor allows -------------------------------------------------------------------
 
 
-async def test_a_private_codec_header_cannot_declare_gigabytes(certs, d: CompatDescriptor) -> None:  # type: ignore[no-untyped-def]
-    async for s in holder_server(certs, d):
+async def test_a_private_codec_header_cannot_declare_gigabytes(holder_certs, d: CompatDescriptor) -> None:  # type: ignore[no-untyped-def]
+    async for s in holder_server(holder_certs, d):
         section = 4 << 20  # 32 layers x 2 x 4 MiB = 256 MiB declared by a 532-octet header
         gate = asyncio.Event()
         before = rss_peak()
@@ -101,9 +100,9 @@ async def test_a_private_codec_header_cannot_declare_gigabytes(certs, d: CompatD
 # -- per-principal storage quota ---------------------------------------------------------------------------------
 
 
-async def test_storage_quota_per_principal(certs, d: CompatDescriptor) -> None:  # type: ignore[no-untyped-def]
+async def test_storage_quota_per_principal(holder_certs, d: CompatDescriptor) -> None:  # type: ignore[no-untyped-def]
     size = len(body(d, 1))
-    async for s in holder_server(certs, d, host_capacity=8 * size, max_octets_per_principal=2 * size):
+    async for s in holder_server(holder_certs, d, host_capacity=8 * size, max_octets_per_principal=2 * size):
         assert (await s.put(1, client=s.bob)).status == 201  # tenant B's block
         for n in (2, 3):
             assert (await s.put(n)).status == 201
@@ -123,9 +122,9 @@ async def test_storage_quota_per_principal(certs, d: CompatDescriptor) -> None: 
         assert (await s.put(6, client=s.bob)).status == 201  # bob has his own quota
 
 
-async def test_declared_but_unsent_uploads_count_against_the_quota(certs, d: CompatDescriptor) -> None:  # type: ignore[no-untyped-def]
+async def test_declared_but_unsent_uploads_count_against_the_quota(holder_certs, d: CompatDescriptor) -> None:  # type: ignore[no-untyped-def]
     size = len(body(d, 1))
-    async for s in holder_server(certs, d, host_capacity=8 * size, max_octets_per_principal=2 * size):
+    async for s in holder_server(holder_certs, d, host_capacity=8 * size, max_octets_per_principal=2 * size):
         gate = asyncio.Event()
         head = body(d, 1)[:c.FIXED_HEADER.size + c.ENTRY.size * d.layers]
         pending = [asyncio.create_task(s.put(n, content=stalled(head, gate))) for n in (1, 2)]
@@ -158,10 +157,10 @@ async def lease_of(s: Setup, client: KvspClient, *ns: int, ttl_ms: int = 10_000)
     return got.status, got.json()
 
 
-async def test_leases_never_pin_more_than_the_global_fraction(certs, d: CompatDescriptor) -> None:  # type: ignore[no-untyped-def]
+async def test_leases_never_pin_more_than_the_global_fraction(holder_certs, d: CompatDescriptor) -> None:  # type: ignore[no-untyped-def]
     size = len(body(d, 1))
     limits = LeaseLimits(max_ttl_ms=10_000, max_octets_per_client=16 << 30, max_leased_fraction=0.5)
-    async for s in holder_server(certs, d, host_capacity=4 * size, leases=limits):
+    async for s in holder_server(holder_certs, d, host_capacity=4 * size, leases=limits):
         for n in (1, 2, 3, 4):
             assert (await s.put(n)).status == 201
         status, answer = await lease_of(s, s.alice, 1, 2, 3)  # 3 of 4 blocks: over half the capacity
@@ -175,10 +174,10 @@ async def test_leases_never_pin_more_than_the_global_fraction(certs, d: CompatDe
             assert (await s.put(n)).status == 201
 
 
-async def test_one_client_leases_at_most_its_share_of_the_global_cap(certs, d: CompatDescriptor) -> None:  # type: ignore[no-untyped-def]
+async def test_one_client_leases_at_most_its_share_of_the_global_cap(holder_certs, d: CompatDescriptor) -> None:  # type: ignore[no-untyped-def]
     size = len(body(d, 1))
     limits = LeaseLimits(max_ttl_ms=10_000, max_leased_fraction=1.0, max_client_share=0.5)
-    async for s in holder_server(certs, d, host_capacity=4 * size, leases=limits):
+    async for s in holder_server(holder_certs, d, host_capacity=4 * size, leases=limits):
         for n in (1, 2, 3, 4):
             assert (await s.put(n)).status == 201
         assert (await lease_of(s, s.alice, 1, 2))[0] == 201  # half the holder: alice's share
@@ -190,9 +189,9 @@ async def test_one_client_leases_at_most_its_share_of_the_global_cap(certs, d: C
         assert (await lease_of(s, s.bob, 3, 4))[0] == 201  # bob is not starved
 
 
-async def test_renewals_are_limited(certs, d: CompatDescriptor) -> None:  # type: ignore[no-untyped-def]
+async def test_renewals_are_limited(holder_certs, d: CompatDescriptor) -> None:  # type: ignore[no-untyped-def]
     limits = LeaseLimits(max_ttl_ms=10_000, max_renewals=2, max_lifetime_ms=60_000)
-    async for s in holder_server(certs, d, leases=limits):
+    async for s in holder_server(holder_certs, d, leases=limits):
         assert (await s.put(1)).status == 201
         status, answer = await lease_of(s, s.alice, 1)
         assert status == 201
@@ -203,12 +202,6 @@ async def test_renewals_are_limited(certs, d: CompatDescriptor) -> None:  # type
             assert ok.status == 200, ok.content
         third = await s.alice.request("PUT", renew, headers={"content-type": JSON}, content=b'{"ttl_ms": 10000}')
         assert third.status == 429 and problem_type(third) == "kvsp-lease-quota"
-
-
-@pytest.fixture
-def certs(tmp_path: Path):  # type: ignore[no-untyped-def]
-    from tests.pki import make_pki
-    return make_pki(tmp_path / "pki", roles={"holder": HOLDER_URI, "index": "https://127.0.0.1/is/"})
 
 
 @pytest.fixture
