@@ -24,6 +24,7 @@ from tests.support.cluster import CONTAINER_SIZE
 from tests.support.descriptors import small_descriptor  # noqa: F401  (still imported from here by two modules)
 from tests.support.holder_app import HOLDER_URI, INDEX_URI
 from tests.support.index import Env, make_config
+from tests.support.index_app import H1, H2, II7, INDEX
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -36,6 +37,15 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 # -- the test PKI (tests/pki.py's make_pki): one fixture per set of roles that several modules use -------------------
 # A module that needs roles of its own (a certificate naming its port, a role no other module has) keeps its own
 # fixture and says why.
+
+
+@pytest.fixture(scope="module")
+def pki_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The directory of a PKI for the module with the Index Service and holders h1, h2 and ii7 of
+    tests/support/index_app.py (:func:`tests.support.index_app.serve` takes it)."""
+    root = tmp_path_factory.mktemp("pki")
+    make_pki(root, roles={"index": INDEX, "h1": H1, "h2": H2, "ii7": II7})
+    return root
 
 
 @pytest.fixture

@@ -341,8 +341,7 @@ CHATS = [
 
 def _moqt_seeds(draft: Draft) -> tuple[tuple[bytes, ...], tuple[bytes, ...], tuple[bytes, ...]]:
     """Valid control streams, data streams and datagrams of *draft*, from the codec tests' examples."""
-    from tests.test_moqt_codec import MESSAGES_14, MESSAGES_18
-    from tests.test_moqt_data import DATAGRAMS, FETCH_OBJECTS, fetch_stream
+    from tests.support.moqt_examples import DATAGRAMS, FETCH_OBJECTS, MESSAGES_14, MESSAGES_18, fetch_stream
 
     messages = MESSAGES_14 if draft is Draft.D14 else MESSAGES_18
     each = [encode_message(m, draft) for m in messages]

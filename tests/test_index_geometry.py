@@ -19,7 +19,7 @@ from kvsp_client.api import KvspApi
 from kvsp_quic.records import LookupRequest
 from kvsp_quic.roles.index import NO_GEOMETRY
 from tests.helpers import Process
-from tests.test_fast_migration import active, files_of, keyer_of, start_instances, tiny_model
+from tests.support.instance_processes import active, files_of, keyer_of, start_instances, tiny_model
 
 pytest.importorskip("torch", reason="the gpu extra (torch) is not installed")
 

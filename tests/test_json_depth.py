@@ -13,7 +13,7 @@ import pytest
 from kvsp_quic import fields as f
 from kvsp_quic.fields import MAX_JSON_DEPTH, RecordError
 from tests.support.index import C1, S1, bk
-from tests.test_index_app import pki_dir, problem, serve  # noqa: F401 (pki_dir: a fixture)
+from tests.support.index_app import problem, serve
 
 
 def test_depth_is_checked_before_parsing() -> None:
@@ -27,7 +27,7 @@ def test_depth_is_checked_before_parsing() -> None:
 
 
 @pytest.mark.parametrize("h3", [True, False])
-async def test_a_deeply_nested_lookup_is_a_400(pki_dir: Path, h3: bool) -> None:  # noqa: F811
+async def test_a_deeply_nested_lookup_is_a_400(pki_dir: Path, h3: bool) -> None:
     async with serve(pki_dir, h3=h3) as h:
         nested = {"scope_id": S1.hex(), "compat_id": C1.hex(), "block_keys": [bk(0).hex()]}
         raw = json.dumps(nested).encode()[:-1] + b', "x": ' + b"[" * 3000 + b"]" * 3000 + b"}"

@@ -33,7 +33,7 @@ from tests.peers import missing_peer
 from tests.pki import make_pki
 from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisClusterServers, RedisServer, free_port, needs_redis
 from tests.support.index import C1, H1, H2, PC, S1, S2, bk, hid, make_config, replica, who
-from tests.test_index_app import POLICY
+from tests.support.index_app import POLICY
 
 pytest.importorskip("redis", reason="the redis extra is not installed (pip install -e '.[redis]')")
 
@@ -258,6 +258,7 @@ class Pair:
 
 @pytest.fixture(scope="module")
 def pki_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # its own roles (tests/conftest.py's pki_dir, for tests/support/index_app.py, names an instance ii7 too)
     root = tmp_path_factory.mktemp("pki")
     make_pki(root, roles={"index": INDEX, "h1": H1, "h2": H2})
     return root

@@ -21,6 +21,7 @@ from moqt.errors import MoqtError, SessionErrorCode
 from moqt.events import DataStreamOpened, Event, FetchRangeEnded, ObjectReceived, StreamEnded
 from moqt.types import Draft, GroupOrder, KeyValuePairs, Location, ObjectStatus
 from moqt.varint import encode_quic, encode_vi64
+from tests.support.moqt_examples import DATAGRAMS, FETCH_OBJECTS, fetch_stream
 
 PV = SessionErrorCode.PROTOCOL_VIOLATION
 
@@ -144,26 +145,6 @@ def test_subgroup_object_ids_must_ascend() -> None:
 
 # -- Fetch streams -------------------------------------------------------------------------------------------
 
-FETCH_OBJECTS = [  # group, object, subgroup, priority, payload, status, extensions
-    (0, 0, 0, 128, b"layer0", ObjectStatus.NORMAL, ((8, 1000),)),
-    (0, 1, 0, 128, b"layer1", ObjectStatus.NORMAL, ()),
-    (0, 3, 1, 128, b"", ObjectStatus.NORMAL, ()),
-    (0, 4, 2, 9, b"x", ObjectStatus.NORMAL, ()),
-    (0, 5, 7, 9, b"", ObjectStatus.END_OF_GROUP, ()),
-    (2, 0, 0, 9, b"g2", ObjectStatus.NORMAL, ((13, b"prop"),)),
-    (5, 1, 7, 9, b"g5", ObjectStatus.NORMAL, ()),
-    (5, 2, None, 9, b"dgram", ObjectStatus.NORMAL, ()),
-]
-
-
-def fetch_stream(draft: Draft, order: GroupOrder, items: list[tuple]) -> bytes:  # type: ignore[type-arg]
-    enc = FetchObjectEncoder(draft, order)
-    wire = encode_fetch_header(draft, 4)
-    for group, obj, sub, prio, payload, status, ext in items:
-        wire += enc.encode(group, obj, len(payload), subgroup=sub, priority=prio, status=status, extensions=ext)
-        wire += payload
-    return wire
-
 
 @pytest.mark.parametrize("draft", Draft)
 @pytest.mark.parametrize("order", [GroupOrder.ASCENDING, GroupOrder.DESCENDING])
@@ -275,14 +256,6 @@ def test_header_cut_by_a_read_boundary_copies_only_a_slice() -> None:
 
 
 # -- Datagrams --------------------------------------------------------------------------------------------------
-
-DATAGRAMS = [
-    ObjectDatagram(1, 2, 3, b"payload"), ObjectDatagram(1, 2, 0, b"zero id"),
-    ObjectDatagram(1, 2, 3, b"p", extensions=((2, 5),)), ObjectDatagram(1, 2, 3, b"p", end_of_group=True),
-    ObjectDatagram(1, 2, 0, b"p", extensions=((3, b"x"),), end_of_group=True),
-    ObjectDatagram(1, 2, 3, b"", status=ObjectStatus.END_OF_TRACK),
-    ObjectDatagram(1, 2, 3, b"", status=ObjectStatus.NORMAL, extensions=((2, 1),)),
-]
 
 
 @pytest.mark.parametrize("draft", Draft)

@@ -28,8 +28,7 @@ from moqt.session import MoqtSession, Role, SessionConfig
 from moqt.sessions import new_session
 from moqt.types import Draft, GroupOrder, KeyValuePairs, Location, ObjectStatus
 from moqt.varint import NeedMore
-from tests.test_moqt_codec import MESSAGES_14, MESSAGES_18
-from tests.test_moqt_data import DATAGRAMS, FETCH_OBJECTS, fetch_stream
+from tests.support.moqt_examples import DATAGRAMS, FETCH_OBJECTS, MESSAGES_14, MESSAGES_18, fetch_stream
 
 FULL = os.environ.get("KVSP_SLOW") == "1"
 drafts = st.sampled_from(list(Draft))

@@ -20,8 +20,8 @@ from http3.client import KvspClient
 from kvsp_client.api import KvspApi
 from tests.helpers import Process
 from tests.redis_server import needs_redis
-from tests.test_fast_migration import active, files_of, keyer_of, start_instances, tiny_model
-from tests.test_reshard_processes import PROMPT, B, block_at, fetched, map_with_context, published_at, put_map
+from tests.support.instance_processes import active, files_of, keyer_of, start_instances, tiny_model
+from tests.support.reshard import PROMPT, B, block_at, fetched, map_with_context, published_at, put_map
 
 pytest.importorskip("torch", reason="the gpu extra (torch) is not installed")
 pytestmark = needs_redis

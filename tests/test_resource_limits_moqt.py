@@ -21,7 +21,7 @@ from moqt.types import Location
 from quic.tls import TlsFiles, TransportSettings
 from tests.helpers import Process
 from tests.support.cluster import DESCRIPTOR, KEYER, block
-from tests.test_resource_limits import (
+from tests.support.resource_limits import (
     BLOCKS,
     Legit,
     MiB,
