@@ -20,11 +20,10 @@ from tests.helpers import Clock, Process
 from tests.peers import missing_peer
 from tests.pki import TestPki, make_pki
 from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
+from tests.support import holder_app, index_app, moqt_relay
 from tests.support.cluster import CONTAINER_SIZE
 from tests.support.descriptors import small_descriptor  # noqa: F401  (still imported from here by two modules)
-from tests.support.holder_app import HOLDER_URI, INDEX_URI
 from tests.support.index import Env, make_config
-from tests.support.index_app import H1, H2, II7, INDEX
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -44,14 +43,21 @@ def pki_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The directory of a PKI for the module with the Index Service and holders h1, h2 and ii7 of
     tests/support/index_app.py (:func:`tests.support.index_app.serve` takes it)."""
     root = tmp_path_factory.mktemp("pki")
-    make_pki(root, roles={"index": INDEX, "h1": H1, "h2": H2, "ii7": II7})
+    make_pki(root, roles={"index": index_app.INDEX, "h1": index_app.H1, "h2": index_app.H2, "ii7": index_app.II7})
     return root
 
 
 @pytest.fixture
 def holder_certs(tmp_path: Path) -> TestPki:
     """A PKI of the test's own with a holder at tests/support/holder_app.py's HOLDER_URI and an index at INDEX_URI."""
-    return make_pki(tmp_path / "pki", roles={"holder": HOLDER_URI, "index": INDEX_URI})
+    return make_pki(tmp_path / "pki", roles={"holder": holder_app.HOLDER_URI, "index": holder_app.INDEX_URI})
+
+
+@pytest.fixture(scope="module")
+def relay_certs(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
+    """A PKI for the module with the holder, relay and index of tests/support/moqt_relay.py (its :func:`world`)."""
+    return make_pki(tmp_path_factory.mktemp("pki"), roles={
+        "holder": moqt_relay.HOLDER_URI, "relay": moqt_relay.RELAY_URI, "index": moqt_relay.INDEX_URI})
 
 
 @pytest.fixture

@@ -42,7 +42,7 @@ from quic.listener import QuicListener
 from tests.peers import needs_peer
 from tests.pki import TestPki, make_pki
 from tests.support.descriptors import small_descriptor
-from tests.test_moqt_relay import ALICE, HOLDER_URI, SCOPE, WRITER, block, key
+from tests.support.moqt_relay import ALICE, HOLDER_URI, SCOPE, WRITER, block, key
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER = ROOT / "interop" / "moqrs_peer.py"

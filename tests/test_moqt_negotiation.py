@@ -30,22 +30,16 @@ from moqt.testing import SessionPair
 from moqt.types import Draft
 from quic.listener import QuicListener
 from tests.pki import TestPki, make_pki
-from tests.test_moqt_relay import HOLDER_URI, INDEX_URI, RELAY_POLICY, RELAY_URI, SCOPE
+from tests.support.moqt_relay import HOLDER_URI, RELAY_POLICY, SCOPE
 
 ALICE = "urn:kvsp:client:alice"
 
 
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
-    return make_pki(tmp_path_factory.mktemp("pki"),
-                    roles={"holder": HOLDER_URI, "relay": RELAY_URI, "index": INDEX_URI})
-
-
 @contextlib.asynccontextmanager
-async def relay(certs: TestPki, alpns: tuple[str, ...] = PREFERRED_ALPNS) -> AsyncIterator[QuicListener]:
+async def relay(relay_certs: TestPki, alpns: tuple[str, ...] = PREFERRED_ALPNS) -> AsyncIterator[QuicListener]:
     """The stock relay's MOQT side (as `kvsp-quic relay` builds it), offering *alpns* in that order."""
     r = kvsp_relay(RelayRules(RELAY_POLICY, ((b"moq-test",),)))
-    listener = QuicListener(certs.files("relay"), moqt_handlers(r, alpns=alpns, data_streams=8))
+    listener = QuicListener(relay_certs.files("relay"), moqt_handlers(r, alpns=alpns, data_streams=8))
     await listener.start("127.0.0.1", 0)
     try:
         yield listener
@@ -54,9 +48,9 @@ async def relay(certs: TestPki, alpns: tuple[str, ...] = PREFERRED_ALPNS) -> Asy
         await listener.close()
 
 
-async def connect(certs: TestPki, listener: QuicListener, alpn: Any = PREFERRED_ALPNS, who: str = "alice",
+async def connect(relay_certs: TestPki, listener: QuicListener, alpn: Any = PREFERRED_ALPNS, who: str = "alice",
                   app: MoqtApp | None = None) -> MoqtConnection:
-    return await connect_moqt("127.0.0.1", listener.port, certs.files(who), alpn=alpn, app=app, timeout=5)
+    return await connect_moqt("127.0.0.1", listener.port, relay_certs.files(who), alpn=alpn, app=app, timeout=5)
 
 
 # -- 1. version negotiation -----------------------------------------------------------------------------------
@@ -80,22 +74,22 @@ def test_the_default_order_is_newest_first() -> None:
     (("moq-00",), PREFERRED_ALPNS, "moq-00"),                      # a server limited to one draft
     (("moqt-18",), ("moq-00", "moqt-18"), "moqt-18"),
 ])
-async def test_the_newest_common_draft_is_chosen(certs: TestPki, server: tuple[str, ...], client: tuple[str, ...],
+async def test_the_newest_common_draft_is_chosen(relay_certs: TestPki, server: tuple[str, ...], client: tuple[str, ...],
                                                  chosen: str) -> None:
-    async with relay(certs, server) as listener:
-        conn = await connect(certs, listener, client)
+    async with relay(relay_certs, server) as listener:
+        conn = await connect(relay_certs, listener, client)
         try:
             assert conn.alpn == chosen and conn.setup is not None and conn.setup.draft.alpn == chosen
         finally:
             await conn.aclose()
 
 
-async def test_no_common_draft_is_a_logged_and_counted_refusal(certs: TestPki,
+async def test_no_common_draft_is_a_logged_and_counted_refusal(relay_certs: TestPki,
                                                               caplog: pytest.LogCaptureFixture) -> None:
     before = AUDIT.snapshot()[1].get(("client", "no_application_protocol"), 0)
-    async with relay(certs, ("moqt-18",)) as listener:
+    async with relay(relay_certs, ("moqt-18",)) as listener:
         with caplog.at_level(logging.INFO, logger="kvsp.moqt"), pytest.raises(MoqtConnectError):
-            await connect(certs, listener, ("moq-00",))
+            await connect(relay_certs, listener, ("moq-00",))
     assert AUDIT.snapshot()[1][("client", "no_application_protocol")] == before + 1
     lines = [r.getMessage() for r in caplog.records if "handshake refused" in r.getMessage()]
     assert len(lines) == 1 and f"127.0.0.1:{listener.port}" in lines[0] and "no_application_protocol" in lines[0]
@@ -148,11 +142,11 @@ class Recorder(MoqtApp):
 
 
 @pytest.mark.parametrize("alpn", ["moq-00", "moqt-18"])
-async def test_the_relay_serves_an_empty_prefix_on_both_drafts(certs: TestPki, alpn: str) -> None:
-    async with relay(certs) as listener:
+async def test_the_relay_serves_an_empty_prefix_on_both_drafts(relay_certs: TestPki, alpn: str) -> None:
+    async with relay(relay_certs) as listener:
         app = Recorder()
-        sub = await connect(certs, listener, alpn, app=app)
-        pub = await connect(certs, listener, alpn, who="holder")
+        sub = await connect(relay_certs, listener, alpn, app=app)
+        pub = await connect(relay_certs, listener, alpn, who="holder")
         try:
             # send it as moq-rs does: our API keeps to draft 14's 1-32 fields, so bypass its check
             sub.session._check_track = lambda namespace, track_name: None  # type: ignore[method-assign]
@@ -174,12 +168,12 @@ async def test_the_relay_serves_an_empty_prefix_on_both_drafts(certs: TestPki, a
 
 
 @pytest.mark.parametrize("alpn", ["moq-00", "moqt-18"])
-async def test_a_protocol_violation_leaves_a_line_and_a_count(certs: TestPki, alpn: str,
+async def test_a_protocol_violation_leaves_a_line_and_a_count(relay_certs: TestPki, alpn: str,
                                                             caplog: pytest.LogCaptureFixture) -> None:
     key = ("us", alpn, "protocol_violation")
     before = AUDIT.snapshot()[0].get(key, 0)
-    async with relay(certs) as listener:
-        conn = await connect(certs, listener, alpn)
+    async with relay(relay_certs) as listener:
+        conn = await connect(relay_certs, listener, alpn)
         with caplog.at_level(logging.INFO, logger="kvsp.moqt"):
             # A client's GOAWAY must not carry a URI (both drafts): sent raw on the client's control stream.
             if alpn == "moq-00":
@@ -208,11 +202,11 @@ async def test_a_protocol_violation_leaves_a_line_and_a_count(certs: TestPki, al
     assert "kvsp_moqt_handshakes_refused_total" in text
 
 
-async def test_a_refused_certificate_is_counted_on_the_client(certs: TestPki, tmp_path: Any,
+async def test_a_refused_certificate_is_counted_on_the_client(relay_certs: TestPki, tmp_path: Any,
                                                              caplog: pytest.LogCaptureFixture) -> None:
     other = make_pki(tmp_path / "other")  # a CA the relay does not trust
     before = sum(n for (side, _), n in AUDIT.snapshot()[1].items() if side == "client")
-    async with relay(certs) as listener:
+    async with relay(relay_certs) as listener:
         with caplog.at_level(logging.INFO, logger="kvsp.moqt"), pytest.raises(MoqtConnectError):
             await connect_moqt("127.0.0.1", listener.port, other.files("alice"), timeout=3)
     after = AUDIT.snapshot()[1]

@@ -7,9 +7,7 @@ refusals; upstream failures; index-guided upstreams and the relay's Replica Reco
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import hashlib
 import json
 import signal
 import subprocess
@@ -30,13 +28,11 @@ from kvsp_moqt.relay_policy import kvsp_relay
 from kvsp_moqt.relay_rules import RelayRules, Verdict, parse_prefix
 from kvsp_moqt.tracks import does_not_exist, invalid_range, moqt_record, track_name, track_namespace, unauthorized
 from kvsp_quic import container as c
-from kvsp_quic.auth import Policy, Principal, Role
-from kvsp_quic.compat import CompatDescriptor
+from kvsp_quic.auth import Policy
 from kvsp_quic.keys import holder_id
 from kvsp_quic.records import ReplicaRecord, decode_moqt_namespace
 from kvsp_quic.roles.holder import Holder, HolderSettings
 from kvsp_quic.roles.index import IndexService
-from kvsp_quic.samples import random_sections
 from kvsp_quic.storage.memory_index import MemoryIndexStore
 from moqt import events as ev
 from moqt.aio import (
@@ -52,7 +48,6 @@ from moqt.aio import (
 from moqt.errors import PublishDoneCode14
 from moqt.relay import (
     WHOLE,
-    Relay,
     RelayCache,
     RelayConfig,
     TrackFetch,
@@ -64,37 +59,27 @@ from moqt.relay import (
 from moqt.types import Draft, GroupOrder, Location, ObjectStatus
 from quic.listener import QuicListener
 from quic.tls import TransportSettings
-from tests.pki import TestPki, make_pki
+from tests.pki import TestPki
 from tests.support.descriptors import small_descriptor
+from tests.support.moqt_relay import (
+    ALICE,
+    ALPNS,
+    HOLDER_POLICY,
+    HOLDER_URI,
+    OTHER_SCOPE,
+    RELAY_POLICY,
+    RELAY_URI,
+    SCOPE,
+    WRITER,
+    Collector,
+    LivePublisher,
+    block,
+    key,
+    layers,
+    world,
+)
 
-SCOPE = bytes.fromhex("6d1c6481cd428737da312c089db3832a")
-OTHER_SCOPE = bytes.fromhex("00112233445566778899aabbccddeeff")
-HOLDER_URI = "https://127.0.0.1/kvsp/"  # the publishing holder's identity and base URI
-RELAY_URI = "https://127.0.0.1/relay/"
-INDEX_URI = "https://127.0.0.1/is/"
-ALICE = "urn:kvsp:client:alice"
-BOB = "urn:kvsp:client:bob"
-RELAY_POLICY = Policy.from_dict({"principal": [
-    {"identity": HOLDER_URI, "roles": ["holder"], "scopes": "*"},
-    {"identity": ALICE, "roles": ["instance"], "scopes": [SCOPE.hex()]},
-    {"identity": BOB, "roles": ["client"], "scopes": [OTHER_SCOPE.hex()]},
-]})
-HOLDER_POLICY = Policy.from_dict({"principal": [  # who may FETCH from the holder: the relay
-    {"identity": RELAY_URI, "roles": ["holder"], "scopes": "*"}]})
-WRITER = Principal("urn:test:writer", frozenset({Role.INSTANCE}), frozenset({SCOPE}))
-ALPNS = ("moq-00", "moqt-18")
 CROSS = pytest.mark.parametrize(("pub_alpn", "sub_alpn"), [("moq-00", "moqt-18"), ("moqt-18", "moq-00")])
-OPEN = (b"moq-test",)
-DEFAULTS = RelayConfig()
-
-
-def key(n: int) -> bytes:
-    return hashlib.sha256(b"relay block %d" % n).digest()
-
-
-def block(d: CompatDescriptor, n: int) -> bytes:
-    return c.encode(random_sections(d, d.block_tokens, 0, d.layers - 1, n), first_layer=0,
-                    token_count=d.block_tokens, descriptor=d).tobytes()
 
 
 # -- the rules, sans I/O -----------------------------------------------------------------------------------------
@@ -212,78 +197,9 @@ def test_relay_configuration(tmp_path: Path) -> None:
 # -- over real sockets -------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
-    return make_pki(tmp_path_factory.mktemp("pki"),
-                    roles={"holder": HOLDER_URI, "relay": RELAY_URI, "index": INDEX_URI})
-
-
-@dataclasses.dataclass
-class World:
-    relay: Relay
-    listener: QuicListener
-    holder: Holder
-    tracks: HolderTracks
-    d: CompatDescriptor
-    certs: TestPki
-    conns: list[MoqtConnection] = dataclasses.field(default_factory=list)
-
-    @property
-    def uri(self) -> str:
-        return f"moqt://127.0.0.1:{self.listener.port}/"
-
-    @property
-    def namespace(self) -> tuple[bytes, ...]:
-        return track_namespace(self.d.compat_id, SCOPE, HOLDER_URI, 1)
-
-    def store(self, n: int) -> ReplicaRecord:
-        return self.holder.store(WRITER, self.d.compat_id, SCOPE, key(n), block(self.d, n), "*")
-
-    def twin(self, record: ReplicaRecord) -> ReplicaRecord:
-        return moqt_record(record, self.uri)
-
-    async def connect(self, who: str, alpn: str, app: MoqtApp | None = None) -> MoqtConnection:
-        conn = await connect_moqt("127.0.0.1", self.listener.port, self.certs.files(who), alpn=alpn, app=app,
-                                  timeout=5)
-        self.conns.append(conn)
-        return conn
-
-    async def publisher(self, alpn: str, app: MoqtApp | None = None) -> MoqtConnection:
-        conn = await self.connect("holder", alpn, app or self.tracks)
-        await conn.publish_namespace(self.namespace)
-        return conn
-
-
-async def start_relay(certs: TestPki, config: RelayConfig = DEFAULTS, **kw: Any) -> tuple[Relay, QuicListener]:
-    relay = kvsp_relay(RelayRules(RELAY_POLICY, (OPEN,)), config, **kw)
-    listener = QuicListener(certs.files("relay"), moqt_handlers(relay, data_streams=8))
-    await listener.start("127.0.0.1", 0)
-    return relay, listener
-
-
-@contextlib.asynccontextmanager
-async def world(certs: TestPki, config: RelayConfig = DEFAULTS, **kw: Any) -> AsyncIterator[World]:
-    d = small_descriptor(layers=32)
-    holder = Holder(HolderSettings(HOLDER_URI, (d,)))
-    relay, listener = await start_relay(certs, config, **kw)
-    w = World(relay, listener, holder, HolderTracks(holder, HOLDER_POLICY), d, certs)
-    try:
-        yield w
-    finally:
-        for conn in w.conns:
-            await conn.aclose()
-        await relay.aclose()
-        await listener.close()
-
-
-async def layers(conn: MoqtConnection, record: ReplicaRecord, d: CompatDescriptor,
-                 rng: tuple[int, int] | None = None) -> list[int]:
-    return [layer.index async for layer in fetch_layers(conn, record, rng, descriptor=d, stall_timeout=5)]
-
-
 @CROSS
-async def test_fetch_through_the_relay_cached_and_coalesced(certs: TestPki, pub_alpn: str, sub_alpn: str) -> None:
-    async with world(certs) as w:
+async def test_fetch_through_the_relay_cached_and_coalesced(relay_certs: TestPki, pub_alpn: str, sub_alpn: str) -> None:
+    async with world(relay_certs) as w:
         await w.publisher(pub_alpn)
         sub = await w.connect("alice", sub_alpn)
         record = w.store(1)
@@ -335,9 +251,9 @@ class SlowTracks(HolderTracks):
 
 
 @pytest.mark.parametrize("alpn", ALPNS)
-async def test_cut_through_layer_0_arrives_while_the_publisher_still_holds_the_rest(certs: TestPki,
+async def test_cut_through_layer_0_arrives_while_the_publisher_still_holds_the_rest(relay_certs: TestPki,
                                                                                    alpn: str) -> None:
-    async with world(certs) as w:
+    async with world(relay_certs) as w:
         go = asyncio.Event()
         await w.publisher(alpn, SlowTracks(w.holder, go))
         twin = w.twin(w.store(4))
@@ -352,9 +268,9 @@ async def test_cut_through_layer_0_arrives_while_the_publisher_still_holds_the_r
 
 
 @pytest.mark.parametrize("alpn", ALPNS)
-async def test_refusals(certs: TestPki, alpn: str) -> None:
+async def test_refusals(relay_certs: TestPki, alpn: str) -> None:
     draft = Draft.from_alpn(alpn)
-    async with world(certs) as w:
+    async with world(relay_certs) as w:
         # PUBLISH_NAMESPACE: not a holder; another holder's namespace
         alice = await w.connect("alice", alpn)
         with pytest.raises(MoqtRequestError) as err:
@@ -388,9 +304,9 @@ async def test_refusals(certs: TestPki, alpn: str) -> None:
 
 
 @CROSS
-async def test_upstream_failures_reach_the_subscriber_and_nothing_is_cached(certs: TestPki, pub_alpn: str,
+async def test_upstream_failures_reach_the_subscriber_and_nothing_is_cached(relay_certs: TestPki, pub_alpn: str,
                                                                              sub_alpn: str) -> None:
-    async with world(certs) as w:
+    async with world(relay_certs) as w:
         go = asyncio.Event()
         pub = await w.publisher(pub_alpn, SlowTracks(w.holder, go))
         sub = await w.connect("alice", sub_alpn)
@@ -407,24 +323,24 @@ async def test_upstream_failures_reach_the_subscriber_and_nothing_is_cached(cert
         assert err.value.error_code == does_not_exist(Draft.from_alpn(sub_alpn))
 
 
-async def test_a_stuck_subscriber_does_not_hold_the_upstream(certs: TestPki) -> None:
+async def test_a_stuck_subscriber_does_not_hold_the_upstream(relay_certs: TestPki) -> None:
     """Pacing credits the upstream as the fastest subscriber takes the octets; when every subscriber stops, the
     relay stops pacing after upstream_timeout_ms and the block still completes into the cache."""
     d = small_descriptor(layers=32, block_tokens=1024)  # 32 KiB layers, 1 MiB block
     holder = Holder(HolderSettings(HOLDER_URI, (d,)))
     small = TransportSettings(stream_window=64 << 10, send_buffer=64 << 10)
     relay = kvsp_relay(RelayRules(RELAY_POLICY, ()), RelayConfig(upstream_timeout_ms=500))
-    listener = QuicListener(certs.files("relay"), moqt_handlers(relay), settings=small)
+    listener = QuicListener(relay_certs.files("relay"), moqt_handlers(relay), settings=small)
     await listener.start("127.0.0.1", 0)
     conns: list[MoqtConnection] = []
     try:
-        pub = await connect_moqt("127.0.0.1", listener.port, certs.files("holder"), app=HolderTracks(holder,
+        pub = await connect_moqt("127.0.0.1", listener.port, relay_certs.files("holder"), app=HolderTracks(holder,
                                                                                                       HOLDER_POLICY))
         conns.append(pub)
         await pub.publish_namespace(track_namespace(d.compat_id, SCOPE, HOLDER_URI, 1))
         twin = moqt_record(holder.store(WRITER, d.compat_id, SCOPE, key(20), block(d, 20), "*"),
                            f"moqt://127.0.0.1:{listener.port}/")
-        stuck = await connect_moqt("127.0.0.1", listener.port, certs.files("alice"), settings=small)
+        stuck = await connect_moqt("127.0.0.1", listener.port, relay_certs.files("alice"), settings=small)
         conns.append(stuck)
         it = fetch_layers(stuck, twin, descriptor=d, stall_timeout=10)
         assert (await anext(it)).index == 0  # ... and then it reads nothing more
@@ -433,7 +349,7 @@ async def test_a_stuck_subscriber_does_not_hold_the_upstream(certs: TestPki) -> 
                 break
             await asyncio.sleep(0.05)
         assert len(relay.cache) == 1 and relay.metrics["pacing_stopped"] == 1
-        other = await connect_moqt("127.0.0.1", listener.port, certs.files("alice"))
+        other = await connect_moqt("127.0.0.1", listener.port, relay_certs.files("alice"))
         conns.append(other)
         assert await layers(other, twin, d) == list(range(32))  # from the cache
         assert relay.metrics["upstream_fetches"] == 1
@@ -445,8 +361,8 @@ async def test_a_stuck_subscriber_does_not_hold_the_upstream(certs: TestPki) -> 
         await listener.close()
 
 
-async def test_the_cache_budget_evicts_the_least_recently_used_block(certs: TestPki) -> None:
-    async with world(certs, RelayConfig(cache_bytes=12_000)) as w:  # one 8 KiB block fits, not two
+async def test_the_cache_budget_evicts_the_least_recently_used_block(relay_certs: TestPki) -> None:
+    async with world(relay_certs, RelayConfig(cache_bytes=12_000)) as w:  # one 8 KiB block fits, not two
         await w.publisher("moqt-18")
         sub = await w.connect("alice", "moq-00")
         one, two = w.twin(w.store(8)), w.twin(w.store(9))
@@ -457,25 +373,26 @@ async def test_the_cache_budget_evicts_the_least_recently_used_block(certs: Test
         assert w.relay.metrics["upstream_fetches"] == 3 and w.relay.metrics["cache_hits"] == 0
 
 
-async def test_index_guided_upstream_and_the_relays_records(certs: TestPki) -> None:
+async def test_index_guided_upstream_and_the_relays_records(relay_certs: TestPki) -> None:
     index = IndexService(MemoryIndexStore(), clock=asyncio.get_running_loop().time)
     index_policy = Policy.from_dict({"principal": [
         {"identity": HOLDER_URI, "roles": ["holder"], "scopes": "*", "publish_for": "*"},
         {"identity": RELAY_URI, "roles": ["holder"], "scopes": "*", "publish_for": "*"},
         {"identity": ALICE, "roles": ["instance"], "scopes": [SCOPE.hex()]},
     ]})
-    index_server = RoleServer(index_app(index, index_policy, base_path="/is/"), certs.files("index"))
+    index_server = RoleServer(index_app(index, index_policy, base_path="/is/"), relay_certs.files("index"))
     await index_server.start("127.0.0.1", 0)
     index_uri = index_server.base_uri("/is/")
     d = small_descriptor(layers=32)
     holder = Holder(HolderSettings(HOLDER_URI, (d,)))
-    holder_listener = QuicListener(certs.files("holder"), moqt_handlers(HolderTracks(holder, HOLDER_POLICY)))
+    holder_listener = QuicListener(relay_certs.files("holder"), moqt_handlers(HolderTracks(holder, HOLDER_POLICY)))
     await holder_listener.start("127.0.0.1", 0)
     holder_moqt = f"moqt://127.0.0.1:{holder_listener.port}/"
-    async with KvspClient(certs.files("holder")) as as_holder, KvspClient(certs.files("relay")) as as_relay, \
-            KvspClient(certs.files("alice")) as alice_http, MoqtPool(certs.files("relay")) as pool:
+    async with KvspClient(relay_certs.files("holder")) as as_holder, \
+            KvspClient(relay_certs.files("relay")) as as_relay, \
+            KvspClient(relay_certs.files("alice")) as alice_http, MoqtPool(relay_certs.files("relay")) as pool:
         link = IndexLink(as_relay, index_uri, pool, moqt_uri="moqt://127.0.0.1:1/", ttl_ms=30_000)
-        async with world(certs, RelayConfig(cache_bytes=12_000), link=link) as w:
+        async with world(relay_certs, RelayConfig(cache_bytes=12_000), link=link) as w:
             link.moqt_uri = w.uri  # the relay's port is known now
             link.holder_id = holder_id(w.uri)
             records = [holder.store(WRITER, d.compat_id, SCOPE, key(n), block(d, n), "*") for n in (10, 11)]
@@ -509,61 +426,9 @@ async def test_index_guided_upstream_and_the_relays_records(certs: TestPki) -> N
     await index_server.close()
 
 
-class Collector(MoqtApp):
-    def __init__(self) -> None:
-        self.events: list[ev.Event] = []
-        self.changed = asyncio.Event()
-
-    def event(self, conn: MoqtConnection, event: ev.Event) -> None:
-        self.events.append(event)
-        self.changed.set()
-
-    def request(self, conn: MoqtConnection, request: ev.Event) -> None:
-        if isinstance(request, ev.PublishNamespaceRequested):  # draft 14 announces namespaces so
-            conn.session.accept_publish_namespace(request.request_id)
-            conn.flush()
-            self.event(conn, request)
-        else:
-            super().request(conn, request)
-
-    async def until(self, check: Any) -> None:
-        async with asyncio.timeout(5):
-            while not check():
-                self.changed.clear()
-                await self.changed.wait()
-
-
-class LivePublisher(MoqtApp):
-    """Accepts SUBSCRIBEs of any track; ``send`` writes groups of objects to every subscription, then
-    PUBLISH_DONE."""
-
-    def __init__(self) -> None:
-        self.subs: list[tuple[MoqtConnection, int]] = []
-        self.subscribed = asyncio.Event()
-
-    def request(self, conn: MoqtConnection, request: ev.Event) -> None:
-        if isinstance(request, ev.SubscribeRequested):
-            conn.session.accept_subscribe(request.request_id, largest=Location(0, 0))
-            conn.flush()
-            self.subs.append((conn, request.request_id))
-            self.subscribed.set()
-        else:
-            super().request(conn, request)
-
-    def send(self, groups: int, objects: int) -> None:
-        for conn, rid in self.subs:
-            for g in range(groups):
-                writer = conn.session.open_subgroup(rid, g, 0, priority=128)
-                for o in range(objects):
-                    writer.write_object(o, b"%d.%d" % (g, o) * 10)
-                writer.finish()
-            conn.session.publish_done(rid, int(PublishDoneCode14.TRACK_ENDED), b"track ended")
-            conn.flush()
-
-
 @CROSS
-async def test_subscribe_fan_out_and_namespace_discovery(certs: TestPki, pub_alpn: str, sub_alpn: str) -> None:
-    async with world(certs) as w:
+async def test_subscribe_fan_out_and_namespace_discovery(relay_certs: TestPki, pub_alpn: str, sub_alpn: str) -> None:
+    async with world(relay_certs) as w:
         ns = (b"moq-test", b"live")
         watcher_app = Collector()
         watcher = await w.connect("bob", sub_alpn, watcher_app)
@@ -616,12 +481,12 @@ class SilentPublisher(MoqtApp):
 
 
 @CROSS
-async def test_a_publisher_gone_before_subscribe_ok_is_does_not_exist(certs: TestPki, pub_alpn: str,
+async def test_a_publisher_gone_before_subscribe_ok_is_does_not_exist(relay_certs: TestPki, pub_alpn: str,
                                                                       sub_alpn: str) -> None:
     """The publisher's session ends while the relay's SUBSCRIBE waits for its answer: the pending subscriber is
     refused with DOES_NOT_EXIST (benign: as if it had come before the publisher), never INTERNAL_ERROR (found by
     aiomoqt's subscribe-before-announce case on a loaded machine)."""
-    async with world(certs) as w:
+    async with world(relay_certs) as w:
         ns = (b"moq-test", b"gone")
         publisher = SilentPublisher()
         pub = await w.connect("alice", pub_alpn, publisher)

@@ -26,7 +26,7 @@ from moqt.types import FilterType, Location, ObjectStatus, SubscriptionFilter
 from quic.listener import QuicListener
 from tests.pki import TestPki, make_pki
 from tests.support.descriptors import small_descriptor
-from tests.test_moqt_relay import ALICE, HOLDER_URI, SCOPE, WRITER, block, key
+from tests.support.moqt_relay import ALICE, HOLDER_URI, SCOPE, WRITER, block, key
 
 ALPNS = ["moqt-18", "moq-00"]
 DRAFTS = pytest.mark.parametrize("alpn", ALPNS)

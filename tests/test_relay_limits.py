@@ -26,17 +26,15 @@ from moqt.errors import RequestErrorCode14, RequestErrorCode18
 from moqt.relay import RelayConfig, request_code
 from moqt.types import Draft, GroupOrder, Location
 from quic.listener import QuicListener
-from tests.pki import TestPki, make_pki
+from tests.pki import TestPki
 from tests.support.descriptors import small_descriptor
-from tests.test_moqt_relay import (
+from tests.support.moqt_relay import (
     ALICE,
     ALPNS,
     BOB,
     HOLDER_POLICY,
     HOLDER_URI,
-    INDEX_URI,
     OPEN,
-    RELAY_URI,
     SCOPE,
     WRITER,
     Collector,
@@ -52,12 +50,6 @@ POLICY = Policy.from_dict({"principal": [  # alice and bob read the same scope
     {"identity": ALICE, "roles": ["instance"], "scopes": [SCOPE.hex()]},
     {"identity": BOB, "roles": ["client"], "scopes": [SCOPE.hex()]},
 ]})
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
-    return make_pki(tmp_path_factory.mktemp("pki"), roles={"holder": HOLDER_URI, "relay": RELAY_URI,
-                                                           "index": INDEX_URI})
 
 
 class HeldTracks(HolderTracks):
@@ -86,14 +78,14 @@ class HeldTracks(HolderTracks):
 
 
 @contextlib.asynccontextmanager
-async def relay_world(certs: TestPki, config: RelayConfig, go: asyncio.Event,
+async def relay_world(relay_certs: TestPki, config: RelayConfig, go: asyncio.Event,
                       held: set[bytes]) -> AsyncIterator[World]:
     d = small_descriptor(layers=32)
     holder = Holder(HolderSettings(HOLDER_URI, (d,)))
     relay = kvsp_relay(RelayRules(POLICY, (OPEN,)), config)
-    listener = QuicListener(certs.files("relay"), moqt_handlers(relay, data_streams=8))
+    listener = QuicListener(relay_certs.files("relay"), moqt_handlers(relay, data_streams=8))
     await listener.start("127.0.0.1", 0)
-    w = World(relay, listener, holder, HeldTracks(holder, go, held), d, certs)
+    w = World(relay, listener, holder, HeldTracks(holder, go, held), d, relay_certs)
     try:
         await w.publisher("moqt-18")
         yield w
@@ -121,11 +113,11 @@ async def until(check: Callable[[], bool], seconds: float = 10) -> None:
 
 
 @pytest.mark.parametrize("alpn", ALPNS)
-async def test_in_flight_fetches_and_subscribes_are_bounded_per_client(certs: TestPki, alpn: str) -> None:
+async def test_in_flight_fetches_and_subscribes_are_bounded_per_client(relay_certs: TestPki, alpn: str) -> None:
     draft = Draft.from_alpn(alpn)
     go = asyncio.Event()
     config = RelayConfig(client_max_in_flight=2, client_retry_ms=750)
-    async with relay_world(certs, config, go, {key(n) for n in (1, 2, 3, 4)}) as w:
+    async with relay_world(relay_certs, config, go, {key(n) for n in (1, 2, 3, 4)}) as w:
         m = w.relay.metrics
         twins = {n: w.twin(w.store(n)) for n in range(1, 8)}
         alice = await w.connect("alice", alpn)
@@ -168,11 +160,11 @@ async def test_in_flight_fetches_and_subscribes_are_bounded_per_client(certs: Te
                                               "refused_buffered": 0}
 
 
-async def test_octets_buffered_for_one_client_are_bounded(certs: TestPki) -> None:
+async def test_octets_buffered_for_one_client_are_bounded(relay_certs: TestPki) -> None:
     go = asyncio.Event()
     # one layer of this block is 256 octets: once layer 0 of alice's first fetch is buffered, she is at the limit
     config = RelayConfig(client_max_buffered_bytes=200, client_retry_ms=10)
-    async with relay_world(certs, config, go, {key(1)}) as w:
+    async with relay_world(relay_certs, config, go, {key(1)}) as w:
         twins = {n: w.twin(w.store(n)) for n in range(1, 4)}
         alice = await w.connect("alice", "moqt-18")
         held = fetch_layers(alice, twins[1], descriptor=w.d, stall_timeout=20)
@@ -192,9 +184,9 @@ async def test_octets_buffered_for_one_client_are_bounded(certs: TestPki) -> Non
 
 
 @pytest.mark.parametrize("alpn", ALPNS)
-async def test_subscribes_that_subscribe_upstream_are_bounded(certs: TestPki, alpn: str) -> None:
+async def test_subscribes_that_subscribe_upstream_are_bounded(relay_certs: TestPki, alpn: str) -> None:
     """Fan-out: a SUBSCRIBE that makes the relay subscribe upstream holds a slot while its subscriber stays."""
-    async with relay_world(certs, RelayConfig(client_max_in_flight=1), asyncio.Event(), set()) as w:
+    async with relay_world(relay_certs, RelayConfig(client_max_in_flight=1), asyncio.Event(), set()) as w:
         ns = (b"moq-test", b"live")
         publisher = LivePublisher()
         pub = await w.connect("holder", alpn, publisher)
@@ -227,13 +219,13 @@ async def test_subscribes_that_subscribe_upstream_are_bounded(certs: TestPki, al
         assert w.relay.metrics["limit_refused"] == 1
 
 
-async def test_a_holder_bounds_the_fetches_of_one_client(certs: TestPki) -> None:
+async def test_a_holder_bounds_the_fetches_of_one_client(relay_certs: TestPki) -> None:
     """A holder's MOQT endpoint serves at most ``max_in_flight`` FETCHes of one principal at once."""
     d = small_descriptor(layers=32)
     holder = Holder(HolderSettings(HOLDER_URI, (d,)))
     go = asyncio.Event()
     tracks = HeldTracks(holder, go, {key(1)}, POLICY, max_in_flight=1)
-    listener = QuicListener(certs.files("holder"), moqt_handlers(tracks))
+    listener = QuicListener(relay_certs.files("holder"), moqt_handlers(tracks))
     await listener.start("127.0.0.1", 0)
     conns: list[MoqtConnection] = []
     try:
@@ -241,7 +233,7 @@ async def test_a_holder_bounds_the_fetches_of_one_client(certs: TestPki) -> None
         records = {n: moqt_record(holder.store(WRITER, d.compat_id, SCOPE, key(n), block(d, n), "*"), uri)
                    for n in (1, 2)}
         for who in ("alice", "bob"):
-            conns.append(await connect_moqt("127.0.0.1", listener.port, certs.files(who), timeout=5))
+            conns.append(await connect_moqt("127.0.0.1", listener.port, relay_certs.files(who), timeout=5))
         alice, bob = conns
         held = fetch_layers(alice, records[1], descriptor=d, stall_timeout=20)
         assert (await anext(held)).index == 0

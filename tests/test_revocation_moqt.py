@@ -30,7 +30,7 @@ from quic.listener import QuicListener
 from tests.pki import TestPki, make_pki
 from tests.support.crl import holder, make_files, write_crl
 from tests.support.descriptors import small_descriptor
-from tests.test_moqt_relay import HOLDER_URI, RELAY_URI, SCOPE, World, layers
+from tests.support.moqt_relay import HOLDER_URI, RELAY_URI, SCOPE, World, layers
 
 CLIENTS = ("alice", "bob", "carol")
 

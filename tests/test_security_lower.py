@@ -14,19 +14,17 @@ from kvsp_app.serve import DEV_SCOPE_KEY, dev_scope_key
 from kvsp_http.relay_app import relay_app
 from moqt.relay.namespaces import render
 from tests.pki import TestPki
-from tests.test_moqt_relay import RELAY_POLICY, certs, world
-
-__all__ = ["certs"]  # the module-scoped PKI fixture of tests/test_moqt_relay.py
+from tests.support.moqt_relay import RELAY_POLICY, world
 
 
-async def test_relay_status_lists_namespaces_only_to_who_may_see_them(certs: TestPki) -> None:
-    async with world(certs) as w:
+async def test_relay_status_lists_namespaces_only_to_who_may_see_them(relay_certs: TestPki) -> None:
+    async with world(relay_certs) as w:
         await w.publisher("moqt-18")  # the holder publishes its namespace (scope SCOPE) to the relay
-        server = RoleServer(relay_app(w.relay, RELAY_POLICY, base_path="/relay/"), certs.files("relay"))
+        server = RoleServer(relay_app(w.relay, RELAY_POLICY, base_path="/relay/"), relay_certs.files("relay"))
         await server.start("127.0.0.1", 0)
         url = server.base_uri("/relay/") + "status"
         try:
-            async with KvspClient(certs.files("alice")) as alice, KvspClient(certs.files("bob")) as bob:
+            async with KvspClient(relay_certs.files("alice")) as alice, KvspClient(relay_certs.files("bob")) as bob:
                 seen = (await alice.request("GET", url)).json()  # alice reads scope SCOPE
                 assert seen["namespaces"] == [render(w.namespace)]
                 other = (await bob.request("GET", url)).json()  # bob is a client of another scope only

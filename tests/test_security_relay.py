@@ -27,7 +27,7 @@ from moqt.aio import MoqtPool, MoqtRequestError
 from moqt.relay import RelayConfig
 from tests.pki import TestPki, make_pki
 from tests.support.descriptors import small_descriptor
-from tests.test_moqt_relay import (
+from tests.support.moqt_relay import (
     ALICE,
     HOLDER_POLICY,
     HOLDER_URI,
