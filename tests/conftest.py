@@ -2,28 +2,41 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from http3.client import KvspClient
+from http3.server import RoleServer
+from kvsp_http.holder_app import holder_app
+from kvsp_http.index_app import index_app
+from kvsp_quic.auth import Policy
 from kvsp_quic.compat import CompatDescriptor
+from kvsp_quic.roles.holder import Holder, HolderSettings
 from kvsp_quic.roles.index import IndexService
 from kvsp_quic.storage.index_store import IndexStore
 from kvsp_quic.storage.memory_index import MemoryIndexStore
 from quic.tls import TlsFiles
 from tests import vectors
+from tests.asgi import Router
 from tests.helpers import Clock, Process
 from tests.peers import missing_peer
-from tests.pki import TestPki, make_pki
+from tests.pki import SERVER_URI, TestPki, make_pki
 from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
-from tests.support import holder_app, index_app, moqt_relay
+from tests.support import holder_app as holder_ids
+from tests.support import index_app as index_ids
+from tests.support import moqt_relay as relay_ids
 from tests.support.cluster import CONTAINER_SIZE
 from tests.support.descriptors import small_descriptor  # noqa: F401  (still imported from here by two modules)
 from tests.support.index import Env, make_config
+
+if TYPE_CHECKING:
+    from gpu.model import LlamaModel
+    from tests.support.instance import Cluster
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -39,25 +52,38 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 @pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
+    """The test PKI for the module: role ``server`` at https://127.0.0.1/ (it answers on any port and base path),
+    clients alice and bob, and the certificates every transport must refuse."""
+    return make_pki(tmp_path_factory.mktemp("pki"), roles={"server": SERVER_URI})
+
+
+@pytest.fixture
+def fresh_certs(tmp_path: Path) -> TestPki:
+    """The same PKI as :func:`certs`, made for each test in its tmp_path."""
+    return make_pki(tmp_path)
+
+
+@pytest.fixture(scope="module")
 def pki_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The directory of a PKI for the module with the Index Service and holders h1, h2 and ii7 of
     tests/support/index_app.py (:func:`tests.support.index_app.serve` takes it)."""
     root = tmp_path_factory.mktemp("pki")
-    make_pki(root, roles={"index": index_app.INDEX, "h1": index_app.H1, "h2": index_app.H2, "ii7": index_app.II7})
+    make_pki(root, roles={"index": index_ids.INDEX, "h1": index_ids.H1, "h2": index_ids.H2, "ii7": index_ids.II7})
     return root
 
 
 @pytest.fixture
 def holder_certs(tmp_path: Path) -> TestPki:
     """A PKI of the test's own with a holder at tests/support/holder_app.py's HOLDER_URI and an index at INDEX_URI."""
-    return make_pki(tmp_path / "pki", roles={"holder": holder_app.HOLDER_URI, "index": holder_app.INDEX_URI})
+    return make_pki(tmp_path / "pki", roles={"holder": holder_ids.HOLDER_URI, "index": holder_ids.INDEX_URI})
 
 
 @pytest.fixture(scope="module")
 def relay_certs(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
     """A PKI for the module with the holder, relay and index of tests/support/moqt_relay.py (its :func:`world`)."""
     return make_pki(tmp_path_factory.mktemp("pki"), roles={
-        "holder": moqt_relay.HOLDER_URI, "relay": moqt_relay.RELAY_URI, "index": moqt_relay.INDEX_URI})
+        "holder": relay_ids.HOLDER_URI, "relay": relay_ids.RELAY_URI, "index": relay_ids.INDEX_URI})
 
 
 @pytest.fixture
@@ -211,3 +237,58 @@ def two_holder_cluster(tmp_path: Path) -> Iterator[dict[str, Any]]:
                 proc.proc.send_signal(signal.SIGCONT)  # a frozen one must hear the stop
             err = proc.stop()
             assert "Traceback" not in err, err
+
+
+# -- the instance cluster (tests/support/instance.py; skipped without the gpu extra) ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weights model for the module (tests/support/instance.py's tiny_config); the fixtures of the
+    instance cluster all stand on it, so without the gpu extra they skip here."""
+    pytest.importorskip("torch", reason="the gpu extra (torch) is not installed")
+    from gpu.modelfiles import write_random_model
+    from tests.support.instance import tiny_config
+
+    return write_random_model(tmp_path_factory.mktemp("model") / "tiny", tiny_config(), seed=5)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> LlamaModel:
+    """:func:`model_dir`'s model, loaded: the reference the tests compare tokens with."""
+    from gpu.model import LlamaModel
+
+    return LlamaModel.load(model_dir)
+
+
+@pytest.fixture
+async def instance_cluster(certs: TestPki, model_dir: Path) -> AsyncIterator[Cluster]:
+    """The Index Service, a holder and a fake PC on one RoleServer (:class:`tests.support.instance.Cluster`), with
+    :func:`certs` (a module may override it) and :func:`model_dir`; ``cl.instance()`` adds instances."""
+    from gpu.model import LlamaModel
+    from tests.support.instance import B, Cluster, FakePC
+
+    router = Router()
+    server = RoleServer(router, certs.files("server"))
+    await server.start("127.0.0.1", 0)
+    d = LlamaModel.load(model_dir).descriptor(B)
+    policy = Policy.dev_ca()
+    index = IndexService(MemoryIndexStore(), clock=time.monotonic)
+    holder = Holder(HolderSettings(server.base_uri("/h1/"), (d,), replica_ttl_ms=60_000))
+    pc = FakePC()
+    router.apps["/is/"] = index_app(index, policy, base_path="/is/", sweep_interval=None)
+    router.apps["/h1/"] = holder_app(holder, policy)
+    router.apps["/pc/"] = pc
+    alice = KvspClient(certs.files("alice"), timeout=10.0)
+    bob = KvspClient(certs.files("bob"), timeout=10.0)
+    cl = Cluster(certs, model_dir, server, router, index, holder, pc, alice, bob)
+    try:
+        yield cl
+    finally:
+        for node, srv, engine in reversed(cl.nodes):
+            await node.aclose()
+            await srv.close()
+            engine.close()
+        await alice.aclose()
+        await bob.aclose()
+        await server.close()

@@ -9,11 +9,11 @@ import pytest
 pytest.importorskip("torch", reason="the gpu extra (torch) is not installed")
 
 from kvsp_quic.records import EngineStatus, InstanceStatusRecord
-from tests.test_instance_app import Cluster, certs, cluster, model_dir, until  # noqa: F401
+from tests.support.instance import Cluster, until
 
 
-async def test_a_real_instance_reports_its_engine_and_build(cluster: Cluster) -> None:  # noqa: F811
-    cl = cluster
+async def test_a_real_instance_reports_its_engine_and_build(instance_cluster: Cluster) -> None:
+    cl = instance_cluster
     node = await cl.instance(status_ttl_ms=300)
     base = node.role.settings.base_uri
     engine = node.service.engine

@@ -36,11 +36,10 @@ from kvsp_quic.roles.instance import InstanceOptions  # noqa: E402
 from kvsp_quic.storage.memory_index import MemoryIndexStore  # noqa: E402
 from kvsp_runtime.instance_service import ServiceOptions  # noqa: E402
 from tests.asgi import Router  # noqa: E402
-from tests.pki import TestPki, make_pki  # noqa: E402
+from tests.pki import TestPki  # noqa: E402
 from tests.support.hf_model import write_hf_model  # noqa: E402
-from tests.test_instance_app import (  # noqa: E402
+from tests.support.instance import (  # noqa: E402
     SCOPE_KEY,
-    SERVER_IDENTITY,
     B,
     FakePC,
     instance_policy,
@@ -83,11 +82,6 @@ class Nodes:
         await node.start()
         self.nodes.append((node, server, engine))
         return node, engine
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
-    return make_pki(tmp_path_factory.mktemp("pki"), roles={"server": SERVER_IDENTITY})
 
 
 @pytest.fixture

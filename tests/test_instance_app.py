@@ -5,18 +5,17 @@ One RoleServer (HTTP/3 + HTTP/1.1/2, mutual TLS) serves the Index Service at ``/
 fake Placement Controller at ``/pc/`` (a tiny ASGI app that records status reports and checkpoints and answers
 them); each instance is a RoleServer of its own (its resources, its replicas over HTTP and MOQT), built with
 :func:`kvsp_app.instance.build_instance` around a tiny random model. Blocks reach the holder from a producer
-prefill in the test; the instances publish what they load and compute, and load from each other.
+prefill in the test; the instances publish what they load and compute, and load from each other. The cluster and
+the helpers are tests/support/instance.py's, the fixtures (``instance_cluster``, ``reference``) tests/conftest.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -24,281 +23,33 @@ import pytest
 torch = pytest.importorskip("torch", reason="the gpu extra (torch) is not installed")
 pytest.importorskip("safetensors", reason="the gpu extra (safetensors) is not installed")
 
-from gpu.engine import Engine  # noqa: E402
-from gpu.generate import decode_step, generate_tokens  # noqa: E402
-from gpu.kvcache import PagedKVCache  # noqa: E402
 from gpu.model import LlamaModel  # noqa: E402
-from gpu.modelfiles import ModelConfig, write_random_model  # noqa: E402
-from gpu.prefill import prefill  # noqa: E402
 from gpu.sampling import TokenSampler  # noqa: E402
-from http3.client import KvspClient  # noqa: E402
-from http3.server import RoleServer, bind_pair  # noqa: E402
-from kvsp_app.instance import InstanceNode, build_instance  # noqa: E402
-from kvsp_http.holder_app import holder_app  # noqa: E402
-from kvsp_http.index_app import index_app  # noqa: E402
-from kvsp_quic import container as c  # noqa: E402
-from kvsp_quic.auth import ALL, Policy, Principal, Role  # noqa: E402
 from kvsp_quic.compat import CompatDescriptor  # noqa: E402
-from kvsp_quic.keys import BlockKeyer, holder_id, scope_id  # noqa: E402
-from kvsp_quic.roles.holder import Holder, HolderSettings  # noqa: E402
-from kvsp_quic.roles.index import IndexService  # noqa: E402
-from kvsp_quic.roles.instance import InstanceOptions  # noqa: E402
-from kvsp_quic.storage.memory_index import MemoryIndexStore  # noqa: E402
-from kvsp_runtime.instance_service import ServiceOptions  # noqa: E402
-from tests.asgi import Router, read_body  # noqa: E402
-from tests.pki import TestPki, make_pki  # noqa: E402
-
-B = 4
-LAYERS = 4
-SCOPE_KEY = bytes(range(32))
-SCOPE = scope_id(SCOPE_KEY)
-PROMPT = [(7 * i + 3) % 256 for i in range(6 * B + 3)]  # six complete blocks and three tokens
-ADMIN = Principal("urn:test:admin", frozenset({Role.HOLDER}), ALL, ALL)
-JSON = {"content-type": "application/kvsp+json"}
-SERVER_IDENTITY = "https://127.0.0.1/"
-
-
-def tiny_config() -> ModelConfig:
-    return ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=256, head_dim=16, rope_theta=500000.0, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_random_model(tmp_path_factory.mktemp("model") / "tiny", tiny_config(), seed=5)
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
-    return make_pki(tmp_path_factory.mktemp("pki"), roles={"server": SERVER_IDENTITY})
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir: Path) -> LlamaModel:
-    return LlamaModel.load(model_dir)
-
-
-def instance_policy() -> Policy:
-    return Policy.from_dict({"principal": [
-        {"identity": "urn:kvsp:client:alice", "roles": ["controller", "client"], "scopes": [SCOPE.hex()]},
-        {"identity": "urn:kvsp:client:bob", "roles": ["client"], "scopes": [SCOPE.hex()]},
-        {"identity": SERVER_IDENTITY, "roles": ["instance", "holder"], "scopes": "*"},
-    ]})
-
-
-# -- the infrastructure: Index Service, holder, fake PC -----------------------------------------------------------
-
-
-class FakePC:
-    """Records ``PUT instances/{id}/status`` and ``PUT sessions/{id}/checkpoint``; answers as told."""
-
-    def __init__(self) -> None:
-        self.statuses: list[dict[str, Any]] = []
-        self.checkpoints: list[dict[str, Any]] = []
-        self.answer_state: Callable[[dict[str, Any]], str] = lambda record: record["state"]
-        self.ack_gate: asyncio.Event | None = None  # checkpoints wait for it before their answer
-        self.stale_from: int | None = None  # answer kvsp-stale-epoch to checkpoints with an epoch below this
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        body = await read_body(receive)
-        parts = scope["path"].strip("/").split("/")  # pc, instances|sessions, id, status|checkpoint
-        obj = json.loads(body) if body else {}
-        status, answer = 404, {}
-        if scope["method"] == "PUT" and parts[1:2] == ["instances"] and parts[3:] == ["status"]:
-            self.statuses.append(obj)
-            status, answer = 200, {"state": self.answer_state(obj)}
-        elif scope["method"] == "PUT" and parts[1:2] == ["sessions"] and parts[3:] == ["checkpoint"]:
-            if self.ack_gate is not None:
-                await self.ack_gate.wait()
-            if self.stale_from is not None and obj["epoch"] < self.stale_from:
-                status, answer = 409, {"type": "https://iana.org/assignments/kvsp#kvsp-stale-epoch",
-                                       "title": "Stale Epoch", "status": 409}
-            else:
-                self.checkpoints.append(obj)
-                status, answer = 200, {"session": obj["session"], "epoch": obj["epoch"],
-                                       "output_offset": obj["output_offset"]}
-        data = json.dumps(answer).encode()
-        media = b"application/problem+json" if status >= 400 else b"application/kvsp+json"
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", media), (b"content-length", str(len(data)).encode())]})
-        await send({"type": "http.response.body", "body": data})
-
-
-@dataclasses.dataclass
-class Cluster:
-    certs: TestPki
-    model_dir: Path
-    server: RoleServer
-    router: Router
-    index: IndexService
-    holder: Holder
-    pc: FakePC
-    alice: KvspClient
-    bob: KvspClient
-    nodes: list[tuple[InstanceNode, RoleServer, Engine]] = dataclasses.field(default_factory=list)
-
-    def uri(self, name: str) -> str:
-        return self.server.base_uri(f"/{name}/")
-
-    async def instance(self, *, controller: bool = True, warmup: int = 0, prefer_transport: str = "h3",
-                       moqt: bool = True, **settings: Any) -> InstanceNode:
-        engine = Engine.load(str(self.model_dir), block_tokens=B, device_pages=256)
-        await engine.warmup(warmup)
-        tcp, udp = bind_pair("127.0.0.1", 0, 1 << 20)
-        base = f"https://127.0.0.1:{tcp.getsockname()[1]}/"
-        node = build_instance(engine, base_uri=base, files=self.certs.files("server"), policy=instance_policy(),
-                              scope_keys=[SCOPE_KEY], index=self.uri("is"), options=InstanceOptions(**settings),
-                              service=ServiceOptions(controller=self.uri("pc") if controller else None,
-                                                     request_timeout_ms=5000, prefer_transport=prefer_transport),
-                              moqt=moqt)
-        node.service.publisher.max_sleep = 0.05  # type: ignore[union-attr]
-        server = RoleServer(node.app, self.certs.files("server"), quic_handlers=node.quic_handlers)
-        await server.start(sockets=(tcp, udp))
-        await node.start()
-        self.nodes.append((node, server, engine))
-        return node
-
-    async def store(self, d: CompatDescriptor, key: bytes, sections: Sequence[tuple[bytes, bytes]]) -> None:
-        body = c.encode(list(sections), first_layer=0, token_count=B, descriptor=d).tobytes()
-        principal = Principal("urn:kvsp:client:alice", frozenset({Role.HOLDER}), ALL, ALL)
-        record = self.holder.store(principal, d.compat_id, SCOPE, key, body, "*")
-        await self.index.publish(ADMIN, holder_id(record.holder), key, record)
-
-
-@pytest.fixture
-async def cluster(certs: TestPki, model_dir: Path) -> AsyncIterator[Cluster]:
-    router = Router()
-    server = RoleServer(router, certs.files("server"))
-    await server.start("127.0.0.1", 0)
-    d = LlamaModel.load(model_dir).descriptor(B)
-    policy = Policy.dev_ca()
-    index = IndexService(MemoryIndexStore(), clock=time.monotonic)
-    holder = Holder(HolderSettings(server.base_uri("/h1/"), (d,), replica_ttl_ms=60_000))
-    pc = FakePC()
-    router.apps["/is/"] = index_app(index, policy, base_path="/is/", sweep_interval=None)
-    router.apps["/h1/"] = holder_app(holder, policy)
-    router.apps["/pc/"] = pc
-    alice = KvspClient(certs.files("alice"), timeout=10.0)
-    bob = KvspClient(certs.files("bob"), timeout=10.0)
-    cl = Cluster(certs, model_dir, server, router, index, holder, pc, alice, bob)
-    try:
-        yield cl
-    finally:
-        for node, srv, engine in reversed(cl.nodes):
-            await node.aclose()
-            await srv.close()
-            engine.close()
-        await alice.aclose()
-        await bob.aclose()
-        await server.close()
-
-
-# -- helpers -----------------------------------------------------------------------------------------------------
-
-
-def keys_of(tokens: Sequence[int], d: CompatDescriptor) -> list[bytes]:
-    return [bytes(k) for k in BlockKeyer(SCOPE_KEY, d.compat_id, B).keys(tokens)]
-
-
-async def produce(cl: Cluster, model: LlamaModel, prompt: Sequence[int], blocks: int) -> list[bytes]:
-    """A producer's full prefill; its first *blocks* blocks stored at the holder and published."""
-    d = model.descriptor(B)
-    cache = PagedKVCache.for_descriptor(d, device_pages=64)
-    result = await prefill(model, cache, prompt)
-    keys = keys_of(prompt, d)
-    for i in range(blocks):
-        sections = [(bytes(k), bytes(v)) for k, v in cache.export_block(result.sequence.pages[i])]
-        await cl.store(d, keys[i], sections)
-    result.sequence.release()
-    return keys
-
-
-async def expected_tokens(model: LlamaModel, prompt: Sequence[int], n: int, sampler: TokenSampler, *,
-                          forced: Sequence[int] = ()) -> list[int]:
-    """The tokens of an uninterrupted run without any cache (its first tokens *forced*, as a checkpoint's)."""
-    cache = PagedKVCache.for_descriptor(model.descriptor(B), device_pages=64)
-    result = await prefill(model, cache, prompt)
-    try:
-        logits = result.logits
-        for token in forced:
-            sampler.sample(logits)
-            logits = decode_step(model, result.sequence, token)
-        rest = generate_tokens(model, dataclasses.replace(result, logits=logits), sampler,
-                               max_new_tokens=n - len(forced)).tokens
-        return [*forced, *rest]
-    finally:
-        result.sequence.release()
-
-
-def start_body(sid: uuid.UUID, prompt: Sequence[int], *, max_tokens: int, epoch: int = 1,
-               sampler: dict[str, Any] | None = None, blocks: list[dict[str, Any]] | None = None,
-               d: CompatDescriptor) -> bytes:
-    body: dict[str, Any] = {
-        "session": str(sid), "epoch": epoch, "scope_id": SCOPE.hex(), "compat_id": d.compat_id.hex(),
-        "prompt": list(prompt), "max_tokens": max_tokens,
-        "sampler": sampler or {"method": "greedy", "seed": 0, "step": 0, "deterministic": True}}
-    if blocks is not None:
-        body["blocks"] = blocks
-    return json.dumps(body).encode()
-
-
-async def post(client: KvspClient, url: str, body: Any, method: str = "POST") -> Any:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return await client.request(method, url, content=data, headers=JSON)
-
-
-async def read_stream(client: KvspClient, url: str) -> list[dict[str, Any]]:
-    lines = []
-    async with client.stream("GET", url) as response:
-        assert response.status == 200, await response.aread()
-        assert (response.headers.get("content-type") or "").startswith("application/x-ndjson")
-        buffer = b""
-        async for chunk in response.aiter_bytes():
-            buffer += chunk
-            *complete, buffer = buffer.split(b"\n")
-            lines += [json.loads(x) for x in complete if x.strip()]
-    return lines
-
-
-def tokens_of(lines: list[dict[str, Any]]) -> list[int]:
-    assert lines and lines[-1].get("done"), lines[-3:]
-    body = lines[:-1]
-    assert [x["index"] for x in body] == list(range(body[0]["index"], body[0]["index"] + len(body)))
-    return [x["token"] for x in body]
-
-
-async def until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
-
-
-async def lookup(cl: Cluster, d: CompatDescriptor, keys: Sequence[bytes]) -> dict[str, Any]:
-    r = await post(cl.alice, f"{cl.uri('is')}lookup", {"scope_id": SCOPE.hex(), "compat_id": d.compat_id.hex(),
-                                                       "block_keys": [k.hex() for k in keys]})
-    assert r.status == 200, r.content
-    return r.json()  # type: ignore[no-any-return]
-
-
-async def directive_state(cl: Cluster, node: InstanceNode, directive: uuid.UUID) -> dict[str, Any]:
-    url = f"{node.role.settings.base_uri}prefetch/{directive}"
-    while True:
-        r = await cl.alice.request("GET", url)
-        assert r.status == 200, r.content
-        state = r.json()
-        if state["state"] != "pending":
-            return state  # type: ignore[no-any-return]
-        await asyncio.sleep(0.02)
-
+from tests.support.instance import (  # noqa: E402
+    LAYERS,
+    PROMPT,
+    SCOPE,
+    B,
+    Cluster,
+    directive_state,
+    expected_tokens,
+    keys_of,
+    lookup,
+    post,
+    produce,
+    read_stream,
+    start_body,
+    tokens_of,
+    until,
+)
 
 # -- blocks over the TCP path ----------------------------------------------------------------------------------------
 
 
 async def test_with_the_tcp_path_preferred_blocks_load_over_http_1_1_and_the_tokens_equal_a_recompute(
-        cluster: Cluster, reference: LlamaModel) -> None:
-    cl = cluster
+        instance_cluster: Cluster, reference: LlamaModel) -> None:
+    cl = instance_cluster
     d = reference.descriptor(B)
     keys = await produce(cl, reference, PROMPT, 6)
     node = await cl.instance(prefer_transport="tcp", moqt=False)
@@ -318,8 +69,8 @@ async def test_with_the_tcp_path_preferred_blocks_load_over_http_1_1_and_the_tok
 
 
 async def test_prefetch_loads_from_a_holder_then_a_session_uses_them_and_equals_a_run_without_cache(
-        cluster: Cluster, reference: LlamaModel) -> None:
-    cl = cluster
+        instance_cluster: Cluster, reference: LlamaModel) -> None:
+    cl = instance_cluster
     d = reference.descriptor(B)
     keys = await produce(cl, reference, PROMPT, 6)
     node = await cl.instance()
@@ -375,9 +126,9 @@ async def test_prefetch_loads_from_a_holder_then_a_session_uses_them_and_equals_
     assert [x["index"] for x in lines] == [7, 8, 9, 10]
 
 
-async def test_a_directive_past_its_deadline_is_partial_and_stops_loading(cluster: Cluster,
+async def test_a_directive_past_its_deadline_is_partial_and_stops_loading(instance_cluster: Cluster,
                                                                           reference: LlamaModel) -> None:
-    cl = cluster
+    cl = instance_cluster
     d = reference.descriptor(B)
     keys = await produce(cl, reference, PROMPT, 6)
     node = await cl.instance()
@@ -415,8 +166,8 @@ async def test_a_directive_past_its_deadline_is_partial_and_stops_loading(cluste
 
 
 async def test_draining_finishes_sessions_refuses_new_ones_then_sleeps_until_the_pc_wakes_it(
-        cluster: Cluster, reference: LlamaModel) -> None:
-    cl = cluster
+        instance_cluster: Cluster, reference: LlamaModel) -> None:
+    cl = instance_cluster
     d = reference.descriptor(B)
     node = await cl.instance(status_ttl_ms=300)
     base = node.role.settings.base_uri
@@ -450,8 +201,8 @@ async def test_draining_finishes_sessions_refuses_new_ones_then_sleeps_until_the
 
 
 async def test_status_reports_every_third_of_the_ttl_and_an_idle_instance_asks_to_sleep(
-        cluster: Cluster) -> None:
-    cl = cluster
+        instance_cluster: Cluster) -> None:
+    cl = instance_cluster
     cl.pc.answer_state = lambda record: "draining" if record.get("requested_state") == "sleeping" else record["state"]
     node = await cl.instance(status_ttl_ms=300, sleep_after_idle_ms=500, warmup=2 * B)
     base = node.role.settings.base_uri
@@ -480,9 +231,9 @@ async def published_by(cl: Cluster, d: CompatDescriptor, keys: Sequence[bytes], 
     raise AssertionError(f"{holder} did not publish the blocks")
 
 
-async def test_checkpoints_reach_the_pc_and_a_resume_elsewhere_continues_exactly(cluster: Cluster,
+async def test_checkpoints_reach_the_pc_and_a_resume_elsewhere_continues_exactly(instance_cluster: Cluster,
                                                                                  reference: LlamaModel) -> None:
-    cl = cluster
+    cl = instance_cluster
     d = reference.descriptor(B)
     a = await cl.instance()
     b = await cl.instance()
@@ -548,8 +299,8 @@ async def test_checkpoints_reach_the_pc_and_a_resume_elsewhere_continues_exactly
 
 
 async def test_top_p_tokens_are_released_only_once_a_checkpoint_covering_them_is_acknowledged(
-        cluster: Cluster, reference: LlamaModel) -> None:
-    cl = cluster
+        instance_cluster: Cluster, reference: LlamaModel) -> None:
+    cl = instance_cluster
     d = reference.descriptor(B)
     cl.pc.ack_gate = asyncio.Event()
     node = await cl.instance(checkpoint_tokens=3)
@@ -587,8 +338,8 @@ async def test_top_p_tokens_are_released_only_once_a_checkpoint_covering_them_is
     assert all(x["sampler"]["step"] == x["output_offset"] and x["sampler"]["deterministic"] is False for x in cps)
 
 
-async def test_a_stale_epoch_answer_fences_the_session(cluster: Cluster, reference: LlamaModel) -> None:
-    cl = cluster
+async def test_a_stale_epoch_answer_fences_the_session(instance_cluster: Cluster, reference: LlamaModel) -> None:
+    cl = instance_cluster
     d = reference.descriptor(B)
     cl.pc.stale_from = 2  # the PC moved every session to epoch 2 elsewhere
     node = await cl.instance()
@@ -604,8 +355,9 @@ async def test_a_stale_epoch_answer_fences_the_session(cluster: Cluster, referen
     assert r.status == 409 and r.json()["type"].endswith("kvsp-stale-epoch")
 
 
-async def test_directives_and_sessions_only_from_the_controller(cluster: Cluster, reference: LlamaModel) -> None:
-    cl = cluster
+async def test_directives_and_sessions_only_from_the_controller(instance_cluster: Cluster,
+                                                                reference: LlamaModel) -> None:
+    cl = instance_cluster
     d = reference.descriptor(B)
     node = await cl.instance(controller=False)
     base = node.role.settings.base_uri
@@ -627,8 +379,8 @@ async def test_directives_and_sessions_only_from_the_controller(cluster: Cluster
 
 
 async def test_reshard_fetches_from_the_named_instance_retains_in_place_commits_and_aborts(
-        cluster: Cluster, reference: LlamaModel) -> None:
-    cl = cluster
+        instance_cluster: Cluster, reference: LlamaModel) -> None:
+    cl = instance_cluster
     d = reference.descriptor(B)
     a = await cl.instance(controller=False)
     b = await cl.instance(controller=False)
@@ -674,8 +426,8 @@ async def test_reshard_fetches_from_the_named_instance_retains_in_place_commits_
 
 
 async def test_a_start_right_after_a_directive_follows_its_loads_instead_of_fetching_again(
-        cluster: Cluster, reference: LlamaModel) -> None:
-    cl = cluster
+        instance_cluster: Cluster, reference: LlamaModel) -> None:
+    cl = instance_cluster
     d = reference.descriptor(B)
     keys = await produce(cl, reference, PROMPT, 6)
     node = await cl.instance()
@@ -700,11 +452,11 @@ async def test_a_start_right_after_a_directive_follows_its_loads_instead_of_fetc
 
 
 async def test_a_start_following_a_directive_whose_lookup_outlasts_its_deadline_recomputes(
-        cluster: Cluster, reference: LlamaModel) -> None:
+        instance_cluster: Cluster, reference: LlamaModel) -> None:
     """The directive reserves its blocks (a session start follows them), then its lookup outlasts its deadline: no
     load is ever begun. The session recomputes those blocks instead of waiting for them until it is cancelled
     (found by ``kvsp-quic chaos``: prefills that waited ~30 s, until the PC cancelled the session)."""
-    cl = cluster
+    cl = instance_cluster
     d = reference.descriptor(B)
     keys = await produce(cl, reference, PROMPT, 6)
     node = await cl.instance()

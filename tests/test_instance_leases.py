@@ -8,7 +8,7 @@ from the bookkeeping tier of the instance's holder, whose capacity is a placehol
 instance was refused (429 kvsp-lease-quota, "the client holds 0 of its quota of 1") and every directive sourced
 from an instance ended ``failed`` with nothing loaded. The cap is now what the cache's pages can hold.
 
-Real servers on 127.0.0.1, the cluster of tests/test_instance_app.py (Index Service, fake PC, instances built by
+Real servers on 127.0.0.1, the instance cluster of tests/support/instance.py (Index Service, fake PC, instances built by
 :func:`kvsp_app.instance.build_instance` around a tiny random model).
 """
 
@@ -30,29 +30,25 @@ from kvsp_quic.container import ContainerHeader
 from kvsp_quic.problems import LeaseQuota
 from kvsp_quic.roles.holder import HolderSettings
 from kvsp_quic.storage.tiers import BlockId
-from tests.test_instance_app import (  # noqa: F401  (fixtures by name)
+from tests.support.instance import (
     LAYERS,
     PROMPT,
     SCOPE,
     B,
     Cluster,
-    certs,
-    cluster,
     directive_state,
     expected_tokens,
     keys_of,
     lookup,
-    model_dir,
     post,
     read_stream,
-    reference,
     start_body,
     tokens_of,
     until,
 )
 
 
-def test_an_instance_holder_leases_up_to_what_its_cache_holds(model_dir: Path) -> None:  # noqa: F811
+def test_an_instance_holder_leases_up_to_what_its_cache_holds(model_dir: Path) -> None:
     engine = Engine.load(str(model_dir), block_tokens=B, device_pages=10)
     try:
         cache = engine.cache
@@ -72,8 +68,8 @@ def test_an_instance_holder_leases_up_to_what_its_cache_holds(model_dir: Path) -
 
 
 async def test_a_directive_sourced_from_another_instance_leases_there_and_completes(
-        cluster: Cluster, reference: LlamaModel) -> None:  # noqa: F811
-    cl = cluster
+        instance_cluster: Cluster, reference: LlamaModel) -> None:
+    cl = instance_cluster
     d = reference.descriptor(B)
     keys = keys_of(PROMPT, d)
     producer = await cl.instance()

@@ -25,22 +25,18 @@ from kvsp_quic import container as c  # noqa: E402
 from kvsp_quic.auth import ALL, Policy, Principal, Role  # noqa: E402
 from kvsp_quic.keys import holder_id  # noqa: E402
 from kvsp_quic.roles.holder import Holder, HolderSettings  # noqa: E402
-from tests.test_instance_app import (  # noqa: E402  # the fixtures and helpers of the instance tests
+from tests.support.instance import (  # noqa: E402
     ADMIN,
     LAYERS,
     PROMPT,
     SCOPE,
     B,
     Cluster,
-    certs,  # noqa: F401
-    cluster,  # noqa: F401
     expected_tokens,
     keys_of,
     lookup,
-    model_dir,  # noqa: F401
     post,
     read_stream,
-    reference,  # noqa: F401
     start_body,
     tokens_of,
 )
@@ -70,8 +66,8 @@ async def produce_halves(cl: Cluster, model: LlamaModel, blocks: int) -> list[by
 
 
 async def test_an_instance_loads_blocks_kept_only_as_partial_replicas_at_two_holders(
-        cluster: Cluster, reference: LlamaModel) -> None:  # noqa: F811
-    cl = cluster
+        instance_cluster: Cluster, reference: LlamaModel) -> None:
+    cl = instance_cluster
     d = reference.descriptor(B)
     keys = await produce_halves(cl, reference, 6)
     found = await lookup(cl, d, keys[:6])

@@ -7,7 +7,7 @@ kvsp_client/producer_digests.py, the fetcher's ``require_producer_digest`` (kvsp
 Real servers on 127.0.0.1: one RoleServer (HTTP/3 + HTTP/1.1/2, mutual TLS) serves the Index Service (``/is/``, a
 strict policy), an honest holder (``/h1/``) and a malicious one (``/h2/``) whose Replica Records and octets agree
 with each other but not with what the producer computed. The last test runs inference instances (tests/
-test_instance_app.py's cluster) and checks the tokens are exactly those of a run without a cache.
+support/instance.py's cluster) and checks the tokens are exactly those of a run without a cache.
 """
 
 from __future__ import annotations
@@ -58,12 +58,6 @@ N = 3  # blocks
 
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("safetensors") is not None
-if HAVE_TORCH:  # the cluster of inference instances of tests/test_instance_app.py (fixtures by name)
-    from tests.test_instance_app import certs, cluster, model_dir  # noqa: F401
-else:
-    @pytest.fixture
-    def cluster() -> Any:
-        pytest.skip("the gpu extra (torch) is not installed")
 
 
 @pytest.fixture(scope="module")
@@ -370,7 +364,7 @@ async def test_the_redis_store_keeps_producer_digests_beside_the_replicas(redis_
 
 
 async def instance(cl: Any, **service: Any) -> Any:
-    """An instance of tests/test_instance_app.py's cluster (as ``Cluster.instance``) with these service options."""
+    """An instance of tests/support/instance.py's cluster (as ``Cluster.instance``) with these service options."""
     from gpu.engine import Engine
     from http3.server import bind_pair
     from kvsp_app.instance import build_instance
@@ -394,19 +388,19 @@ async def instance(cl: Any, **service: Any) -> Any:
 def _instances() -> Any:
     if not HAVE_TORCH:
         pytest.skip("the gpu extra (torch) is not installed")
-    import tests.test_instance_app as ia
+    import tests.support.instance as ia
     return ia
 
 
 async def test_instances_in_the_mode_refuse_a_poisoned_replica_and_still_produce_the_exact_tokens(
-        cluster: Any) -> None:
+        instance_cluster: Any) -> None:
     ia = _instances()
     from gpu.kvcache import PagedKVCache
     from gpu.model import LlamaModel
     from gpu.prefill import prefill
     from gpu.sampling import TokenSampler
 
-    cl = cluster
+    cl = instance_cluster
     reference = LlamaModel.load(cl.model_dir)
     d = reference.descriptor(ia.B)
     keys = ia.keys_of(ia.PROMPT, d)

@@ -1,8 +1,8 @@
 """A seeded session with every sampler parameter (top_k, min_p, the penalties, logit_bias, logprobs) migrates and
 continues exactly: instance A runs it and checkpoints to the (fake) PC; instance B resumes a checkpoint from its
 middle without the prompt (the repetition penalty's prompt tokens travel in the checkpoint's sampler, the output's
-counts are its generated tokens) and produces A's tokens, with their log probabilities. The cluster of
-tests/test_instance_app.py."""
+counts are its generated tokens) and produces A's tokens, with their log probabilities. The instance cluster of
+tests/support/instance.py."""
 
 from __future__ import annotations
 
@@ -15,10 +15,8 @@ pytest.importorskip("safetensors", reason="the gpu extra (safetensors) is not in
 
 from gpu.model import LlamaModel
 from gpu.sampling import TokenSampler
-from tests import test_instance_app as ia
+from tests.support import instance as ia
 
-# the fixtures of tests/test_instance_app.py
-certs, cluster, model_dir, reference = ia.certs, ia.cluster, ia.model_dir, ia.reference
 PROMPT, expected_tokens, post, read_stream = ia.PROMPT, ia.expected_tokens, ia.post, ia.read_stream
 start_body, tokens_of, until = ia.start_body, ia.tokens_of, ia.until
 
@@ -26,9 +24,9 @@ PARAMS = {"p": 0.95, "temperature": 1.2, "top_k": 40, "min_p": 0.01, "presence_p
           "frequency_penalty": 0.5, "repetition_penalty": 1.3, "logit_bias": {"9": 3.0, "10": -50}, "logprobs": 2}
 
 
-async def test_a_penalized_seeded_session_migrates_and_continues_exactly(cluster: ia.Cluster,
+async def test_a_penalized_seeded_session_migrates_and_continues_exactly(instance_cluster: ia.Cluster,
                                                                          reference: LlamaModel) -> None:
-    cl = cluster
+    cl = instance_cluster
     d = reference.descriptor(4)
     a = await cl.instance()
     b = await cl.instance()

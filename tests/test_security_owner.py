@@ -4,7 +4,7 @@ session's token stream and ``GET sessions/{id}`` only to that owner and to the P
 
 * Over the wire: the real Placement Controller (tests/test_controller_app.py's cluster: controller_app behind a
   RoleServer, recording instances behind their own) sends ``owner`` = the identity that created the session.
-* Against a real instance (tests/test_instance_app.py's fixtures: build_instance around a tiny model, on
+* Against a real instance (tests/support/instance.py's cluster: build_instance around a tiny model, on
   127.0.0.1): alice and bob are clients of the same scope; the PC starts alice's session; bob can neither read its
   tokens nor its state (404, as at the PC) nor cancel it (403), while alice and the PC can read it.
 """
@@ -29,11 +29,10 @@ from kvsp_app.instance import InstanceNode, build_instance
 from kvsp_quic.auth import Policy
 from kvsp_quic.roles.instance import InstanceOptions
 from kvsp_runtime.instance_service import ServiceOptions
-from tests import test_instance_app as ia
 from tests.pki import TestPki, make_pki
-from tests.test_instance_app import Cluster
+from tests.support import instance as ia
+from tests.support.instance import Cluster
 
-cluster, model_dir, reference = ia.cluster, ia.model_dir, ia.reference
 post, read_stream, start_body, tokens_of = ia.post, ia.read_stream, ia.start_body, ia.tokens_of
 
 PC_IDENTITY = "https://127.0.0.1/pc/"
@@ -42,7 +41,8 @@ ALICE, BOB = "urn:kvsp:client:alice", "urn:kvsp:client:bob"
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
-    """The instance's certificate, a PC's, and the clients alice and bob (overrides tests/test_instance_app's)."""
+    """The instance's certificate, a PC's, and the clients alice and bob (overrides tests/conftest.py's: the PC
+    needs a certificate of its own)."""
     return make_pki(tmp_path_factory.mktemp("pki"), roles={"server": ia.SERVER_IDENTITY, "pc": PC_IDENTITY})
 
 
@@ -82,8 +82,8 @@ async def test_the_pc_names_the_session_owner_in_the_start_it_sends(tmp_path: Pa
 
 
 async def test_a_client_of_the_same_scope_cannot_read_or_cancel_another_clients_session(
-        cluster: Cluster, reference: LlamaModel) -> None:
-    cl = cluster
+        instance_cluster: Cluster, reference: LlamaModel) -> None:
+    cl = instance_cluster
     d = reference.descriptor(ia.B)
     node = await owned_instance(cl)
     base = node.role.settings.base_uri
