@@ -230,7 +230,7 @@ async def run_index(cfg: IndexFile, *, dev_dir: Path | None, policy_path: Path |
         client = KvspClient(prepared.files, settings=prepared.settings, timeout=pc.request_timeout_s)
         starter = CommandStarter(pc.start_hook, pc_uri=prepared.base_uri) if pc.start_hook else None
         role = PlacementController(service, clock=clock, metrics=Registry(), identity=prepared.base_uri, config=pc)
-        controller = ControllerService(role, HttpInstanceLink(client), starter=starter, shared=shared)
+        controller = ControllerService(role, HttpInstanceLink(client), starter=starter, store=shared)
         base_path = _path_of(prepared.base_uri)
         app = controller_app(service, controller, prepared.policy, base_path=base_path, tick_interval=pc.tick_s)
         server = await serve_app(prepared, app)

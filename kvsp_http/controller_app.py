@@ -33,9 +33,9 @@ Resources, relative to the base URI (the Index Service's, :mod:`kvsp_http.index_
   "undelivered"}``;
 * ``GET metrics`` (any principal).
 
-With a shared control store (``ControllerService(..., shared=RedisControlStore)``, ``--store redis``) every one of
-these resources reads and writes the PC's state there, so any number of these apps sharing it are interchangeable
-(docs/operations.md, "Replicated Index Service and Placement Controller").
+Every one of these resources reads and writes the PC's state in the service's control store; with a shared one
+(``ControllerService(..., store=RedisControlStore)``, ``--store redis``) any number of these apps sharing it are
+interchangeable (docs/operations.md, "Replicated Index Service and Placement Controller").
 
 The rules are the role's (:class:`~kvsp_quic.roles.controller.PlacementController`), the I/O its adapter's
 (:class:`~kvsp_runtime.controller_service.ControllerService`); the PC's requests to instances go through
@@ -191,8 +191,7 @@ def controller_app(service: IndexService, pc: ControllerService, policy: Policy,
         finally:  # the ticker is stopped first: a replica going away starts no migration while it closes
             await pc.aclose()
 
-    on_status = pc.report_status if pc.shared is None else pc.report_status_shared
-    routes = index_routes(service, max_body_bytes=max_body_bytes, report_status=on_status, metrics=registry)
+    routes = index_routes(service, max_body_bytes=max_body_bytes, report_status=pc.report_status, metrics=registry)
     app = Starlette(routes=routes + controller_routes(pc, max_body_bytes=max_session_bytes), lifespan=lifespan)
     install(app)
     all_rules = mount_metrics(app, registry, rules)

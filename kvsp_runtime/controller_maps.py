@@ -2,12 +2,12 @@
 :mod:`kvsp_runtime.controller_service`, which delegates ``get_map``, ``has_map``, ``put_map`` and ``reshard`` here).
 
 The rules are the role's (:mod:`kvsp_quic.roles.controller_reshard`: plans, the decision, the outcome); this
-fans the plans out to the members with their deadline, then the commit or abort, and keeps the maps in the shared
-store when there is one (a lock per map across replicas). Plans carry each map's ``context`` (extension,
-docs/wire.md "Resharding"): kept with the map in the shared store when there is one (so a reshard asked of any
-replica sends the context given to another), else per map in :attr:`ShardMaps.map_contexts`. A ``PUT maps/{map}``
-that registers the map or runs a reshard with a context makes it the map's from then on, whether the reshard
-commits or aborts (instances keep a grown context either way); a refused one (409) changes nothing.
+fans the plans out to the members with their deadline, then the commit or abort, and keeps the maps in the control
+store (a lock per map, across replicas when it is shared; the role's ``maps`` are the copies read from it before
+each decision). Plans carry each map's ``context`` (extension, docs/wire.md "Resharding"), kept with the map in the
+store (so a reshard asked of any replica sends the context given to another). A ``PUT maps/{map}`` that registers
+the map or runs a reshard with a context makes it the map's from then on, whether the reshard commits or aborts
+(instances keep a grown context either way); a refused one (409) changes nothing.
 """
 
 from __future__ import annotations
@@ -44,22 +44,18 @@ def why(exc: BaseException) -> str:
 class ShardMaps:
     """The shard maps of one PC replica (see the module docstring)."""
 
-    def __init__(self, role: PlacementController, link: ReshardLink, shared: ControlStore | None,
-                 replica: str) -> None:
+    def __init__(self, role: PlacementController, link: ReshardLink, store: ControlStore, replica: str) -> None:
         self.role = role
         self.link = link
-        self.shared = shared
+        self.store = store
         self.replica = replica
-        # (extension) per map: what its plans carry as "context" -- without a shared store only (else stored there)
-        self.map_contexts: dict[str, ReshardContext] = {}
 
     async def _pull_map(self, map_id: str) -> None:
-        if self.shared is not None:
-            found = await self.shared.get_map(map_id)
-            if found is not None:
-                self.role.maps[map_id] = found
-            else:
-                self.role.maps.pop(map_id, None)
+        found = await self.store.get_map(map_id)
+        if found is not None:
+            self.role.maps[map_id] = found
+        else:
+            self.role.maps.pop(map_id, None)
 
     async def get_map(self, map_id: str) -> ShardMap:
         await self._pull_map(map_id)
@@ -71,26 +67,20 @@ class ShardMaps:
 
     async def put_map(self, shard_map: ShardMap, context: ReshardContext | None = None) -> ReshardOutcome:
         """Register a new map with its *context* (409 when the map exists: nothing changes)."""
-        if self.shared is not None:
-            existing = await self.shared.add_map(shard_map, context_bytes(context) if context is not None else None)
-            if existing is not None:
-                self.role.maps[shard_map.map] = existing
-        outcome = self.role.register_map(shard_map)
-        if context is not None and self.shared is None:
-            self.map_contexts[shard_map.map] = context
-        return outcome
+        existing = await self.store.add_map(shard_map, context_bytes(context) if context is not None else None)
+        if existing is not None:
+            self.role.maps[shard_map.map] = existing
+        else:
+            self.role.maps.pop(shard_map.map, None)
+        return self.role.register_map(shard_map)
 
     async def context(self, map_id: str, given: ReshardContext | None) -> ReshardContext | None:
         """The context the plans of a reshard of *map_id* carry: *given* with the PUT (it becomes the map's, in the
-        shared store when there is one), else the map's."""
-        if self.shared is None:
-            if given is not None:
-                self.map_contexts[map_id] = given
-            return self.map_contexts.get(map_id)
+        store), else the map's."""
         if given is not None:
-            await self.shared.set_map_context(map_id, context_bytes(given))
+            await self.store.set_map_context(map_id, context_bytes(given))
             return given
-        stored = await self.shared.map_context(map_id)
+        stored = await self.store.map_context(map_id)
         return context_of(stored) if stored is not None else None
 
     async def reshard(self, new: ShardMap, deadline_ms: int | None = None,
@@ -99,17 +89,15 @@ class ShardMaps:
         (200, after loading their fetch ranges) within the deadline, commit to all members, otherwise abort to
         all members (the role decides, and keeps the authoritative version). Plans carry *context* when the PUT
         gave one, else the map's (:meth:`context`): docs/wire.md "Resharding"."""
-        if self.shared is not None:
-            deadline = deadline_ms or self.role.config.reshard_deadline_ms
-            if not await self.shared.lock_map(new.map, self.replica, 3 * deadline + 5000):
-                raise PlanConflict(f"a reshard of map {new.map!r} is in progress")
-            try:
-                await self._pull_map(new.map)
-                return await self._reshard(new, deadline_ms, context)
-            finally:
-                with contextlib.suppress(Exception):
-                    await self.shared.unlock_map(new.map, self.replica)
-        return await self._reshard(new, deadline_ms, context)
+        deadline = deadline_ms or self.role.config.reshard_deadline_ms
+        if not await self.store.lock_map(new.map, self.replica, 3 * deadline + 5000):
+            raise PlanConflict(f"a reshard of map {new.map!r} is in progress")
+        try:
+            await self._pull_map(new.map)
+            return await self._reshard(new, deadline_ms, context)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.store.unlock_map(new.map, self.replica)
 
     async def _reshard(self, new: ShardMap, deadline_ms: int | None,
                        context: ReshardContext | None) -> ReshardOutcome:
@@ -138,8 +126,7 @@ class ShardMaps:
                     if not task.cancelled():
                         task.exception()  # retrieved: it is reported in failed already
             message = self.role.decide_reshard(round_, failed)
-            if (self.shared is not None and isinstance(message, ReshardCommit)
-                    and not await self.shared.commit_map(round_.old.version, round_.new)):
+            if isinstance(message, ReshardCommit) and not await self.store.commit_map(round_.old.version, round_.new):
                 failed["controller"] = "the map changed at another replica of the PC"
                 self.role.maps[new.map] = round_.old
                 message = self.role.decide_reshard(round_, failed)

@@ -11,6 +11,13 @@ rules: every result goes back to the role, which judges it (the outcome types of
 :class:`~kvsp_quic.roles.controller_placement.PlacementPlan`: the steps it yields (lookup, wake, start hook, wait
 for an instance, prefetch, store, start) are performed here (:meth:`ControllerService._carry_out`), in its order.
 
+The PC's state lives in a :class:`~kvsp_quic.storage.control_store.ControlStore`, with one code path whether one
+process holds it (:class:`~kvsp_quic.storage.memory_control.MemoryControlStore`, the default) or several replicas
+share it (:class:`~kvsp_quic.storage.redis_control.RedisControlStore`): every decision reads the stored session
+(and the instance statuses) into the role first and writes the result back with a compare-and-set on its version;
+a session is placed or migrated under its lease. The role's table of sessions holds the copy this process last read
+or wrote of each (what its metrics and the clients' session limits count).
+
     controller = PlacementController(service, clock=clock, metrics=registry)
     pc = ControllerService(controller, HttpInstanceLink(client), starter=CommandStarter(argv, pc_uri=base_uri))
     app = controller_app(service, pc, policy, base_path="/kvsp/")
@@ -67,6 +74,7 @@ from kvsp_quic.roles.controller_sessions import (
 )
 from kvsp_quic.roles.controller_store import load_statuses, placed_session, stored_session, stored_status
 from kvsp_quic.storage.control_store import ControlStore
+from kvsp_quic.storage.memory_control import MemoryControlStore
 from kvsp_runtime.controller_link import InstanceLink, Starter
 from kvsp_runtime.controller_maps import ShardMaps, why
 
@@ -77,60 +85,64 @@ log = logging.getLogger("kvsp.controller")
 
 
 class Superseded(Exception):
-    """With a shared store: the session this replica was placing is gone, or another replica moved it on (a
-    higher epoch): this one stands down."""
+    """The session this replica was placing is gone, or another writer (a replica sharing the store) moved it on to
+    a higher epoch: this one stands down."""
 
 
 _CAS_TRIES = 16
-_ACTIVATION_POLL_S = 0.1  # with a shared store: how often a wait for an active instance reads the stored statuses
+_ACTIVATION_POLL_S = 0.1  # how often a wait for an active instance reads the stored statuses
 
 
 class ControllerService:
     """The asyncio side of the Placement Controller (see the module docstring). ``role`` answers everything that
-    needs no I/O (session info, checkpoints, instances, shard maps, metrics)."""
+    needs no I/O (instances, shard maps, metrics); *store* (default: a :class:`MemoryControlStore` on the role's
+    clock) holds the state."""
 
     def __init__(self, role: PlacementController, link: InstanceLink, *, starter: Starter | None = None,
-                 shared: ControlStore | None = None, replica: str | None = None) -> None:
+                 store: ControlStore | None = None, replica: str | None = None) -> None:
         self.role = role
         self.link = link
         self.starter = starter
-        # With a shared store the PC's state lives there (several replicas); without, in the role (one process).
-        self.shared = shared
+        self.store: ControlStore = store if store is not None else MemoryControlStore(role.clock)
         self.replica = replica or uuid.uuid4().hex  # this replica's name on the leases it takes
         self._based: dict[uuid.UUID, int] = {}  # per session this replica places: the epoch it last stored
+        self._statuses_seen: int | None = None  # the store's revision of the statuses the role's table holds
         self.kick = asyncio.Event()  # set when a report makes a failover likely: the ticker runs at once
         self._activation: asyncio.Event | None = None  # set when an instance becomes active (the hook's waiters)
         self._locks: dict[uuid.UUID, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[bool]] = set()
         self._migrating: set[uuid.UUID] = set()
         self._closing = False  # aclose() began: no migration starts any more
-        self.maps = ShardMaps(role, link, shared, self.replica)  # the shard maps and their resharding
+        self.maps = ShardMaps(role, link, self.store, self.replica)  # the shard maps and their resharding
 
-    # -- the shared store (several replicas): read before a decision, write after it ------------------------------
+    # -- the store: read before a decision, write after it --------------------------------------------------------
 
     async def refresh(self) -> None:
-        """With a shared store: load every replica's instance statuses into the role's table."""
-        if self.shared is not None:
-            load_statuses(self.role, await self.shared.statuses())
+        """Load the stored instance statuses (every replica's reports) into the role's table, unless the store says
+        they did not change since the revision the table holds (the table then is the stored view)."""
+        snapshot = await self.store.statuses(self._statuses_seen)
+        if snapshot is not None:
+            load_statuses(self.role, snapshot)
+            self._statuses_seen = snapshot.revision
 
     async def _push_status(self, instance: str) -> None:
-        if self.shared is None:
-            return
+        """Write the role's view of *instance* to the store (StaleEpoch when another writer knows a newer run)."""
         status = stored_status(self.role, instance)
         if status is None:
             return
-        higher = await self.shared.put_status(status)
-        if higher is not None:
-            raise StaleEpoch(f"instance {instance!r}: epoch {status.record.epoch} is older than {higher}")
+        written = await self.store.put_status(status)
+        if written.higher is not None:
+            raise StaleEpoch(f"instance {instance!r}: epoch {status.record.epoch} is older than {written.higher}")
+        if written.revisions is not None and written.revisions[0] == self._statuses_seen:
+            self._statuses_seen = written.revisions[1]  # nobody wrote between: the table holds what is stored
 
     def _ttl_ms(self, session: PlacedSession) -> int:
         config = self.role.config
         return config.done_ttl_ms if session.state is SessionState.DONE else config.session_ttl_ms
 
     async def _fetch(self, session_id: uuid.UUID) -> PlacedSession | None:
-        """With a shared store: the stored session, put in the role's table for the decision that follows."""
-        assert self.shared is not None
-        stored = await self.shared.load(session_id)
+        """The stored session, put in the role's table for the decision that follows (None: there is none)."""
+        stored = await self.store.load(session_id)
         if stored is None:
             self.role.sessions.pop(session_id, None)
             return None
@@ -138,25 +150,30 @@ class ControllerService:
         self.role.sessions[session_id] = session
         return session
 
-    def _evict(self, session_id: uuid.UUID) -> None:
-        """With a shared store the role's table is a cache of the decision under way: drop the entry."""
-        if self.shared is not None:
-            self.role.sessions.pop(session_id, None)
+    def _hold(self, session: PlacedSession) -> None:
+        """*session* was just stored: it is the copy the role's table holds, unless a newer one was read since."""
+        held = self.role.sessions.get(session.id)
+        if held is None or held.version <= session.version:
+            self.role.sessions[session.id] = session
+
+    async def _save(self, session: PlacedSession) -> bool:
+        """Write *session* if nobody wrote it since it was read (its version); True when written."""
+        version = await self.store.save(session.id, stored_session(session), self._ttl_ms(session))
+        if version is None:
+            return False
+        session.version = version
+        self._hold(session)
+        return True
 
     async def _persist(self, session: PlacedSession, *, strict: bool = False) -> None:
-        """With a shared store: write back what the placement of *session* (under its lease) changed. When another
-        replica wrote it since -- a checkpoint -- that is taken in and the write is tried again; *strict* (an
-        epoch increment decided on what was read) or a session gone or moved to another epoch: :class:`Superseded`.
-        """
-        if self.shared is None:
-            return
+        """Write back what the placement of *session* (under its lease) changed. When another writer stored it since
+        -- a checkpoint -- that is taken in and the write is tried again; *strict* (an epoch increment decided on
+        what was read) or a session gone or moved to another epoch: :class:`Superseded`."""
         for _ in range(_CAS_TRIES):
-            version = await self.shared.save(session.id, stored_session(session), self._ttl_ms(session))
-            if version is not None:
-                session.version = version
+            if await self._save(session):
                 self._based[session.id] = session.epoch
                 return
-            stored = await self.shared.load(session.id)
+            stored = await self.store.load(session.id)
             if stored is None:
                 raise Superseded(f"session {session.id} is gone")
             fresh = placed_session(stored, self.role.clock())
@@ -167,13 +184,10 @@ class ControllerService:
 
     @contextlib.asynccontextmanager
     async def _leased(self, session_id: uuid.UUID) -> AsyncIterator[bool]:
-        """With a shared store: hold the session's placement lease (renewed) for the block; yields False when
-        another replica holds it (this one stands down). Without: yields True."""
-        if self.shared is None:
-            yield True
-            return
-        shared, ttl_ms = self.shared, self.role.config.lease_ms
-        if not await shared.lease(session_id, self.replica, ttl_ms):
+        """Hold the session's placement lease (renewed) for the block; yields False when another replica holds it
+        (this one stands down)."""
+        store, ttl_ms = self.store, self.role.config.lease_ms
+        if not await store.lease(session_id, self.replica, ttl_ms):
             yield False
             return
 
@@ -181,7 +195,7 @@ class ControllerService:
             while True:
                 await asyncio.sleep(ttl_ms / 3000)
                 try:
-                    await shared.lease(session_id, self.replica, ttl_ms)
+                    await store.lease(session_id, self.replica, ttl_ms)
                 except Exception as exc:  # the store is away: the next renewal tries again
                     log.warning("renewing the lease of session %s failed: %s", session_id, exc)
 
@@ -194,33 +208,23 @@ class ControllerService:
                 await renewal
             self._based.pop(session_id, None)
             with contextlib.suppress(Exception):
-                await shared.release(session_id, self.replica)
+                await store.release(session_id, self.replica)
 
     async def session_info(self, principal: Principal, session_id: uuid.UUID) -> SessionInfo:
-        """GET sessions/{id} (through the shared store when there is one)."""
-        if self.shared is None:
-            return self.role.session_info(principal, session_id)
+        """GET sessions/{id}: the stored session, as the role shows it to its creator (404 for anyone else)."""
         await self._fetch(session_id)
-        try:
-            return self.role.session_info(principal, session_id)
-        finally:
-            self._evict(session_id)
+        return self.role.session_info(principal, session_id)
 
     async def checkpoint(self, principal: Principal, session_id: uuid.UUID, cp: SessionCheckpoint, *,
                          done: bool = False) -> CheckpointAck:
-        """PUT sessions/{id}/checkpoint. With a shared store the role judges the stored session and the result is
-        written back only if nobody wrote it since (else judged again): the highest checkpoint wins, and a
-        checkpoint of an epoch another replica just ended is refused, atomically."""
-        if self.shared is None:
-            return self.role.checkpoint(principal, session_id, cp, done=done)
+        """PUT sessions/{id}/checkpoint: the role judges the stored session and the result is written back only if
+        nobody wrote it since (else judged again): the highest checkpoint wins, and a checkpoint of an epoch another
+        replica just ended is refused, atomically."""
         for _ in range(_CAS_TRIES):
             session = await self._fetch(session_id)
-            try:
-                ack = self.role.checkpoint(principal, session_id, cp, done=done)
-            finally:
-                self._evict(session_id)
+            ack = self.role.checkpoint(principal, session_id, cp, done=done)
             assert session is not None  # role.checkpoint raised NotFound otherwise
-            if await self.shared.save(session_id, stored_session(session), self._ttl_ms(session)) is not None:
+            if await self._save(session):
                 return ack
         raise Unavailable(f"session {session_id}: too many concurrent writes")
 
@@ -230,30 +234,25 @@ class ControllerService:
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
 
-    async def report_status_shared(self, principal: Principal, instance_id: str,
-                                   record: InstanceStatusRecord) -> StateMessage:
-        """PUT instances/{instance-id}/status with a shared store: judged on every replica's view of the instance,
-        written through (the store refuses an epoch lower than one any replica accepted)."""
+    async def report_status(self, principal: Principal, instance_id: str,
+                            record: InstanceStatusRecord) -> StateMessage:
+        """PUT instances/{instance-id}/status: judged by the role on the stored view of the instance (every
+        replica's), written through (the store refuses an epoch lower than one any replica accepted); wakes whoever
+        waits for it."""
         await self.refresh()
-        answer = self.report_status(principal, instance_id, record)
-        await self._push_status(record.instance)
-        return answer
-
-    def report_status(self, principal: Principal, instance_id: str, record: InstanceStatusRecord) -> StateMessage:
-        """PUT instances/{instance-id}/status, through the role; wakes whoever waits for it."""
         report = self.role.report_status(principal, instance_id, record)
         if report.activated:
             self._activated()
         if report.failover_due:
             self.kick.set()
+        await self._push_status(record.instance)
         return report.answer
 
     async def set_instance_state(self, instance: str, state: InstanceState) -> InstanceState:
         """PUT state on *instance*; the state it answered is held from then on."""
         self.role.check_state_change(instance, state)
         answered = await self.link.set_state(instance, state)
-        if self.shared is not None:
-            await self.refresh()
+        await self.refresh()
         if self.role.state_answered(instance, answered):
             self._activated()
         await self._push_status(instance)
@@ -322,12 +321,9 @@ class ControllerService:
         return {i for i in self.role.known_instances() if self.role.status.state(i) is InstanceState.ACTIVE}
 
     async def _until_activated(self, waiting: asyncio.Event) -> None:
-        """Until an instance becomes active. A report to this replica sets *waiting*; with a shared store the report
-        may reach another replica (the start hook's instance reports to any), so the stored statuses are read every
+        """Until an instance becomes active. A report to this replica sets *waiting*; the report may reach another
+        replica sharing the store (the start hook's instance reports to any), so the stored statuses are read every
         ``_ACTIVATION_POLL_S`` too: an instance active there that was not active here before counts."""
-        if self.shared is None:
-            await waiting.wait()
-            return
         before = self._active()
         while True:
             with contextlib.suppress(TimeoutError):
@@ -358,37 +354,31 @@ class ControllerService:
         return self._locks.setdefault(session_id, asyncio.Lock())
 
     async def _admit(self, principal: Principal, request: SessionRequest) -> Admitted | SessionInfo:
-        """The role's admission; with a shared store, on the stored session, and the new one stored (only once:
-        a concurrent POST of the same session at another replica is a retry here)."""
-        if self.shared is None:
-            admission = self.role.admit(principal, request)
-            return admission if isinstance(admission, Admitted) else admission.info
+        """The role's admission on the stored session, and the new one stored (only once: a concurrent POST of the
+        same session at another replica is a retry here)."""
         await self.refresh()
         for _ in range(_CAS_TRIES):
             await self._fetch(request.session)
-            try:
-                admission = self.role.admit(principal, request)
-            finally:
-                self._evict(request.session)
+            admission = self.role.admit(principal, request)
             if not isinstance(admission, Admitted):
                 return admission.info
             session = admission.session
             try:
-                version = await self.shared.save(session.id, stored_session(session), self._ttl_ms(session))
+                stored = await self._save(session)
             except BaseException:
                 self.role.abandon(session)
                 raise
-            if version is not None:
-                session.version = version
+            if stored:
                 return admission
             self.role.abandon(session)  # another replica stored it meanwhile: the next try finds it (a retry)
         raise Unavailable(f"session {request.session}: too many concurrent writes")
 
     async def create_session(self, principal: Principal, request: SessionRequest) -> tuple[SessionInfo, bool]:
-        """POST sessions: place and start the session; (its info, whether it was created now)."""
+        """POST sessions: place and start the session; (its info, whether it was created now). A retry of a
+        session still being placed waits for that placement (:meth:`_placement_of`)."""
         admission = await self._admit(principal, request)
         if not isinstance(admission, Admitted):  # a retry of the same request
-            if self.shared is not None and admission.state is SessionState.PLACING:
+            if admission.state is SessionState.PLACING:
                 return await self._placement_of(principal, request.session), False
             return admission, False
         session = admission.session
@@ -407,26 +397,22 @@ class ControllerService:
                 placed = await self._place(session)
             except BaseException:
                 self.role.abandon(session)
-                if self.shared is not None:
-                    with contextlib.suppress(Exception):
-                        await self.shared.delete(session.id)
+                with contextlib.suppress(Exception):
+                    await self.store.delete(session.id)
                 raise
             if not placed:
                 problem = self.role.unplaced(session)
-                if self.shared is not None:
-                    await self.shared.delete(session.id)
+                await self.store.delete(session.id)
                 raise problem
             info = self.role.placed(session, time.perf_counter() - started)
             await self._persist(session)
-            self._evict(session.id)
             return info
 
     async def _placement_of(self, principal: Principal, session_id: uuid.UUID) -> SessionInfo:
-        """A retry of ``POST sessions`` for a session another replica admitted and is placing (the client's first
-        try timed out or failed, e.g. that replica died): wait for its placement, or -- once that replica no longer
-        holds the session's placement lease -- take the placement over (:meth:`PlacementController.
-        take_over_placement`) and place it here. Found by ``kvsp-quic chaos`` (fault is-kill)."""
-        assert self.shared is not None
+        """A retry of ``POST sessions`` for a session that is being placed (the client's first try timed out or
+        failed, e.g. the replica that admitted it died): wait for its placement, or -- once nobody holds the
+        session's placement lease -- take the placement over (:meth:`PlacementController.take_over_placement`) and
+        place it here. Found by ``kvsp-quic chaos`` (fault is-kill)."""
         deadline = time.monotonic() + (2 * self.role.config.lease_ms + self.role.config.start_timeout_ms) / 1000
         while True:
             await asyncio.sleep(0.1)  # the admitting replica takes the lease right after it stored the session
@@ -442,23 +428,16 @@ class ControllerService:
                     if session is None:
                         raise Unavailable(f"no active instance took the session {session_id}")
                     if session.state is not SessionState.PLACING:
-                        self._evict(session_id)
                         return session.info()
                     self._based[session.id] = session.epoch
                     self.role.take_over_placement(session)
-                    try:
-                        await self._persist(session, strict=True)
-                        placed = await self._place(session)
-                    except BaseException:
-                        self._evict(session_id)
-                        raise
-                    if not placed:
+                    await self._persist(session, strict=True)
+                    if not await self._place(session):
                         problem = self.role.unplaced(session)
-                        await self.shared.delete(session.id)
+                        await self.store.delete(session.id)
                         raise problem
                     self.role.migrated(session)
                     await self._persist(session)
-                    self._evict(session.id)
                     return session.info()
             if time.monotonic() > deadline:
                 raise Unavailable(f"session {session_id} is still being placed by another replica")
@@ -469,13 +448,12 @@ class ControllerService:
         run and free its slot. The instance's answer is not waited for beyond the link's timeout, nor required."""
         await self.session_info(principal, session_id)
         async with self._lock(session_id):
-            session = self.role.sessions.get(session_id) if self.shared is None else await self._fetch(session_id)
+            session = await self._fetch(session_id)
             if session is None:
                 return
             instance = session.instance
             self.role.abandon(session)
-            if self.shared is not None:
-                await self.shared.delete(session_id)
+            await self.store.delete(session_id)
         log.info("session %s cancelled by its creator (instance %s)", session_id, instance)
         if instance is not None:
             try:
@@ -485,31 +463,18 @@ class ControllerService:
 
     # -- failures -------------------------------------------------------------------------------------------------
 
-    async def migrate(self, session: PlacedSession, lost_epoch: int | None = None) -> bool:
-        """Move *session* off its failed instance (see the role's ``begin_migration``; with *lost_epoch*, also when
-        a verified suspect report found its run of that epoch lost). False when no instance took it (retried at
-        the next tick)."""
-        async with self._lock(session.id):
-            if not (self.role.needs_migration(session) or self.role.lost(session, lost_epoch)):
-                return True
-            self.role.begin_migration(session)
-            if not await self._place(session):
-                return False
-            self.role.migrated(session)
-            return True
-
-    async def migrate_shared(self, session_id: uuid.UUID, lost_epoch: int | None = None) -> bool:
-        """:meth:`migrate` with a shared store: under the session's lease, on the stored session; the epoch
-        increment is a compare-and-set, so of several replicas that decide to migrate it one does, and the others
-        stand down (False, as when no instance took it: the next tick looks again)."""
-        assert self.shared is not None
+    async def migrate(self, session_id: uuid.UUID, lost_epoch: int | None = None) -> bool:
+        """Move the session off its failed instance (the role's ``begin_migration``; with *lost_epoch*, also when
+        a verified suspect report found its run of that epoch lost), under the session's lease, on the stored
+        session. The epoch increment is a compare-and-set, so of several replicas that decide to migrate it one
+        does, and the others stand down. False when no instance took it, or this replica stood down (the next
+        tick looks again)."""
         async with self._lock(session_id), self._leased(session_id) as held:
             if not held:
                 return False
             session = await self._fetch(session_id)
-            self._evict(session_id)
             if session is None:
-                await self.shared.forget(session_id)
+                await self.store.forget(session_id)
                 return True
             if not (self.role.needs_migration(session) or self.role.lost(session, lost_epoch)):
                 return True
@@ -533,17 +498,13 @@ class ControllerService:
         moves a session on that word alone: it probes the run (``GET sessions/{id}`` at the instance, within
         ``suspect_probe_ms``, and once more within twice that after a timeout: the client drops a connection that
         timed out, so the second goes afresh); an answer is a false alarm (``healthy``); none holds the run failed (in
-        the shared store too, so every replica's tick moves its other sessions) and the session is migrated at
-        once, without waiting for the status to expire. The answer waits (up to ``suspect_wait_ms``) for the
-        session's new instance: ``moved`` with it, else ``migrating``."""
-        if self.shared is not None:
-            await self.refresh()
-            await self._fetch(session_id)
-        try:
-            step = self.role.suspect(principal, session_id, report)
-            session = self.role.sessions[session_id]
-        finally:
-            self._evict(session_id)
+        the store too, so every replica's tick moves its other sessions) and the session is migrated at once,
+        without waiting for the status to expire. The answer waits (up to ``suspect_wait_ms``) for the session's
+        new instance: ``moved`` with it, else ``migrating``."""
+        await self.refresh()
+        await self._fetch(session_id)
+        step = self.role.suspect(principal, session_id, report)
+        session = self.role.sessions[session_id]
         if step is SuspectStep.PROBE:
             assert session.instance is not None
             instance, run = session.instance, session.instance_epoch
@@ -561,17 +522,13 @@ class ControllerService:
             if health is RunHealth.ALIVE:
                 return SuspectAnswer.of(await self.session_info(principal, session_id), Verdict.HEALTHY)
             if health is RunHealth.DEAD:
-                if self.shared is not None and run is not None:
-                    await self.shared.fail_status(instance, run)
+                if run is not None:
+                    await self.store.fail_status(instance, run)
                     await self.refresh()  # every replica's view, without the run (a tick may have read it back)
                 self.kick.set()  # the tick moves the run's other sessions
             step = SuspectStep.MIGRATE
         if step is SuspectStep.MIGRATE:
-            if self.shared is None:
-                if self.role.sessions.get(session_id) is session:  # not cancelled meanwhile
-                    await self.migrate(session, report.epoch)
-            else:
-                await self.migrate_shared(session_id, report.epoch)
+            await self.migrate(session_id, report.epoch)
         return await self._moved(principal, session_id, report.epoch)
 
     async def _moved(self, principal: Principal, session_id: uuid.UUID, epoch: int) -> SuspectAnswer:
@@ -591,25 +548,17 @@ class ControllerService:
         highest = status.highest_epoch(instance)
         return state is None or state is InstanceState.FAILED or (highest is not None and highest > instance_epoch)
 
-    async def tick_shared(self) -> list[asyncio.Task[bool]]:
-        """:meth:`tick` with a shared store: every replica's statuses, then the sessions of the instance runs that
-        failed and those waiting for a migration (the store expires old sessions itself)."""
-        assert self.shared is not None
+    async def tick(self) -> list[asyncio.Task[bool]]:
+        """Every replica's statuses, then a migration (each in its own task, returned) for each session of an
+        instance run that failed and each waiting for a migration (the store expires old sessions itself; the
+        role's table forgets them)."""
         await self.refresh()
-        due = await self.shared.candidates(self._failed_run)
+        due = await self.store.candidates(self._failed_run)
+        self.role.forget_expired()
         if self._closing:
             return []
-        started = [self._spawn(i, self.migrate_shared(i)) for i in due if i not in self._migrating]
+        started = [self._spawn(i, self.migrate(i)) for i in due if i not in self._migrating]
         for session_id in [i for i, lock in self._locks.items() if i not in self._migrating and not lock.locked()]:
-            del self._locks[session_id]
-        return started
-
-    def tick(self) -> list[asyncio.Task[bool]]:
-        """Start the migrations that are due (each in its own task, returned) and forget old sessions."""
-        if self._closing:
-            return []
-        started = [self._spawn(s.id, self.migrate(s)) for s in self.role.tick() if s.id not in self._migrating]
-        for session_id in [i for i, lock in self._locks.items() if i not in self.role.sessions and not lock.locked()]:
             del self._locks[session_id]
         return started
 
@@ -631,13 +580,10 @@ class ControllerService:
         """Tick every *interval* seconds, and at once when a report says an instance failed or restarted."""
         while True:
             self.kick.clear()
-            if self.shared is None:
-                self.tick()
-            else:
-                try:
-                    await self.tick_shared()
-                except Exception as exc:  # the store is away: the next tick tries again
-                    log.warning("controller tick failed: %s", why(exc))
+            try:
+                await self.tick()
+            except Exception as exc:  # the store is away: the next tick tries again
+                log.warning("controller tick failed: %s", why(exc))
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(interval):
                     await self.kick.wait()

@@ -1,5 +1,5 @@
 """The Placement Controller: its role (kvsp_quic.roles.controller, the rules) driven by its asyncio adapter
-(kvsp_runtime.controller_service.ControllerService) with an injected clock, the Index Service in the same process, and a
+(kvsp_runtime.controller_service.ControllerService, on its default MemoryControlStore) with an injected clock, the Index Service in the same process, and a
 fake InstanceLink that records what would be sent to instances. Also the placement policy registry
 (kvsp_quic.roles.placement).
 
@@ -136,7 +136,7 @@ class FakeStarter:
         self.reasons.append(reason)
         if self.env is not None and self.instance is not None:
             env, instance = self.env, self.instance
-            asyncio.get_running_loop().call_later(0.01, lambda: env.report(instance))
+            asyncio.get_running_loop().call_later(0.01, lambda: asyncio.ensure_future(env.report(instance)))
 
 
 class Env:
@@ -154,16 +154,16 @@ class Env:
         self.svc = ControllerService(self.pc, self.link, starter=starter)
         self.epochs: dict[str, int] = {}
 
-    def report(self, instance: str, *, epoch: int | None = None, state: InstanceState = InstanceState.ACTIVE,
-               rate: float | None = 1000.0, queued: int = 0, running: int = 0, batch_size: int | None = 8,
-               requested: InstanceState | None = None, ttl_ms: int = 3000, **changes: Any) -> StateMessage:
+    async def report(self, instance: str, *, epoch: int | None = None, state: InstanceState = InstanceState.ACTIVE,
+                     rate: float | None = 1000.0, queued: int = 0, running: int = 0, batch_size: int | None = 8,
+                     requested: InstanceState | None = None, ttl_ms: int = 3000, **changes: Any) -> StateMessage:
         epoch = epoch if epoch is not None else self.epochs.get(instance, 1)
         self.epochs[instance] = epoch
         record = InstanceStatusRecord(instance, epoch, state, ttl_ms, running=running, queued=queued,
                                       batch_size=batch_size, prefill_tokens_per_s=rate,
                                       decode_tokens_per_s=100.0, links=(Link(H1, 1000.0, 50.0),),
                                       requested_state=requested, **changes)
-        return self.svc.report_status(who(instance), k.uri_id(instance), record)
+        return await self.svc.report_status(who(instance), k.uri_id(instance), record)
 
     async def publish(self, n: int, holder: str = H1) -> None:
         for i in range(n):
@@ -233,8 +233,8 @@ async def test_assigns_to_cheapest_active_with_prefetch() -> None:
     env = Env()
     await env.publish(4)
     await env.publish(4, holder=IB)  # IB holds the prompt's blocks itself: nothing to fetch
-    env.report(IA)
-    env.report(IB)
+    await env.report(IA)
+    await env.report(IB)
     info, created = await env.svc.create_session(who(FRONT), request())
     assert created and info.instance == IB and info.epoch == 1 and info.state is SessionState.RUNNING
     assert env.link.of("prefetch") == []  # resident at IB
@@ -243,7 +243,7 @@ async def test_assigns_to_cheapest_active_with_prefetch() -> None:
     assert {*start.blocks[0].sources} == {H1, IB}
 
     # IB busy: IA is cheaper now, and gets a directive for the blocks (sources: H1, IB) before the start
-    env.report(IB, queued=5)
+    await env.report(IB, queued=5)
     env.link.calls.clear()
     info, _ = await env.svc.create_session(who(FRONT), request(session=2))
     assert info.instance == IA
@@ -260,13 +260,13 @@ async def test_assigns_to_cheapest_active_with_prefetch() -> None:
 async def test_never_assigns_to_inactive_instances() -> None:
     env = Env(sleep=SleepPolicy(SleepMode.ALWAYS))
     await env.publish(4, holder=IA)  # IA would be the cheapest
-    env.report(IA)
-    env.report(IB)
-    env.report(IC, state=InstanceState.DRAINING)
-    assert env.report(IA, requested=InstanceState.SLEEPING).state is InstanceState.DRAINING
+    await env.report(IA)
+    await env.report(IB)
+    await env.report(IC, state=InstanceState.DRAINING)
+    assert (await env.report(IA, requested=InstanceState.SLEEPING)).state is InstanceState.DRAINING
     info, _ = await env.svc.create_session(who(FRONT), request())
     assert info.instance == IB
-    env.report(IB, state=InstanceState.FAILED)
+    await env.report(IB, state=InstanceState.FAILED)
     env.advance(4)  # IA's and IC's records expire: failed
     assert env.pc.status.state(IA) is InstanceState.FAILED
     with pytest.raises(Unavailable):
@@ -277,7 +277,7 @@ async def test_never_assigns_to_inactive_instances() -> None:
 
 async def test_session_request_rules() -> None:
     env = Env()
-    env.report(IA)
+    await env.report(IA)
     req = request()
     with pytest.raises(ScopeDenied):
         await env.svc.create_session(who(FRONT), replace(req, scope_id=S2))
@@ -287,16 +287,16 @@ async def test_session_request_rules() -> None:
     with pytest.raises(Problem) as conflict:
         await env.svc.create_session(who(OTHER), req)
     assert conflict.value.status == 409
-    assert env.pc.session_info(who(FRONT), req.session) == info
+    assert await env.svc.session_info(who(FRONT), req.session) == info
     with pytest.raises(NotFound):
-        env.pc.session_info(who(OTHER), req.session)  # only its creator reads it
+        await env.svc.session_info(who(OTHER), req.session)  # only its creator reads it
 
 
 async def test_refused_and_failed_starts() -> None:
     env = Env()
-    env.report(IA, queued=0)
-    env.report(IB, queued=1)
-    env.report(IC, queued=2)
+    await env.report(IA, queued=0)
+    await env.report(IB, queued=1)
+    await env.report(IC, queued=2)
     env.link.fail[IA] = InvalidState("not active")  # a definite refusal: the same epoch goes on
     env.link.fail[IB] = ConnectionError("reset")  # maybe started: the epoch is fenced
     info, _ = await env.svc.create_session(who(FRONT), request(keys=0))
@@ -310,8 +310,8 @@ async def test_refused_and_failed_starts() -> None:
 async def test_prefetch_refused_moves_on() -> None:
     env = Env()
     await env.publish(4)
-    env.report(IA)
-    env.report(IB, queued=1)
+    await env.report(IA)
+    await env.report(IB, queued=1)
     env.link.prefetch_fail[IA] = InvalidState("draining")
     info, _ = await env.svc.create_session(who(FRONT), request())
     assert info.instance == IB
@@ -323,66 +323,66 @@ async def test_prefetch_refused_moves_on() -> None:
 
 async def test_status_epochs_and_expiry() -> None:
     env = Env()
-    env.report(IA, epoch=5)
+    await env.report(IA, epoch=5)
     with pytest.raises(StaleEpoch):
-        env.report(IA, epoch=4)
-    assert env.report(IA, epoch=5).state is InstanceState.ACTIVE  # the same run
+        await env.report(IA, epoch=4)
+    assert (await env.report(IA, epoch=5)).state is InstanceState.ACTIVE  # the same run
     env.advance(3.5)
     assert env.pc.status.state(IA) is InstanceState.FAILED
     assert env.pc.active() == []
-    assert env.report(IA, epoch=6).state is InstanceState.ACTIVE  # restarted
+    assert (await env.report(IA, epoch=6)).state is InstanceState.ACTIVE  # restarted
     status = env.samples("kvsp_status_reports_total")
     assert status[(("outcome", "stale"),)] == 1 and status[(("outcome", "accepted"),)] == 3
     assert [i["state"] for i in env.pc.instances()] == ["active"]
 
 
-def test_sleep_policy_by_load() -> None:
+async def test_sleep_policy_by_load() -> None:
     env = Env(sleep=SleepPolicy(min_active=1, min_spare=1))
-    env.report(IA, running=1)
-    env.report(IB, running=6, batch_size=8)
+    await env.report(IA, running=1)
+    await env.report(IB, running=6, batch_size=8)
     # IB has 2 spare slots: enough for IA's 1 session + 1
-    assert env.report(IA, running=1, requested=InstanceState.SLEEPING).state is InstanceState.DRAINING
+    assert (await env.report(IA, running=1, requested=InstanceState.SLEEPING)).state is InstanceState.DRAINING
     # IA is draining: IB has no other active instance to take its load
-    assert env.report(IB, running=0, requested=InstanceState.SLEEPING).state is InstanceState.ACTIVE
+    assert (await env.report(IB, running=0, requested=InstanceState.SLEEPING)).state is InstanceState.ACTIVE
     # IA keeps reporting active (it has not seen the answer yet): still draining; then it finishes
-    assert env.report(IA, running=1).state is InstanceState.DRAINING
-    assert env.report(IA, state=InstanceState.DRAINING, running=0).state is InstanceState.DRAINING
-    assert env.report(IA, state=InstanceState.SLEEPING).state is InstanceState.SLEEPING
+    assert (await env.report(IA, running=1)).state is InstanceState.DRAINING
+    assert (await env.report(IA, state=InstanceState.DRAINING, running=0)).state is InstanceState.DRAINING
+    assert (await env.report(IA, state=InstanceState.SLEEPING)).state is InstanceState.SLEEPING
     # a sleeping instance becomes active only on a state change from the PC
-    assert env.report(IA).state is InstanceState.SLEEPING
+    assert (await env.report(IA)).state is InstanceState.SLEEPING
     sleeps = env.samples("kvsp_sleep_requests_total")
     assert sleeps[(("answer", "draining"),)] == 1 and sleeps[(("answer", "active"),)] == 1
     # a restart starts afresh
-    assert env.report(IA, epoch=2).state is InstanceState.ACTIVE
+    assert (await env.report(IA, epoch=2)).state is InstanceState.ACTIVE
 
 
-def test_sleep_policy_variants() -> None:
+async def test_sleep_policy_variants() -> None:
     busy = Env(sleep=SleepPolicy(max_kv_utilization=0.5))
-    busy.report(IA)
-    busy.report(IB, kv_utilization=0.8)  # spare slots, but its memory is full
-    assert busy.report(IA, requested=InstanceState.SLEEPING).state is InstanceState.ACTIVE
+    await busy.report(IA)
+    await busy.report(IB, kv_utilization=0.8)  # spare slots, but its memory is full
+    assert (await busy.report(IA, requested=InstanceState.SLEEPING)).state is InstanceState.ACTIVE
     never = Env(sleep=SleepPolicy(SleepMode.NEVER))
-    never.report(IB)
-    assert never.report(IA, requested=InstanceState.SLEEPING).state is InstanceState.ACTIVE
+    await never.report(IB)
+    assert (await never.report(IA, requested=InstanceState.SLEEPING)).state is InstanceState.ACTIVE
     always = Env(sleep=SleepPolicy(SleepMode.ALWAYS, min_active=2))
-    always.report(IB, running=8)
-    assert always.report(IA, requested=InstanceState.SLEEPING).state is InstanceState.ACTIVE  # one other only
-    always.report(IC, running=8)
-    assert always.report(IA, requested=InstanceState.SLEEPING).state is InstanceState.DRAINING
+    await always.report(IB, running=8)
+    assert (await always.report(IA, requested=InstanceState.SLEEPING)).state is InstanceState.ACTIVE  # one other only
+    await always.report(IC, running=8)
+    assert (await always.report(IA, requested=InstanceState.SLEEPING)).state is InstanceState.DRAINING
 
 
 async def test_put_state_wakes_and_holds() -> None:
     env = Env(sleep=SleepPolicy(SleepMode.ALWAYS))
-    env.report(IA)
-    env.report(IB)
-    env.report(IA, requested=InstanceState.SLEEPING)
-    env.report(IA, state=InstanceState.SLEEPING)
+    await env.report(IA)
+    await env.report(IB)
+    await env.report(IA, requested=InstanceState.SLEEPING)
+    await env.report(IA, state=InstanceState.SLEEPING)
     assert await env.svc.set_instance_state(IA, InstanceState.ACTIVE) is InstanceState.ACTIVE
     assert env.link.of("state") == [(IA, InstanceState.ACTIVE)]
     assert env.pc.status.state(IA) is InstanceState.ACTIVE
-    assert env.report(IA).state is InstanceState.ACTIVE
+    assert (await env.report(IA)).state is InstanceState.ACTIVE
     assert await env.svc.set_instance_state(IB, InstanceState.DRAINING) is InstanceState.DRAINING
-    assert env.report(IB).state is InstanceState.DRAINING  # the PC's decision holds over its report
+    assert (await env.report(IB)).state is InstanceState.DRAINING  # the PC's decision holds over its report
     with pytest.raises(NotFound):
         await env.svc.set_instance_state(IC, InstanceState.ACTIVE)
     with pytest.raises(BadRequest):
@@ -391,8 +391,8 @@ async def test_put_state_wakes_and_holds() -> None:
 
 async def test_wakes_a_sleeping_instance_when_nothing_is_active() -> None:
     env = Env(sleep=SleepPolicy(SleepMode.ALWAYS, min_active=0))
-    env.report(IA, requested=InstanceState.SLEEPING)
-    env.report(IA, state=InstanceState.SLEEPING)
+    await env.report(IA, requested=InstanceState.SLEEPING)
+    await env.report(IA, state=InstanceState.SLEEPING)
     info, _ = await env.svc.create_session(who(FRONT), request(keys=0))
     assert info.instance == IA
     assert [c[0] for c in env.link.calls] == ["state", "start"]
@@ -411,7 +411,7 @@ async def test_start_hook_then_prefetch_and_start() -> None:
     # after start_timeout_ms, and the session goes to the best existing instance
     env2 = Env(config=ControllerConfig(start_timeout_ms=50, max_cost_us=1.0))
     env2.svc.starter = FakeStarter()
-    env2.report(IA, running=8)
+    await env2.report(IA, running=8)
     info, _ = await env2.svc.create_session(who(FRONT), request(keys=0))
     assert info.instance == IA
     assert env2.samples("kvsp_instance_starts_total")[(("kind", "hook"),)] == 1
@@ -422,32 +422,32 @@ async def test_start_hook_then_prefetch_and_start() -> None:
 
 async def test_checkpoint_rules() -> None:
     env = Env()
-    env.report(IA)
-    env.report(IB, queued=3)
+    await env.report(IA)
+    await env.report(IB, queued=3)
     req = request()
     await env.svc.create_session(who(FRONT), req)
-    ack = env.pc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 6, 7]))
+    ack = await env.svc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 6, 7]))
     assert (ack.epoch, ack.output_offset) == (1, 3)
     # a lower offset is acknowledged with the highest one recorded
-    assert env.pc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 6])).output_offset == 3
-    assert env.pc.session_info(who(FRONT), req.session).output_offset == 3
+    assert (await env.svc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 6]))).output_offset == 3
+    assert (await env.svc.session_info(who(FRONT), req.session)).output_offset == 3
     with pytest.raises(Forbidden):
-        env.pc.checkpoint(who(IB), req.session, checkpoint(req, 1, [5, 6, 7, 8]))
+        await env.svc.checkpoint(who(IB), req.session, checkpoint(req, 1, [5, 6, 7, 8]))
     with pytest.raises(StaleEpoch):
-        env.pc.checkpoint(who(IA), req.session, checkpoint(req, 0, [5, 6, 7, 8]))
+        await env.svc.checkpoint(who(IA), req.session, checkpoint(req, 0, [5, 6, 7, 8]))
     with pytest.raises(BadRequest):
-        env.pc.checkpoint(who(IA), req.session, checkpoint(req, 2, [5, 6, 7, 8]))  # never assigned
+        await env.svc.checkpoint(who(IA), req.session, checkpoint(req, 2, [5, 6, 7, 8]))  # never assigned
     with pytest.raises(Problem) as contradiction:
-        env.pc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 9, 7, 8]))
+        await env.svc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 9, 7, 8]))
     assert contradiction.value.status == 409
     with pytest.raises(NotFound):
-        env.pc.checkpoint(who(IA), uuid.UUID(int=7), checkpoint(req, 1, [5]))
+        await env.svc.checkpoint(who(IA), uuid.UUID(int=7), checkpoint(req, 1, [5]))
     with pytest.raises(BadRequest):  # the body names another session than the path
-        env.pc.checkpoint(who(IA), req.session, replace(checkpoint(req, 1, [5]), session=uuid.UUID(int=8)))
-    done = env.pc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 6, 7, 8]), done=True)
+        await env.svc.checkpoint(who(IA), req.session, replace(checkpoint(req, 1, [5]), session=uuid.UUID(int=8)))
+    done = await env.svc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 6, 7, 8]), done=True)
     assert done.output_offset == 4
-    assert env.pc.session_info(who(FRONT), req.session).state is SessionState.DONE
-    assert env.pc.session_info(who(FRONT), req.session).to_json()["done"] is True
+    assert (await env.svc.session_info(who(FRONT), req.session)).state is SessionState.DONE
+    assert (await env.svc.session_info(who(FRONT), req.session)).to_json()["done"] is True
     checkpoints = env.samples("kvsp_checkpoints_total")
     assert checkpoints[(("outcome", "stale"),)] == 1 and checkpoints[(("outcome", "forbidden"),)] == 1
 
@@ -458,58 +458,58 @@ async def test_checkpoint_rules() -> None:
 async def test_failure_resumes_elsewhere_with_next_epoch() -> None:
     env = Env()
     await env.publish(4)
-    env.report(IA)
-    env.report(IB, queued=2)
+    await env.report(IA)
+    await env.report(IB, queued=2)
     req = request()
     await env.svc.create_session(who(FRONT), req)
-    env.pc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 6, 7]))
-    env.pc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 6, 7, 8, 9]))
+    await env.svc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 6, 7]))
+    await env.svc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 6, 7, 8, 9]))
     env.advance(2)
-    env.report(IB, queued=2)  # IB stays alive, IA falls silent
-    assert env.svc.tick() == []  # not yet expired
+    await env.report(IB, queued=2)  # IB stays alive, IA falls silent
+    assert (await env.svc.tick()) == []  # not yet expired
     env.link.calls.clear()
     env.advance(1.5)
-    tasks = env.svc.tick()
+    tasks = await env.svc.tick()
     assert len(tasks) == 1 and await tasks[0]
     (instance, resume), = env.link.of("resume")
     assert instance == IB and resume.epoch == 2
     assert resume.checkpoint.output_offset == 5 and resume.checkpoint.generated == (5, 6, 7, 8, 9)
     assert resume.max_tokens == req.max_tokens and resume.prompt == req.prompt
     assert env.link.of("prefetch")[0][0] == IB  # the checkpoint's blocks, before the resume
-    info = env.pc.session_info(who(FRONT), req.session)
+    info = await env.svc.session_info(who(FRONT), req.session)
     assert (info.instance, info.epoch, info.output_offset, info.state) == (IB, 2, 5, SessionState.RUNNING)
     # the old instance is fenced everywhere: its checkpoints carry the old epoch
     with pytest.raises(StaleEpoch):
-        env.pc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 6, 7, 8, 9, 10]))
-    ack = env.pc.checkpoint(who(IB), req.session, checkpoint(req, 2, [5, 6, 7, 8, 9, 10]))
+        await env.svc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 6, 7, 8, 9, 10]))
+    ack = await env.svc.checkpoint(who(IB), req.session, checkpoint(req, 2, [5, 6, 7, 8, 9, 10]))
     assert (ack.epoch, ack.output_offset) == (2, 6)
     assert env.samples("kvsp_migrations_total")[(("component", "controller"),)] == 1
-    assert env.svc.tick() == []
+    assert (await env.svc.tick()) == []
 
 
 async def test_failure_before_any_checkpoint_restarts_at_next_epoch() -> None:
     env = Env()
-    env.report(IA)
-    env.report(IB, queued=1)
+    await env.report(IA)
+    await env.report(IB, queued=1)
     req = request(keys=0)
     await env.svc.create_session(who(FRONT), req)
-    env.report(IA, state=InstanceState.FAILED)  # reported, not waited for
+    await env.report(IA, state=InstanceState.FAILED)  # reported, not waited for
     env.link.calls.clear()
-    await asyncio.gather(*env.svc.tick())
+    await asyncio.gather(*(await env.svc.tick()))
     (instance, start), = env.link.of("start")
     assert instance == IB and start.epoch == 2 and start.session == req.session
 
 
 async def test_restart_with_higher_epoch_fails_its_sessions_over() -> None:
     env = Env()
-    env.report(IA, epoch=10)
+    await env.report(IA, epoch=10)
     req = request(keys=0)
     await env.svc.create_session(who(FRONT), req)
-    env.pc.checkpoint(who(IA), req.session, checkpoint(req, 1, [1, 2]))
-    env.report(IA, epoch=11)  # restarted: the session's state there is gone, but the new run may take it
+    await env.svc.checkpoint(who(IA), req.session, checkpoint(req, 1, [1, 2]))
+    await env.report(IA, epoch=11)  # restarted: the session's state there is gone, but the new run may take it
     assert env.svc.kick.is_set()
     env.link.calls.clear()
-    await asyncio.gather(*env.svc.tick())
+    await asyncio.gather(*(await env.svc.tick()))
     (instance, resume), = env.link.of("resume")
     assert instance == IA and resume.epoch == 2
     assert env.pc.sessions[req.session].instance_epoch == 11
@@ -517,35 +517,35 @@ async def test_restart_with_higher_epoch_fails_its_sessions_over() -> None:
 
 async def test_migration_waits_for_an_instance() -> None:
     env = Env()
-    env.report(IA)
+    await env.report(IA)
     req = request(keys=0)
     await env.svc.create_session(who(FRONT), req)
     env.advance(4)
-    assert not await env.svc.tick()[0]
-    waiting = env.pc.session_info(who(FRONT), req.session)
+    assert not await (await env.svc.tick())[0]
+    waiting = await env.svc.session_info(who(FRONT), req.session)
     # the front end waits for the epoch to grow: it is shown only with the instance that serves it
     assert (waiting.state, waiting.instance, waiting.epoch) == (SessionState.MIGRATING, None, 1)
     assert "instance" not in waiting.to_json()
     with pytest.raises(Forbidden):  # nobody serves epoch 2 yet
-        env.pc.checkpoint(who(IA), req.session, checkpoint(req, 2, [1]))
-    env.report(IB)
-    assert await env.svc.tick()[0]
-    info = env.pc.session_info(who(FRONT), req.session)
+        await env.svc.checkpoint(who(IA), req.session, checkpoint(req, 2, [1]))
+    await env.report(IB)
+    assert await (await env.svc.tick())[0]
+    info = await env.svc.session_info(who(FRONT), req.session)
     assert (info.instance, info.epoch) == (IB, 2)  # one failure, one increment
 
 
 async def test_sessions_are_forgotten() -> None:
     env = Env(config=ControllerConfig(session_ttl_ms=10_000, done_ttl_ms=1000))
-    env.report(IA, ttl_ms=60_000)
+    await env.report(IA, ttl_ms=60_000)
     a, b = request(session=1, keys=0), request(session=2, keys=0)
     await env.svc.create_session(who(FRONT), a)
     await env.svc.create_session(who(FRONT), b)
-    env.pc.checkpoint(who(IA), b.session, checkpoint(b, 1, [1]), done=True)
+    await env.svc.checkpoint(who(IA), b.session, checkpoint(b, 1, [1]), done=True)
     env.advance(2)
-    env.svc.tick()
+    (await env.svc.tick())
     assert a.session in env.pc.sessions and b.session not in env.pc.sessions
     env.advance(9)
-    env.svc.tick()
+    (await env.svc.tick())
     assert a.session not in env.pc.sessions
 
 
@@ -584,8 +584,8 @@ async def test_placement_policy_by_name() -> None:
     try:
         env = Env(config=ControllerConfig(placement_policy="least-loaded"))
         await env.publish(4, holder=IA)  # IA is by far the cheapest by cost, but the busier one
-        env.report(IA, running=2)
-        env.report(IB, running=1)
+        await env.report(IA, running=2)
+        await env.report(IB, running=1)
         admitted = env.pc.admit(who(FRONT), request())
         assert isinstance(admitted, Admitted)
         query = env.pc.placement_query(admitted.session, ())
@@ -595,8 +595,8 @@ async def test_placement_policy_by_name() -> None:
         assert info.instance == IB
         cost = Env()
         await cost.publish(4, holder=IA)
-        cost.report(IA, running=2)
-        cost.report(IB, running=1)
+        await cost.report(IA, running=2)
+        await cost.report(IB, running=1)
         assert (await cost.svc.create_session(who(FRONT), request(session=2)))[0].instance == IA
     finally:
         del PLACEMENT_POLICIES["least-loaded"]

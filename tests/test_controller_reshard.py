@@ -103,9 +103,9 @@ async def test_commit_after_every_acknowledgement() -> None:
     new = smap(5, (0, 150, I1), (150, 200, I3))
     with pytest.raises(NotFound):
         await env.svc.reshard(new)
-    env.pc.register_map(old)
+    await env.svc.put_map(old)
     with pytest.raises(PlanConflict):
-        env.pc.register_map(old)
+        await env.svc.put_map(old)
     outcome = await env.svc.reshard(new, 500)
     assert outcome.committed and outcome.version == 5 and outcome.acknowledged == (I1, I2, I3)
     sent = env.link.of("reshard")
@@ -122,7 +122,7 @@ async def test_abort_after_deadline_keeps_version_v() -> None:
     env = Env()
     old = smap(4, (0, 100, I1), (100, 200, I2))
     new = smap(5, (0, 100, I2), (100, 200, I1))
-    env.pc.register_map(old)
+    await env.svc.put_map(old)
     env.link.reshard_delay[I2] = 5.0  # never acknowledges in time
     outcome = await env.svc.reshard(new, 100)
     assert not outcome.committed and outcome.version == 4

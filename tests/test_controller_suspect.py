@@ -41,11 +41,11 @@ async def placed(probe_error: BaseException | None) -> tuple[Env, uuid.UUID]:
     env = Env()
     env.link = ProbingLink(probe_error=probe_error)
     env.svc.link = env.link
-    env.report(IA)
+    await env.report(IA)
     req = request(keys=0)
     info, _ = await env.svc.create_session(who(FRONT), req)
     assert info.instance == IA
-    env.report(IB)
+    await env.report(IB)
     return env, req.session
 
 
@@ -78,8 +78,8 @@ async def test_a_silent_instance_is_held_failed_and_the_session_moves_at_once() 
     assert env.pc.status.state(IA) is InstanceState.FAILED  # as if its status had expired: the run is fenced
     req = request(keys=0)
     with pytest.raises(StaleEpoch):
-        env.pc.checkpoint(who(IA), sid, checkpoint(req, 1, [1]))
-    env.report(IA)  # the same run reports again: back, as after an expiry
+        await env.svc.checkpoint(who(IA), sid, checkpoint(req, 1, [1]))
+    await env.report(IA)  # the same run reports again: back, as after an expiry
     assert env.pc.status.state(IA) is InstanceState.ACTIVE
     # a second report of the old epoch (another replica, a retry) is answered at once: no probe, no migration
     again = await env.svc.suspect(who(FRONT), sid, SuspectReport(1, "broken"))
@@ -103,7 +103,7 @@ async def test_only_the_creator_reports_and_only_epochs_that_were_assigned() -> 
     with pytest.raises(BadRequest):
         await env.svc.suspect(who(FRONT), sid, SuspectReport(2, "stall"))
     assert not env.link.of("probe")
-    assert env.pc.session_info(who(FRONT), sid).epoch == 1
+    assert (await env.svc.session_info(who(FRONT), sid)).epoch == 1
 
 
 def test_the_stall_bound_follows_the_gaps() -> None:
@@ -142,11 +142,12 @@ async def test_the_shared_store_holds_a_probed_run_failed(tmp_path: Path) -> Non
         try:
             for instance, epoch in ((IA, 3), (IB, 1)):
                 record = InstanceStatusRecord(instance, epoch, InstanceState.ACTIVE, 60_000)
-                assert await store.put_status(StoredStatus(record, InstanceState.ACTIVE, 60_000)) is None
+                assert (await store.put_status(StoredStatus(record, InstanceState.ACTIVE, 60_000))).higher is None
             assert not await store.fail_status(IA, 2)  # not the stored run
             assert not await store.fail_status("https://nobody.example/", 1)
             assert await store.fail_status(IA, 3)
             snapshot = await store.statuses()
+            assert snapshot is not None
             assert [s.record.instance for s in snapshot.entries] == [IB]
             assert snapshot.epochs == {IA: 3, IB: 1}
             assert not await store.fail_status(IA, 3)  # once

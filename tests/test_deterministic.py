@@ -76,8 +76,8 @@ def test_engines_agree() -> None:
     assert not engines_agree([entry(IA, REF)], C2)
 
 
-def report(env: Env, instance: str, engine: EngineStatus | None, **kw: Any) -> None:
-    env.report(instance, engine=engine, **kw)
+async def report(env: Env, instance: str, engine: EngineStatus | None, **kw: Any) -> None:
+    await env.report(instance, engine=engine, **kw)
 
 
 def started(env: Env) -> SessionStart:
@@ -88,31 +88,31 @@ def started(env: Env) -> SessionStart:
 
 async def test_the_pc_keeps_deterministic_only_when_every_instance_runs_the_same_build() -> None:
     env = Env()
-    report(env, IA, REF)
-    report(env, IB, REF, queued=3)
+    await report(env, IA, REF)
+    await report(env, IB, REF, queued=3)
     await env.svc.create_session(who(FRONT), request(session=1))
     assert started(env).sampler == Sampler("greedy", 0, 0, True)
 
-    report(env, IB, HF, queued=3)  # IB now computes with transformers: IA's greedy output is not IB's
+    await report(env, IB, HF, queued=3)  # IB now computes with transformers: IA's greedy output is not IB's
     await env.svc.create_session(who(FRONT), request(session=2))
     start = started(env)
     assert start.sampler == Sampler("greedy", 0, 0, False)  # cleared, nothing else changed
     assert start.prompt == request(session=2).prompt and start.epoch == 1
 
-    report(env, IB, dataclasses.replace(HF, compat_id=CompatId(C2)), queued=3)  # IB serves another model
+    await report(env, IB, dataclasses.replace(HF, compat_id=CompatId(C2)), queued=3)  # IB serves another model
     await env.svc.create_session(who(FRONT), request(session=3))
     assert started(env).sampler.deterministic
 
-    report(env, IC, None, queued=3)  # IC reports no engine: it could compute anything
+    await report(env, IC, None, queued=3)  # IC reports no engine: it could compute anything
     await env.svc.create_session(who(FRONT), request(session=4))
     assert not started(env).sampler.deterministic
 
-    env.report(IC, state=InstanceState.SLEEPING, engine=HF)  # a sleeping instance can be woken to resume
+    await env.report(IC, state=InstanceState.SLEEPING, engine=HF)  # a sleeping instance can be woken to resume
     await env.svc.create_session(who(FRONT), request(session=5))
     assert not started(env).sampler.deterministic
 
     # a non-deterministic request stays so whatever the instances report
-    report(env, IC, REF)
+    await report(env, IC, REF)
     req = dataclasses.replace(request(session=6), sampler=Sampler("top-p", 7, 0, False, {"p": 0.9}))
     await env.svc.create_session(who(FRONT), req)
     assert started(env).sampler == req.sampler
@@ -120,17 +120,17 @@ async def test_the_pc_keeps_deterministic_only_when_every_instance_runs_the_same
 
 async def test_a_resume_is_deterministic_only_if_the_instances_still_agree() -> None:
     env = Env()
-    report(env, IA, REF)
-    report(env, IB, REF, queued=2)
+    await report(env, IA, REF)
+    await report(env, IB, REF, queued=2)
     req = request()
     await env.svc.create_session(who(FRONT), req)
     assert started(env).sampler.deterministic
-    env.pc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 6, 7]))
+    await env.svc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 6, 7]))
     env.advance(2)
-    report(env, IB, REF, queued=2)
-    report(env, IC, HF, queued=2)  # a transformers instance joins the scope
+    await report(env, IB, REF, queued=2)
+    await report(env, IC, HF, queued=2)  # a transformers instance joins the scope
     env.advance(1.5)  # IA falls silent: failed; its record no longer counts
-    tasks = env.svc.tick()
+    tasks = await env.svc.tick()
     assert len(tasks) == 1 and await tasks[0]
     (instance, resume), = env.link.of("resume")
     assert instance == IB and resume.epoch == 2
@@ -142,15 +142,15 @@ async def test_a_resume_is_deterministic_only_if_the_instances_still_agree() -> 
 
 async def test_a_resume_keeps_deterministic_when_the_instances_agree() -> None:
     env = Env()
-    report(env, IA, HF)
-    report(env, IB, HF, queued=2)
+    await report(env, IA, HF)
+    await report(env, IB, HF, queued=2)
     req = request()
     await env.svc.create_session(who(FRONT), req)
-    env.pc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 6]))
+    await env.svc.checkpoint(who(IA), req.session, checkpoint(req, 1, [5, 6]))
     env.advance(2)
-    report(env, IB, HF, queued=2)
+    await report(env, IB, HF, queued=2)
     env.advance(1.5)
-    tasks = env.svc.tick()
+    tasks = await env.svc.tick()
     assert len(tasks) == 1 and await tasks[0]
     (_, resume), = env.link.of("resume")
     assert resume.checkpoint.sampler == Sampler("greedy", 0, 2, True)

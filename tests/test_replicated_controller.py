@@ -87,7 +87,7 @@ def _controller(uri: str, redis_url: str, client: KvspClient) -> tuple[IndexServ
                            config=IndexConfig(geometry={C1: Geometry(BLOCK, 4)}), status=status)
     role = PlacementController(service, clock=time.monotonic, metrics=Registry(), identity=uri,
                                config=ControllerConfig(prefetch_deadline_ms=200, lease_ms=600))
-    return service, ControllerService(role, HttpInstanceLink(client), shared=RedisControlStore.from_url(redis_url))
+    return service, ControllerService(role, HttpInstanceLink(client), store=RedisControlStore.from_url(redis_url))
 
 
 @contextlib.asynccontextmanager
@@ -123,8 +123,7 @@ async def replicas(root: Path, redis_url: str) -> AsyncIterator[Replicas]:
         for service in services:
             await service.store.aclose()
         for pc in controllers.values():
-            assert pc.shared is not None
-            await pc.shared.aclose()
+            await pc.store.aclose()
 
 
 async def test_two_replicas_share_statuses_sessions_and_failover(tmp_path: Path, redis_url: str) -> None:
@@ -171,7 +170,7 @@ async def test_two_replicas_share_statuses_sessions_and_failover(tmp_path: Path,
             await r.report("pc1", other)
             # a closed replica starts no migration, even when asked to tick while one is due (it did while its close
             # waited on its lifespan: its ticker ran until the lifespan ended, and began this one at epoch 2)
-            assert await r.controllers["pc2"].tick_shared() == []
+            assert await r.controllers["pc2"].tick() == []
             got = (await r.call("pc1", "alice", "GET", f"sessions/{body['session']}")).json()
             if got["epoch"] == 2 and got.get("instance") == r.uris[other]:
                 break
@@ -219,7 +218,7 @@ async def test_two_replicas_migrating_at_once_make_one_epoch(redis_url: str) -> 
             role = PlacementController(service, clock=time.monotonic, metrics=Registry(),
                                        identity=f"https://pc{i}.example/")
             # nothing is sent to an instance here: the link is never used
-            pcs.append(ControllerService(role, HttpInstanceLink(None), shared=store))  # type: ignore[arg-type]
+            pcs.append(ControllerService(role, HttpInstanceLink(None), store=store))  # type: ignore[arg-type]
         request = SessionRequest.from_json(session_body(7))
         alice = Principal("urn:kvsp:client:alice", frozenset({Role.CLIENT}), ALL)
         admitted = await pcs[0]._admit(alice, request)

@@ -141,6 +141,8 @@ class PlacementController:
         self.new_id = new_id
         # Lookups are made on the front end's behalf after its scope was checked: the PC's own principal.
         self.principal = Principal(identity, frozenset({Role.CONTROLLER}), ALL)
+        # The sessions and maps the decisions are taken on: the adapter reads each from the control store before a
+        # decision and keeps the copy it last read or wrote (what the metrics and the admission count).
         self.sessions: dict[uuid.UUID, PlacedSession] = {}
         self.maps: dict[str, ShardMap] = {}
         self._resharding: set[str] = set()
@@ -655,22 +657,14 @@ class PlacementController:
         """Whether a verified suspect report of *epoch* moves *session*: it still runs in that epoch."""
         return epoch is not None and session.state is SessionState.RUNNING and session.epoch == epoch
 
-    def tick(self) -> list[PlacedSession]:
-        """Forget old sessions; the sessions that need a migration now."""
+    def forget_expired(self) -> None:
+        """Drop from :attr:`sessions` those the control store has let expire: done for ``done_ttl_ms``, or without a
+        checkpoint for ``session_ttl_ms`` (a session being placed is kept)."""
         now = self.clock()
-        due = []
         for session in list(self.sessions.values()):
-            if session.state is SessionState.DONE:
-                if now - session.touched > self.config.done_ttl_ms / 1000:
-                    del self.sessions[session.id]
-                continue
-            if now - session.touched > self.config.session_ttl_ms / 1000 and session.state is not \
-                    SessionState.PLACING:
+            ttl_ms = self.config.done_ttl_ms if session.state is SessionState.DONE else self.config.session_ttl_ms
+            if now - session.touched > ttl_ms / 1000 and session.state is not SessionState.PLACING:
                 del self.sessions[session.id]
-                continue
-            if self.needs_migration(session):
-                due.append(session)
-        return due
 
     # -- resharding -----------------------------------------------------------------------------------------------
 

@@ -1,9 +1,9 @@
-"""The Placement Controller's shared state: a :class:`typing.Protocol` and the JSON encoding the backends share.
+"""The Placement Controller's state: a :class:`typing.Protocol` and the JSON encoding the backends share.
 
-Single-process deployments keep the PC's state where the role keeps it (its dicts and its
-:class:`~kvsp_quic.roles.status.StatusTable`: the memory store is the role itself). With ``--store redis`` every
-piece of it the PC and the status resource need lives in a :class:`ControlStore` instead
-(:class:`~kvsp_quic.storage.redis_control.RedisControlStore`), so that any number of ``kvsp-quic index``
+Every piece of the PC's state that the PC and the status resource need lives in a :class:`ControlStore`, read
+before each decision and written after it, whether one process holds it or several share it: a single-replica PC
+keeps it in :class:`~kvsp_quic.storage.memory_control.MemoryControlStore`; with ``--store redis``
+:class:`~kvsp_quic.storage.redis_control.RedisControlStore` holds it, so that any number of ``kvsp-quic index``
 processes sharing it are interchangeable (docs/operations.md, "Replicated Index Service and Placement
 Controller"):
 
@@ -25,11 +25,12 @@ Controller"):
 What stays per process, and why that is fine: the sessions assigned since an instance's last report (a placement
 hint that only spreads one replica's own burst of placements; every replica sees every report), the start hook's
 timing (each replica runs the hook for the requests it places: at most once per ``start_interval_ms`` per
-replica), the metrics (per process, as Prometheus scrapes them), and the asyncio bookkeeping of the work under way
-at this replica (per-session locks, the epoch it last stored for a session it places, its migration tasks, the
-requests waiting for an instance to become active -- which also read the stored statuses, so an instance that
-reports to another replica wakes them). Prefetch directives need no bookkeeping at the PC: each is sent with the
-start or resume it precedes and judged on its answer only.
+replica), the metrics (per process, as Prometheus scrapes them), the copy of each session the replica last read or
+wrote (the role's table: what its metrics and the clients' session limits count), and the asyncio bookkeeping of
+the work under way at this replica (per-session locks, the epoch it last stored for a session it places, its
+migration tasks, the requests waiting for an instance to become active -- which also read the stored statuses, so
+an instance that reports to another replica wakes them). Prefetch directives need no bookkeeping at the PC: each is
+sent with the start or resume it precedes and judged on its answer only.
 """
 
 from __future__ import annotations
@@ -83,22 +84,53 @@ class StoredStatus:
 
 @dataclass(frozen=True)
 class StatusSnapshot:
-    """Every instance status the store holds (expired ones left out) and the highest epoch of every instance."""
+    """Every instance status the store holds (expired ones left out) and the highest epoch of every instance, at
+    the store's *revision* of them (None: the store counts none; each read is a full snapshot)."""
 
     entries: tuple[StoredStatus, ...]
     epochs: dict[str, int]
+    revision: int | None = None
+
+
+@dataclass(frozen=True)
+class StatusWrite:
+    """What :meth:`ControlStore.put_status` did. ``higher``: the higher epoch the store knows of the instance (a
+    stale report: nothing was written). ``revisions``: the store's revision of the statuses just before and just
+    after the write (None: it counts none), so a writer whose view was at the first is at the second."""
+
+    higher: int | None = None
+    revisions: tuple[int, int] | None = None
 
 
 # -- sessions -----------------------------------------------------------------------------------------------------
 
 
+class SessionPayload(Protocol):
+    """A session's content as the role hands it to a store (``kvsp_quic.roles.controller_store.SessionSnapshot``)
+    or a store that keeps octets reads it back (:class:`EncodedSession`). A store in this process keeps it as is; a
+    store outside it keeps :meth:`encoded`."""
+
+    def encoded(self) -> bytes:
+        """The session's encoding (JSON, ``kvsp_quic.roles.controller_store``)."""
+        ...
+
+
 @dataclass(frozen=True)
-class StoredSession:
-    """A session as stored: its encoding (``kvsp_quic.roles.controller_store``), its version, and the two index
-    facts the store keeps for it: the instance run serving it (:func:`run_key`, '' for none) and whether it waits
-    for a migration."""
+class EncodedSession:
+    """A session's payload as read back from a store that keeps octets."""
 
     data: bytes
+
+    def encoded(self) -> bytes:
+        return self.data
+
+
+@dataclass(frozen=True)
+class StoredSession:
+    """A session as stored: its payload, its version, and the two index facts the store keeps for it: the instance
+    run serving it (:func:`run_key`, '' for none) and whether it waits for a migration."""
+
+    payload: SessionPayload
     version: int = 0
     run: str = ""
     migrating: bool = False
@@ -116,7 +148,7 @@ def parse_run_key(key: str) -> tuple[str, int]:
 
 @runtime_checkable
 class ControlStore(Protocol):
-    """Where the Placement Controller's state lives when several PC replicas share it (module docstring)."""
+    """Where the Placement Controller's state lives (module docstring): in this process, or shared by replicas."""
 
     # sessions
     async def load(self, session_id: uuid.UUID) -> StoredSession | None:
@@ -147,12 +179,15 @@ class ControlStore(Protocol):
     async def release(self, session_id: uuid.UUID, owner: str) -> None: ...
 
     # instance statuses
-    async def put_status(self, status: StoredStatus) -> int | None:
-        """Store *status* (for ``remaining_ms``) unless the store knows a higher epoch of the instance: then that
-        epoch is returned (a stale report), else None."""
+    async def put_status(self, status: StoredStatus) -> StatusWrite:
+        """Store *status* (for ``remaining_ms``) unless the store knows a higher epoch of the instance (a stale
+        report: :attr:`StatusWrite.higher`)."""
         ...
 
-    async def statuses(self) -> StatusSnapshot: ...
+    async def statuses(self, since: int | None = None) -> StatusSnapshot | None:
+        """Every status held; None when *since* is still the store's revision of them (nothing changed since the
+        snapshot of that revision: a store that counts revisions)."""
+        ...
 
     async def fail_status(self, instance: str, epoch: int) -> bool:
         """Drop *instance*'s status if it is of run *epoch* (the PC found it silent): it counts as failed from then
@@ -209,5 +244,6 @@ def ids_of(raw: Sequence[bytes | str]) -> list[uuid.UUID]:
     return out
 
 
-__all__ = ["ControlStore", "StatusSnapshot", "StoredSession", "StoredStatus", "decode_map", "encode_map", "ids_of",
-           "parse_run_key", "run_key"]
+__all__ = ["ControlStore", "EncodedSession", "SessionPayload", "StatusSnapshot", "StatusWrite", "StoredSession",
+           "StoredStatus",
+           "decode_map", "encode_map", "ids_of", "parse_run_key", "run_key"]

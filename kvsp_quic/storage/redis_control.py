@@ -33,7 +33,9 @@ from redis.exceptions import NoScriptError
 
 from kvsp_quic.records import ShardMap
 from kvsp_quic.storage.control_store import (
+    EncodedSession,
     StatusSnapshot,
+    StatusWrite,
     StoredSession,
     StoredStatus,
     decode_map,
@@ -221,12 +223,12 @@ class RedisControlStore:
         got = {_text(k): v for k, v in found.items()}
         if "d" not in got:
             return None
-        return StoredSession(_raw(got["d"]), int(got.get("v", b"0")), _text(got.get("r", b"")), False)
+        return StoredSession(EncodedSession(_raw(got["d"])), int(got.get("v", b"0")), _text(got.get("r", b"")), False)
 
     async def save(self, session_id: uuid.UUID, session: StoredSession, ttl_ms: int) -> int | None:
         version = await self._eval(_SAVE, [self.key(f"s:{session_id}"), self.key("runs"), self.key("mig")],
-                                   session.version, session.data, session.run, 1 if session.migrating else 0,
-                                   ttl_ms, self.prefix, str(session_id))
+                                   session.version, session.payload.encoded(), session.run,
+                                   1 if session.migrating else 0, ttl_ms, self.prefix, str(session_id))
         return None if int(version) < 0 else int(version)
 
     async def delete(self, session_id: uuid.UUID) -> None:
@@ -254,13 +256,13 @@ class RedisControlStore:
 
     # -- instance statuses ----------------------------------------------------------------------------------------
 
-    async def put_status(self, status: StoredStatus) -> int | None:
+    async def put_status(self, status: StoredStatus) -> StatusWrite:
         record = status.record
         higher = await self._eval(_STATUS, [self.key("status"), self.key("epochs")], record.instance, record.epoch,
                                   max(1, status.remaining_ms), status.to_bytes())
-        return int(higher) or None
+        return StatusWrite(int(higher) or None)
 
-    async def statuses(self) -> StatusSnapshot:
+    async def statuses(self, since: int | None = None) -> StatusSnapshot:  # no revisions: always a snapshot
         epochs_raw, entries_raw = await self._eval(_STATUSES, [self.key("status"), self.key("epochs")])
         epochs = {_text(epochs_raw[i]): int(epochs_raw[i + 1]) for i in range(0, len(epochs_raw), 2)}
         entries = tuple(StoredStatus.from_bytes(bytes(entries_raw[i + 2]), int(entries_raw[i + 1]))
