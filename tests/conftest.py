@@ -65,6 +65,12 @@ def fresh_certs(tmp_path: Path) -> TestPki:
 
 
 @pytest.fixture(scope="module")
+def server_holder_certs(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
+    """:func:`certs` with a holder too, at https://127.0.0.1/kvsp/ (tests/support/holder_app.py's HOLDER_URI)."""
+    return make_pki(tmp_path_factory.mktemp("pki"), roles={"server": SERVER_URI, "holder": holder_ids.HOLDER_URI})
+
+
+@pytest.fixture(scope="module")
 def pki_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The directory of a PKI for the module with the Index Service and holders h1, h2 and ii7 of
     tests/support/index_app.py (:func:`tests.support.index_app.serve` takes it)."""

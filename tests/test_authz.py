@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 from collections.abc import MutableMapping
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -39,10 +38,8 @@ RULES = [
 
 
 @pytest.fixture(scope="module")
-def pems(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root: Path = tmp_path_factory.mktemp("pki")
-    test_pki.make_pki(root)
-    return {name: (root / f"{name}.pem").read_text() for name in ("server", "alice", "bob", "nouri")}
+def pems(certs: test_pki.TestPki) -> dict[str, str]:
+    return {name: (certs.root / f"{name}.pem").read_text() for name in ("server", "alice", "bob", "nouri")}
 
 
 class Recorder:

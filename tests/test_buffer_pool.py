@@ -155,6 +155,7 @@ def test_a_reused_buffer_holds_exactly_the_new_block() -> None:
 # -- over real sockets ----------------------------------------------------------------------------------------------
 
 
+# Its own PKI, one per test: a holder only, at HOLDER_URI (no fixture of tests/conftest.py has exactly these roles).
 @pytest.fixture
 def certs(tmp_path: Path) -> TestPki:
     return make_pki(tmp_path / "pki", roles={"holder": HOLDER_URI})

@@ -22,12 +22,7 @@ from moqt.aio import MoqtConnectError, MoqtPool
 from quic.protocol import PEER_UNREACHABLE, PeerUnreachable, peer_unreachable
 from quic.tls import TlsFiles, TransportSettings
 from tests.helpers import Process
-from tests.pki import TestPki, make_pki
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
-    return make_pki(tmp_path_factory.mktemp("pki"))
+from tests.pki import TestPki
 
 
 def dead_port() -> int:

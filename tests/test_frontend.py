@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,7 +20,7 @@ from kvsp_quic.problems import BadRequest
 from kvsp_quic.roles.controller_records import SessionInfo, SessionRequest, SessionState, TokenLine
 from kvsp_quic.samples import example_descriptor
 from tests.asgi import read_body
-from tests.pki import TestPki, make_pki
+from tests.pki import TestPki
 
 DESCRIPTOR = example_descriptor()
 OUTPUT = [100 + i for i in range(10)]
@@ -101,8 +100,8 @@ class Fakes:
 
 
 @pytest.fixture
-async def system(tmp_path: Path):
-    certs: TestPki = make_pki(tmp_path)
+async def system(fresh_certs: TestPki):
+    certs = fresh_certs
     fakes = Fakes()
     servers = [RoleServer(app, certs.files("server")) for app in (fakes.pc, fakes.instance(1), fakes.instance(2))]
     for server in servers:

@@ -25,7 +25,7 @@ from kvsp_frontend.text import IncrementalText, StopText, load_chat_template
 from kvsp_quic.auth import Policy, PolicyError, Principal, Role, api_key_hash
 from kvsp_quic.keys import BlockKeyer
 from quic.tls import TransportSettings
-from tests.pki import make_pki
+from tests.pki import TestPki, make_pki
 from tests.support.frontend import DESCRIPTOR, KEY, TEXT, OneInstance, Utf8
 
 
@@ -117,8 +117,8 @@ fakes: dict[str, OneInstance] = {}  # by the front end's base URI
 
 
 @pytest.fixture
-async def edge(tmp_path: Path) -> AsyncIterator[tuple[str, ssl.SSLContext]]:
-    certs = make_pki(tmp_path)
+async def edge(fresh_certs: TestPki) -> AsyncIterator[tuple[str, ssl.SSLContext]]:
+    certs = fresh_certs
     fake = OneInstance()
     pc, instance = RoleServer(fake.pc, certs.files("server")), RoleServer(fake.tokens, certs.files("server"))
     for server in (pc, instance):

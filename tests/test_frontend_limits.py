@@ -11,7 +11,6 @@ import dataclasses
 import json
 import ssl
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import h2.config
@@ -28,7 +27,7 @@ from kvsp_quic.auth import Policy
 from kvsp_quic.fields import MAX_JSON_DEPTH
 from kvsp_quic.keys import BlockKeyer
 from quic.tls import TlsFiles, TransportSettings
-from tests.pki import TestPki, make_pki
+from tests.pki import TestPki
 from tests.support.frontend import DESCRIPTOR, OneInstance, Utf8
 
 LIMIT = 256 << 10  # the front end's body limit in these tests
@@ -46,8 +45,8 @@ class Edge:
 
 
 @pytest.fixture
-async def edge(tmp_path: Path) -> AsyncIterator[Edge]:
-    certs = make_pki(tmp_path)
+async def edge(fresh_certs: TestPki) -> AsyncIterator[Edge]:
+    certs = fresh_certs
     fake = OneInstance()
     pc, instance = RoleServer(fake.pc, certs.files("server")), RoleServer(fake.tokens, certs.files("server"))
     for server in (pc, instance):

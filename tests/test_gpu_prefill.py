@@ -42,7 +42,7 @@ from kvsp_quic.roles.holder import Holder, HolderSettings  # noqa: E402
 from kvsp_quic.roles.index import IndexService  # noqa: E402
 from kvsp_quic.storage.memory_index import MemoryIndexStore  # noqa: E402
 from tests.asgi import Router  # noqa: E402
-from tests.pki import TestPki, make_pki  # noqa: E402
+from tests.pki import TestPki  # noqa: E402
 
 B = 4  # block tokens
 LAYERS = 4
@@ -114,11 +114,6 @@ class Net:
 
 
 SCOPE_KEY_ID = scope_id(SCOPE_KEY)
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
-    return make_pki(tmp_path_factory.mktemp("pki"), roles={"server": "https://127.0.0.1/"})
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.roles.holder import Holder, HolderSettings
 from kvsp_quic.samples import random_sections
 from quic.tls import TransportSettings, ssl_client_context
-from tests.pki import TestPki, make_pki
+from tests.pki import TestPki
 from tests.support.descriptors import small_descriptor
 
 MiB = 1 << 20
@@ -37,11 +37,6 @@ POLICY = Policy.from_dict({"principal": [
     {"identity": ALICE, "roles": ["instance"], "scopes": [SCOPE]},
     {"identity": BOB, "roles": ["client"], "scopes": [SCOPE]},
 ]})
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
-    return make_pki(tmp_path_factory.mktemp("pki"), roles={"server": "https://127.0.0.1/", "holder": HOLDER_URI})
 
 
 async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -95,8 +90,8 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 @pytest.fixture
-async def server(pki: TestPki) -> AsyncIterator[TcpServer]:
-    srv = TcpServer(app, pki.files("server"), settings=TransportSettings(max_body_bytes=32 * MiB))
+async def server(server_holder_certs: TestPki) -> AsyncIterator[TcpServer]:
+    srv = TcpServer(app, server_holder_certs.files("server"), settings=TransportSettings(max_body_bytes=32 * MiB))
     await srv.start("127.0.0.1", 0)
     try:
         yield srv
@@ -105,8 +100,8 @@ async def server(pki: TestPki) -> AsyncIterator[TcpServer]:
 
 
 @pytest.fixture
-async def pool(pki: TestPki) -> AsyncIterator[H1Pool]:
-    p = H1Pool(ssl_client_context(pki.files("alice"), alpn=("http/1.1",)))
+async def pool(server_holder_certs: TestPki) -> AsyncIterator[H1Pool]:
+    p = H1Pool(ssl_client_context(server_holder_certs.files("alice"), alpn=("http/1.1",)))
     try:
         yield p
     finally:
@@ -187,13 +182,13 @@ async def test_body_waits_in_the_connection_for_its_sink(server: TcpServer, pool
     assert pool.connects == 1 and pool.idle("127.0.0.1", server.port) == 1
 
 
-async def test_deadlines_of_the_head_and_the_body(pki: TestPki) -> None:
+async def test_deadlines_of_the_head_and_the_body(server_holder_certs: TestPki) -> None:
     """The lean path's timeouts (one timer per pool, :class:`http3.h1_client.Deadlines`): a head that does not
     come by the request's deadline and a body that stalls past the read timeout end the exchange (and its
     connection) with a timeout; the pool goes on with fresh connections."""
-    srv = TcpServer(app, pki.files("server"), settings=TransportSettings(shutdown_grace=0.5))
+    srv = TcpServer(app, server_holder_certs.files("server"), settings=TransportSettings(shutdown_grace=0.5))
     await srv.start("127.0.0.1", 0)
-    pool = H1Pool(ssl_client_context(pki.files("alice"), alpn=("http/1.1",)))
+    pool = H1Pool(ssl_client_context(server_holder_certs.files("alice"), alpn=("http/1.1",)))
     loop = asyncio.get_running_loop()
     try:
         start = loop.time()
@@ -207,7 +202,7 @@ async def test_deadlines_of_the_head_and_the_body(pki: TestPki) -> None:
         assert 0.25 < loop.time() - start < 2.5
         ok = await pool.request("127.0.0.1", srv.port, "GET", "/big", deadline=loop.time() + 10)
         assert await ok.aread() == BIG and pool.connects == 3
-        async with KvspClient(pki.files("alice"), prefer="tcp", retries=0, timeout=0.3) as client:
+        async with KvspClient(server_holder_certs.files("alice"), prefer="tcp", retries=0, timeout=0.3) as client:
             start = loop.time()
             with pytest.raises(RequestTimeout, match=r"no response within 0\.3 s"):
                 await client.request("GET", f"https://127.0.0.1:{srv.port}/silent")
@@ -230,11 +225,11 @@ async def test_deadlines_of_the_head_and_the_body(pki: TestPki) -> None:
         await srv.close()
 
 
-async def test_early_answer_stops_the_body(pki: TestPki) -> None:
-    srv = TcpServer(app, pki.files("server"), settings=TransportSettings(max_body_bytes=MiB))
+async def test_early_answer_stops_the_body(server_holder_certs: TestPki) -> None:
+    srv = TcpServer(app, server_holder_certs.files("server"), settings=TransportSettings(max_body_bytes=MiB))
     await srv.start("127.0.0.1", 0)
     try:
-        async with KvspClient(pki.files("alice"), prefer="tcp") as client:
+        async with KvspClient(server_holder_certs.files("alice"), prefer="tcp") as client:
             url = f"https://127.0.0.1:{srv.port}/sha"
             response = await client.request("PUT", url, content=BIG)  # the server answers 413 at once
             assert response.status == 413 and response.http_version == "HTTP/1.1"
@@ -245,23 +240,23 @@ async def test_early_answer_stops_the_body(pki: TestPki) -> None:
         await srv.close()
 
 
-async def test_broken_body_and_refused_connect(pki: TestPki, server: TcpServer, pool: H1Pool) -> None:
+async def test_broken_body_and_refused_connect(server_holder_certs: TestPki, server: TcpServer, pool: H1Pool) -> None:
     response = await pool.request("127.0.0.1", server.port, "GET", "/broken")
     with pytest.raises(TransportError):
         await response.aread()
     with pytest.raises(TransportError):
         await pool.request("127.0.0.1", 1, "GET", "/")
-    async with KvspClient(pki.files("alice"), prefer="tcp", retries=0) as client:
+    async with KvspClient(server_holder_certs.files("alice"), prefer="tcp", retries=0) as client:
         with pytest.raises(TransportError):
             await client.request("GET", f"https://127.0.0.1:{server.port}/broken")
         with pytest.raises(TransportError):
             await client.request("GET", "https://127.0.0.1:1/refused")
 
 
-async def test_server_closes_idle_connection(pki: TestPki) -> None:
-    srv = TcpServer(app, pki.files("server"), settings=TransportSettings(idle_timeout=0.2))
+async def test_server_closes_idle_connection(server_holder_certs: TestPki) -> None:
+    srv = TcpServer(app, server_holder_certs.files("server"), settings=TransportSettings(idle_timeout=0.2))
     await srv.start("127.0.0.1", 0)
-    pool = H1Pool(ssl_client_context(pki.files("alice"), alpn=("http/1.1",)))
+    pool = H1Pool(ssl_client_context(server_holder_certs.files("alice"), alpn=("http/1.1",)))
     try:
         first = await pool.request("127.0.0.1", srv.port, "GET", "/chunked")
         await first.aread()
@@ -273,11 +268,11 @@ async def test_server_closes_idle_connection(pki: TestPki) -> None:
         await srv.close()
 
 
-async def test_kvsp_client_prefers_tcp(pki: TestPki, server: TcpServer) -> None:
+async def test_kvsp_client_prefers_tcp(server_holder_certs: TestPki, server: TcpServer) -> None:
     url = f"https://127.0.0.1:{server.port}/big"
     with pytest.raises(ValueError):
-        KvspClient(pki.files("alice"), prefer="udp")
-    async with KvspClient(pki.files("alice"), prefer={f"127.0.0.1:{server.port}": "tcp"}) as client:
+        KvspClient(server_holder_certs.files("alice"), prefer="udp")
+    async with KvspClient(server_holder_certs.files("alice"), prefer={f"127.0.0.1:{server.port}": "tcp"}) as client:
         assert client.transport_for(url) == "tcp" and client.transport_for("https://127.0.0.1:1/") == "h3"
         response = await client.request("GET", url)
         assert response.http_version == "HTTP/1.1" and response.content == BIG
@@ -297,10 +292,10 @@ def container(d: CompatDescriptor, seed: int) -> c.EncodedContainer:
 
 
 @pytest.fixture
-async def holder_server(pki: TestPki) -> AsyncIterator[tuple[RoleServer, Holder]]:
+async def holder_server(server_holder_certs: TestPki) -> AsyncIterator[tuple[RoleServer, Holder]]:
     d = small_descriptor(layers=8)
     holder = Holder(HolderSettings(HOLDER_URI, (d,), host_capacity=64 * MiB))
-    srv = RoleServer(holder_app(holder, POLICY), pki.files("holder"))
+    srv = RoleServer(holder_app(holder, POLICY), server_holder_certs.files("holder"))
     await srv.start("127.0.0.1", 0)
     try:
         yield srv, holder
@@ -308,12 +303,13 @@ async def holder_server(pki: TestPki) -> AsyncIterator[tuple[RoleServer, Holder]
         await srv.close()
 
 
-async def test_receive_into_a_verifying_decoder(pki: TestPki, holder_server: tuple[RoleServer, Holder]) -> None:
+async def test_receive_into_a_verifying_decoder(server_holder_certs: TestPki,
+                                                holder_server: tuple[RoleServer, Holder]) -> None:
     srv, holder = holder_server
     d = holder.settings.descriptors[0]
     block = container(d, 7)
     url = srv.base_uri("/kvsp/") + f"blocks/{d.compat_id.hex()}/{SCOPE}/{'ab' * 32}"
-    async with KvspClient(pki.files("alice"), prefer="tcp") as client:
+    async with KvspClient(server_holder_certs.files("alice"), prefer="tcp") as client:
         put = await client.request("PUT", url, content=block.tobytes(),
                                    headers={"content-type": "application/kvsp-block", "if-none-match": "*"})
         assert put.status == 201 and put.http_version == "HTTP/1.1"
@@ -338,7 +334,7 @@ async def test_receive_into_a_verifying_decoder(pki: TestPki, holder_server: tup
             assert await response.receive_into(sink) == len(block) and bytes(sink.view) == block.tobytes()
 
 
-async def test_the_block_resource_answers_alike_on_every_transport(pki: TestPki) -> None:
+async def test_the_block_resource_answers_alike_on_every_transport(server_holder_certs: TestPki) -> None:
     """Issue 25 point 3: one serving path (kvsp_http.holder_app.BlockResource) answers the block resource on HTTP/1.1
     (small GETs through respond_now), HTTP/2 and HTTP/3 -- refusals, errors and successes alike."""
     answers: dict[str, list[tuple[Any, ...]]] = {}
@@ -347,7 +343,7 @@ async def test_the_block_resource_answers_alike_on_every_transport(pki: TestPki)
     for name, options in transports.items():
         d = small_descriptor(layers=8)
         holder = Holder(HolderSettings(HOLDER_URI, (d,), host_capacity=64 * MiB))
-        srv = RoleServer(holder_app(holder, POLICY), pki.files("holder"))
+        srv = RoleServer(holder_app(holder, POLICY), server_holder_certs.files("holder"))
         await srv.start("127.0.0.1", 0)
         block = container(d, 3).tobytes()
 
@@ -356,7 +352,8 @@ async def test_the_block_resource_answers_alike_on_every_transport(pki: TestPki)
             return srv.base_uri("/kvsp/") + f"blocks/{compat}/{scope}/{key}" + (f"?{query}" if query else "")
 
         put = {"content-type": "application/kvsp-block", "if-none-match": "*"}
-        async with KvspClient(pki.files("alice"), **options) as alice, KvspClient(pki.files("bob"), **options) as bob:
+        async with KvspClient(server_holder_certs.files("alice"), **options) as alice, \
+                KvspClient(server_holder_certs.files("bob"), **options) as bob:
             cases = [
                 await bob.request("PUT", url(), headers=put, content=block),  # a client may not store: 403
                 await alice.request("PUT", url(), headers={"content-type": "text/plain", "if-none-match": "*"},
@@ -396,10 +393,10 @@ async def test_the_block_resource_answers_alike_on_every_transport(pki: TestPki)
     assert answers["HTTP/1.1"] == answers["HTTP/2"] == answers["HTTP/3"]
 
 
-async def test_kvsp_client_refuses_urls_it_cannot_send(pki: TestPki, server: TcpServer) -> None:
+async def test_kvsp_client_refuses_urls_it_cannot_send(server_holder_certs: TestPki, server: TcpServer) -> None:
     """The URL is split once per request: the scheme and the host are still checked before anything is sent, and
     a target with a query string still reaches its path."""
-    async with KvspClient(pki.files("alice"), prefer="tcp") as client:
+    async with KvspClient(server_holder_certs.files("alice"), prefer="tcp") as client:
         for url in ("http://127.0.0.1/big", "https:///big", "ftp://127.0.0.1/big"):
             with pytest.raises(ValueError, match="KVSP URLs are https"):
                 await client.request("GET", url)

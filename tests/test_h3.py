@@ -84,14 +84,9 @@ class App:
 
 
 @pytest.fixture
-def certs(tmp_path: Path) -> TestPki:
-    return make_pki(tmp_path)
-
-
-@pytest.fixture
-async def server(certs: TestPki):
+async def server(fresh_certs: TestPki):
     app = App()
-    listener = QuicListener(certs.files("server"), {"h3": h3_handler(app)}, settings=SMALL_WINDOWS)
+    listener = QuicListener(fresh_certs.files("server"), {"h3": h3_handler(app)}, settings=SMALL_WINDOWS)
     app.listener = listener
     await listener.start("127.0.0.1", 0)
     yield listener, app
@@ -102,19 +97,19 @@ def url(listener: QuicListener, path: str = "/") -> str:
     return f"https://127.0.0.1:{listener.port}{path}"
 
 
-async def test_valid_certificate_gets_200_and_identity(server, certs: TestPki) -> None:
+async def test_valid_certificate_gets_200_and_identity(server, fresh_certs: TestPki) -> None:
     listener, _ = server
-    async with KvspClient(certs.files("alice"), settings=SMALL_WINDOWS) as client:
+    async with KvspClient(fresh_certs.files("alice"), settings=SMALL_WINDOWS) as client:
         response = await client.request("POST", url(listener, "/x?y=1"), content=b"hello")
     assert response.status == 200 and response.http_version == "HTTP/3"
     assert response.content == (b"urn:kvsp:client:alice 3 POST 5 " + hashlib.sha256(b"hello").hexdigest().encode())
 
 
 @pytest.mark.parametrize("who", ["expired", "notyet", "foreign"])
-async def test_bad_certificates_are_refused_in_the_handshake(server, certs: TestPki, who: str) -> None:
+async def test_bad_certificates_are_refused_in_the_handshake(server, fresh_certs: TestPki, who: str) -> None:
     listener, app = server
-    files = certs.foreign if who == "foreign" else certs.files(who)
-    files = TlsFiles(certs.ca, files.cert, files.key)  # the client itself trusts the server
+    files = fresh_certs.foreign if who == "foreign" else fresh_certs.files(who)
+    files = TlsFiles(fresh_certs.ca, files.cert, files.key)  # the client itself trusts the server
     with pytest.raises(H3ConnectError) as info:  # the server's verdict arrives before connect_h3 returns
         await connect_h3("127.0.0.1", listener.port, files, settings=SMALL_WINDOWS, timeout=5)
     reason = {"expired": "no longer valid", "notyet": "not valid yet", "foreign": "unable to get local issuer"}[who]
@@ -122,31 +117,31 @@ async def test_bad_certificates_are_refused_in_the_handshake(server, certs: Test
     assert app.calls == 0
 
 
-async def test_no_client_certificate_is_refused(server, certs: TestPki) -> None:
+async def test_no_client_certificate_is_refused(server, fresh_certs: TestPki) -> None:
     listener, app = server
-    assert "client certificate is required" in await connect_without_certificate(certs.ca, listener.port)
+    assert "client certificate is required" in await connect_without_certificate(fresh_certs.ca, listener.port)
     assert app.calls == 0
 
 
-async def test_client_refuses_a_server_of_another_ca(server, certs: TestPki) -> None:
+async def test_client_refuses_a_server_of_another_ca(server, fresh_certs: TestPki) -> None:
     listener, _ = server
-    foreign = certs.foreign
+    foreign = fresh_certs.foreign
     with pytest.raises(H3ConnectError, match="unable to get local issuer"):
         await connect_h3("127.0.0.1", listener.port, foreign, settings=SMALL_WINDOWS, timeout=5)
 
 
-async def test_certificate_without_uri_reaches_the_app_without_identity(server, certs: TestPki) -> None:
+async def test_certificate_without_uri_reaches_the_app_without_identity(server, fresh_certs: TestPki) -> None:
     # The handshake only proves the CA issued it; authorization (kvsp_http.authz) refuses it for want of an identity.
     listener, _ = server
-    async with KvspClient(certs.files("nouri"), settings=SMALL_WINDOWS) as client:
+    async with KvspClient(fresh_certs.files("nouri"), settings=SMALL_WINDOWS) as client:
         response = await client.request("GET", url(listener))
     assert response.content is not None and response.content.startswith(b"None 3 GET")
 
 
-async def test_64_mib_up_and_down_with_bounded_memory(server, certs: TestPki) -> None:
+async def test_64_mib_up_and_down_with_bounded_memory(server, fresh_certs: TestPki) -> None:
     listener, app = server
     body = os.urandom(1 << 20) * 64
-    async with KvspClient(certs.files("alice"), settings=SMALL_WINDOWS, timeout=120) as client:
+    async with KvspClient(fresh_certs.files("alice"), settings=SMALL_WINDOWS, timeout=120) as client:
         response = await client.request("PUT", url(listener, "/slow-upload"), content=body)
         assert response.content is not None and response.content.endswith(hashlib.sha256(body).hexdigest().encode())
         # The app read slowly: the server never held more than one stream window of unread body.
@@ -163,21 +158,21 @@ async def test_64_mib_up_and_down_with_bounded_memory(server, certs: TestPki) ->
     assert 0 < app.max_buffered <= SMALL_WINDOWS.send_buffer + SMALL_WINDOWS.send_buffer // 2
 
 
-async def test_receive_into_takes_a_body_larger_than_the_windows(server, certs: TestPki) -> None:
+async def test_receive_into_takes_a_body_larger_than_the_windows(server, fresh_certs: TestPki) -> None:
     # kvsp.receive_into over HTTP/3: every octet the sink takes gives its flow-control credit back at once, so a
     # body many stream and connection windows long goes through (before: stalled after the first window)
     listener, _ = server
     body = os.urandom(1 << 20) * 24
-    async with KvspClient(certs.files("alice"), settings=SMALL_WINDOWS, timeout=30) as client:
+    async with KvspClient(fresh_certs.files("alice"), settings=SMALL_WINDOWS, timeout=30) as client:
         response = await client.request("PUT", url(listener, "/into"), content=body,
                                         headers={"content-length": str(len(body))})
     assert response.status == 200
     assert response.content == f"{len(body)} {hashlib.sha256(body).hexdigest()}".encode()
 
 
-async def test_many_concurrent_requests_share_one_connection(server, certs: TestPki) -> None:
+async def test_many_concurrent_requests_share_one_connection(server, fresh_certs: TestPki) -> None:
     listener, _ = server
-    async with KvspClient(certs.files("alice"), settings=SMALL_WINDOWS) as client:
+    async with KvspClient(fresh_certs.files("alice"), settings=SMALL_WINDOWS) as client:
         responses = await asyncio.gather(*(client.request("POST", url(listener), content=str(i).encode())
                                            for i in range(60)))
         assert {r.status for r in responses} == {200}
@@ -188,9 +183,9 @@ async def test_many_concurrent_requests_share_one_connection(server, certs: Test
         assert listener.connections == 1
 
 
-async def test_limits_and_errors(server, certs: TestPki) -> None:
+async def test_limits_and_errors(server, fresh_certs: TestPki) -> None:
     listener, _ = server
-    async with KvspClient(certs.files("alice"), settings=SMALL_WINDOWS) as client:
+    async with KvspClient(fresh_certs.files("alice"), settings=SMALL_WINDOWS) as client:
         too_big = await client.request("PUT", url(listener), content=bytes(SMALL_WINDOWS.max_body_bytes + 1))
         assert too_big.status == 413 and too_big.headers["content-type"] == "application/problem+json"
         assert too_big.json()["status"] == 413
@@ -204,12 +199,12 @@ async def test_limits_and_errors(server, certs: TestPki) -> None:
         assert ok.status == 200
 
 
-async def test_graceful_shutdown_finishes_in_flight_requests(certs: TestPki) -> None:
+async def test_graceful_shutdown_finishes_in_flight_requests(fresh_certs: TestPki) -> None:
     app = App()
-    listener = QuicListener(certs.files("server"), {"h3": h3_handler(app)}, settings=SMALL_WINDOWS)
+    listener = QuicListener(fresh_certs.files("server"), {"h3": h3_handler(app)}, settings=SMALL_WINDOWS)
     app.listener = listener
     await listener.start("127.0.0.1", 0)
-    async with KvspClient(certs.files("alice"), settings=SMALL_WINDOWS, retries=0, timeout=10) as client:
+    async with KvspClient(fresh_certs.files("alice"), settings=SMALL_WINDOWS, retries=0, timeout=10) as client:
         in_flight = asyncio.ensure_future(client.request("GET", url(listener, "/wait")))
         while app.calls == 0:
             await asyncio.sleep(0.01)
@@ -220,17 +215,17 @@ async def test_graceful_shutdown_finishes_in_flight_requests(certs: TestPki) -> 
         response = await in_flight
         assert response.status == 200
         await closing
-    async with KvspClient(certs.files("alice"), settings=SMALL_WINDOWS, retries=0, connect_timeout=1) as client:
+    async with KvspClient(fresh_certs.files("alice"), settings=SMALL_WINDOWS, retries=0, connect_timeout=1) as client:
         with pytest.raises(TransportError):
             await client.request("GET", url(listener))  # nothing listens any more (and no TCP fallback)
 
 
-async def test_client_falls_back_and_remembers(certs: TestPki) -> None:
+async def test_client_falls_back_and_remembers(fresh_certs: TestPki) -> None:
     # Nothing answers on UDP: the client falls back to TCP (here refused too) and remembers the origin.
     sock = bind_udp("127.0.0.1", 0, 1 << 16)  # a UDP port that swallows datagrams: QUIC times out
     port = sock.getsockname()[1]
     try:
-        async with KvspClient(certs.files("alice"), connect_timeout=0.3, retries=0) as client:
+        async with KvspClient(fresh_certs.files("alice"), connect_timeout=0.3, retries=0) as client:
             target = f"https://127.0.0.1:{port}/"
             assert client.transport_for(target) == "h3"
             with pytest.raises(TransportError):
@@ -240,28 +235,28 @@ async def test_client_falls_back_and_remembers(certs: TestPki) -> None:
         sock.close()
 
 
-def test_server_requires_a_handler(certs: TestPki) -> None:
+def test_server_requires_a_handler(fresh_certs: TestPki) -> None:
     with pytest.raises(ValueError):
-        QuicListener(certs.files("server"), {})
+        QuicListener(fresh_certs.files("server"), {})
 
 
-def test_server_context_asks_for_client_certificates(certs: TestPki) -> None:
+def test_server_context_asks_for_client_certificates(fresh_certs: TestPki) -> None:
     # The TLS posture of the TCP side is checked in test_tcp_server; here the QUIC configuration.
     from quic.tls import quic_configuration
 
-    config = quic_configuration(certs.files("server"), is_client=False, alpn=["h3"])
-    assert config.verify_mode == ssl.CERT_REQUIRED and config.cadata == certs.ca.read_bytes()
+    config = quic_configuration(fresh_certs.files("server"), is_client=False, alpn=["h3"])
+    assert config.verify_mode == ssl.CERT_REQUIRED and config.cadata == fresh_certs.ca.read_bytes()
 
 
-async def test_head_responses_keep_their_content_length(certs: TestPki) -> None:
+async def test_head_responses_keep_their_content_length(fresh_certs: TestPki) -> None:
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"1234")]})
         await send({"type": "http.response.body", "body": b""})
 
-    listener = QuicListener(certs.files("server"), {"h3": h3_handler(app)}, settings=SMALL_WINDOWS)
+    listener = QuicListener(fresh_certs.files("server"), {"h3": h3_handler(app)}, settings=SMALL_WINDOWS)
     await listener.start("127.0.0.1", 0)
     try:
-        async with KvspClient(certs.files("alice"), settings=SMALL_WINDOWS) as client:
+        async with KvspClient(fresh_certs.files("alice"), settings=SMALL_WINDOWS) as client:
             response = await client.request("HEAD", url(listener))
             assert response.status == 200 and response.headers["content-length"] == "1234"
             assert response.content == b""
@@ -286,34 +281,34 @@ async def test_role_certificates_with_a_port_in_their_uri(tmp_path: Path) -> Non
         await listener.close()
 
 
-def test_server_name_check(certs: TestPki) -> None:
+def test_server_name_check(fresh_certs: TestPki) -> None:
     from aioquic import tls
     from cryptography import x509
 
     from quic.connection import check_server_name
 
-    cert = x509.load_pem_x509_certificate(certs.files("server").cert.read_bytes())
+    cert = x509.load_pem_x509_certificate(fresh_certs.files("server").cert.read_bytes())
     check_server_name(cert, "127.0.0.1")
     check_server_name(cert, "LOCALHOST.")
     for wrong in ("127.0.0.2", "example.com", "::1"):
         with pytest.raises(tls.AlertBadCertificate):
             check_server_name(cert, wrong)
     with pytest.raises(tls.AlertBadCertificate):
-        check_server_name(x509.load_pem_x509_certificate(certs.ca.read_bytes()), "127.0.0.1")
+        check_server_name(x509.load_pem_x509_certificate(fresh_certs.ca.read_bytes()), "127.0.0.1")
 
 
 @pytest.mark.parametrize("datagram", [1452, 8952])
-async def test_real_packet_sizes_round_trip(certs: TestPki, datagram: int) -> None:
+async def test_real_packet_sizes_round_trip(fresh_certs: TestPki, datagram: int) -> None:
     """HTTP/3 with the datagrams of 1500 and 9000 octet MTUs: octets exact both ways, no datagram above the size,
     and the server's datagrams leave in segmentation-offload runs (fewer system calls than datagrams)."""
     settings = replace(SMALL_WINDOWS, max_datagram_size=datagram)
     app = App()
-    listener = QuicListener(certs.files("server"), {"h3": h3_handler(app)}, settings=settings)
+    listener = QuicListener(fresh_certs.files("server"), {"h3": h3_handler(app)}, settings=settings)
     app.listener = listener
     await listener.start("127.0.0.1", 0)
     sizes: list[int] = []
     try:
-        async with KvspClient(certs.files("alice"), settings=settings, timeout=60) as client:
+        async with KvspClient(fresh_certs.files("alice"), settings=settings, timeout=60) as client:
             body = os.urandom(3 << 20)
             response = await client.request("PUT", url(listener, "/up"), content=body)
             assert response.content is not None

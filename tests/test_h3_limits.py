@@ -12,7 +12,6 @@ import asyncio
 import ssl
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,7 +26,7 @@ from http3.asgi_types import Receive, Scope, Send
 from http3.h3_server import H3_EXCESSIVE_LOAD, H3AsgiHandler, h3_handler
 from quic.listener import QuicListener
 from quic.tls import TransportSettings
-from tests.pki import TestPki, make_pki
+from tests.pki import TestPki
 
 WINDOW = 1 << 20
 SETTINGS = TransportSettings(stream_window=WINDOW, connection_window=4 << 20, send_buffer=1 << 20,
@@ -101,13 +100,8 @@ def frame_header(frame_type: int, length: int) -> bytes:
 
 
 @pytest.fixture
-def certs(tmp_path: Path) -> TestPki:
-    return make_pki(tmp_path)
-
-
-@pytest.fixture
-async def listener(certs: TestPki) -> AsyncIterator[QuicListener]:
-    server = QuicListener(certs.files("server"), {"h3": h3_handler(hello)}, settings=SETTINGS)
+async def listener(fresh_certs: TestPki) -> AsyncIterator[QuicListener]:
+    server = QuicListener(fresh_certs.files("server"), {"h3": h3_handler(hello)}, settings=SETTINGS)
     await server.start("127.0.0.1", 0)
     yield server
     await server.close()
@@ -138,8 +132,8 @@ async def request(client: Attacker, path: bytes) -> int:
     return stream_id
 
 
-async def test_a_huge_headers_frame_is_refused_as_it_is_declared(listener: QuicListener, certs: TestPki) -> None:
-    async with connect("127.0.0.1", listener.port, configuration=attacker_config(certs),
+async def test_a_huge_headers_frame_is_refused_as_it_is_declared(listener: QuicListener, fresh_certs: TestPki) -> None:
+    async with connect("127.0.0.1", listener.port, configuration=attacker_config(fresh_certs),
                        create_protocol=Attacker) as client:
         assert isinstance(client, Attacker)
         ok = await request(client, b"/before")
@@ -175,10 +169,10 @@ async def test_a_huge_headers_frame_is_refused_as_it_is_declared(listener: QuicL
 
 
 async def test_an_unfinished_headers_frame_counts_against_flow_control(listener: QuicListener,
-                                                                        certs: TestPki) -> None:
+                                                                        fresh_certs: TestPki) -> None:
     """Within the limit, a slowly sent HEADERS frame is held as unread: the credit granted for the stream stays
     at the initial window until the field section is complete and decoded."""
-    async with connect("127.0.0.1", listener.port, configuration=attacker_config(certs),
+    async with connect("127.0.0.1", listener.port, configuration=attacker_config(fresh_certs),
                        create_protocol=Attacker) as client:
         assert isinstance(client, Attacker)
         slow = client._quic.get_next_available_stream_id()
@@ -197,8 +191,8 @@ async def test_an_unfinished_headers_frame_counts_against_flow_control(listener:
         assert sum(h.refusals for h in handlers(listener)) == 0
 
 
-async def test_a_headers_frame_just_over_the_limit_is_refused(listener: QuicListener, certs: TestPki) -> None:
-    async with connect("127.0.0.1", listener.port, configuration=attacker_config(certs),
+async def test_a_headers_frame_just_over_the_limit_is_refused(listener: QuicListener, fresh_certs: TestPki) -> None:
+    async with connect("127.0.0.1", listener.port, configuration=attacker_config(fresh_certs),
                        create_protocol=Attacker) as client:
         assert isinstance(client, Attacker)
         stream = client._quic.get_next_available_stream_id()

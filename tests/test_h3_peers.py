@@ -19,7 +19,7 @@ from http3.h3_server import h3_handler
 from quic.listener import QuicListener
 from quic.tls import TlsFiles, scope_identity
 from tests.peers import needs_peer
-from tests.pki import TestPki, make_pki
+from tests.pki import TestPki
 
 ROOT = Path(__file__).resolve().parent.parent
 GTLSCLIENT = shutil.which("gtlsclient")
@@ -60,11 +60,6 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-@pytest.fixture
-def certs(tmp_path: Path) -> TestPki:
-    return make_pki(tmp_path)
-
-
 async def serve(files: TlsFiles) -> QuicListener:
     listener = QuicListener(files, {"h3": h3_handler(app)})
     await listener.start("127.0.0.1", 0)
@@ -97,12 +92,12 @@ async def gtlsclient(listener: QuicListener, certs: TestPki, who: str | None, pa
 
 
 @needs_gtls
-async def test_gtlsclient_with_a_valid_certificate(certs: TestPki, tmp_path: Path) -> None:
-    listener = await serve(certs.files("server"))
+async def test_gtlsclient_with_a_valid_certificate(fresh_certs: TestPki, tmp_path: Path) -> None:
+    listener = await serve(fresh_certs.files("server"))
     try:
-        await gtlsclient(listener, certs, "alice", "/who", tmp_path)
+        await gtlsclient(listener, fresh_certs, "alice", "/who", tmp_path)
         assert (tmp_path / "who").read_bytes() == b"identity=urn:kvsp:client:alice"
-        await gtlsclient(listener, certs, "alice", "/bytes/4194304", tmp_path)  # 4 MiB
+        await gtlsclient(listener, fresh_certs, "alice", "/bytes/4194304", tmp_path)  # 4 MiB
         assert (tmp_path / "4194304").read_bytes() == hashlib.sha256(b"seed").digest() * (4194304 // 32)
     finally:
         await listener.close()
@@ -112,10 +107,10 @@ async def test_gtlsclient_with_a_valid_certificate(certs: TestPki, tmp_path: Pat
 @pytest.mark.parametrize(("who", "alert"), [(None, "client certificate is required"),
                                             ("expired", "no longer valid"), ("notyet", "not valid yet"),
                                             ("foreign", "unable to get local issuer")])
-async def test_gtlsclient_refused(certs: TestPki, tmp_path: Path, who: str | None, alert: str) -> None:
-    listener = await serve(certs.files("server"))
+async def test_gtlsclient_refused(fresh_certs: TestPki, tmp_path: Path, who: str | None, alert: str) -> None:
+    listener = await serve(fresh_certs.files("server"))
     try:
-        out = await gtlsclient(listener, certs, who, "/who", tmp_path)
+        out = await gtlsclient(listener, fresh_certs, who, "/who", tmp_path)
     finally:
         await listener.close()
     assert not (tmp_path / "who").exists() or (tmp_path / "who").read_bytes() == b""  # no response body
@@ -133,13 +128,13 @@ async def niquests(listener: QuicListener, certs: TestPki, who: str | None, path
 
 
 @needs_niquests
-async def test_niquests_with_a_valid_certificate(certs: TestPki) -> None:
-    listener = await serve(certs.files("plain"))
+async def test_niquests_with_a_valid_certificate(fresh_certs: TestPki) -> None:
+    listener = await serve(fresh_certs.files("plain"))
     try:
-        code, out = await niquests(listener, certs, "alice", "/who")
+        code, out = await niquests(listener, fresh_certs, "alice", "/who")
         assert code == 0, out
         assert out == b"200 30\nidentity=urn:kvsp:client:alice"
-        code, out = await niquests(listener, certs, "alice", "/bytes/1048576")
+        code, out = await niquests(listener, fresh_certs, "alice", "/bytes/1048576")
         assert code == 0 and out.split(b"\n", 1)[1] == hashlib.sha256(b"seed").digest() * (1048576 // 32)
     finally:
         await listener.close()
@@ -148,10 +143,10 @@ async def test_niquests_with_a_valid_certificate(certs: TestPki) -> None:
 @needs_niquests
 @pytest.mark.parametrize(("who", "alert"), [(None, "TLS_CERTIFICATE_REQUIRED"), ("expired", "EXPIRED"),
                                             ("foreign", "unable to get local issuer")])
-async def test_niquests_refused(certs: TestPki, who: str | None, alert: str) -> None:
-    listener = await serve(certs.files("plain"))
+async def test_niquests_refused(fresh_certs: TestPki, who: str | None, alert: str) -> None:
+    listener = await serve(fresh_certs.files("plain"))
     try:
-        code, out = await niquests(listener, certs, who, "/who")
+        code, out = await niquests(listener, fresh_certs, who, "/who")
     finally:
         await listener.close()
     assert code == 3 and alert in out.decode(), out

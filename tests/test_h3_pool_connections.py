@@ -12,7 +12,6 @@ import contextlib
 import hashlib
 from collections import Counter
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
@@ -32,7 +31,7 @@ from kvsp_quic.roles.instance import ServiceOptions
 from kvsp_quic.samples import random_sections
 from quic.listener import QuicListener
 from quic.tls import TransportSettings
-from tests.pki import TestPki, make_pki
+from tests.pki import TestPki
 from tests.support.descriptors import small_descriptor
 from tests.support.transport import DelayingRelay
 
@@ -75,14 +74,9 @@ class App:
 
 
 @pytest.fixture
-def certs(tmp_path: Path) -> TestPki:
-    return make_pki(tmp_path, roles={"server": "https://127.0.0.1/"})
-
-
-@pytest.fixture
-async def server(certs: TestPki) -> AsyncIterator[tuple[QuicListener, App]]:
+async def server(fresh_certs: TestPki) -> AsyncIterator[tuple[QuicListener, App]]:
     app = App()
-    listener = QuicListener(certs.files("server"), {"h3": h3_handler(app)}, settings=SETTINGS)
+    listener = QuicListener(fresh_certs.files("server"), {"h3": h3_handler(app)}, settings=SETTINGS)
     await listener.start("127.0.0.1", 0)
     yield listener, app
     app.gate.set()
@@ -117,9 +111,10 @@ async def burst(client: KvspClient, port: int, app: App, names: list[str]) -> No
     assert bodies == [payload(name) for name in names]
 
 
-async def test_concurrent_requests_spread_over_k_connections(server: tuple[QuicListener, App], certs: TestPki) -> None:
+async def test_concurrent_requests_spread_over_k_connections(server: tuple[QuicListener, App],
+                                                             fresh_certs: TestPki) -> None:
     listener, app = server
-    async with KvspClient(certs.files("alice"), settings=SETTINGS, fallback=False,
+    async with KvspClient(fresh_certs.files("alice"), settings=SETTINGS, fallback=False,
                           connections_per_origin=3) as client:
         await burst(client, listener.port, app, [f"r{i}" for i in range(6)])
         per_port = Counter(app.peers)
@@ -135,19 +130,19 @@ async def test_concurrent_requests_spread_over_k_connections(server: tuple[QuicL
         assert pool_of(client).connects == 3 and len(set(app.peers)) == 3
 
 
-async def test_one_connection_per_origin_by_default(server: tuple[QuicListener, App], certs: TestPki) -> None:
+async def test_one_connection_per_origin_by_default(server: tuple[QuicListener, App], fresh_certs: TestPki) -> None:
     listener, app = server
-    async with KvspClient(certs.files("alice"), settings=SETTINGS, fallback=False) as client:
+    async with KvspClient(fresh_certs.files("alice"), settings=SETTINGS, fallback=False) as client:
         assert client.connections_per_origin == 1
         await burst(client, listener.port, app, [f"r{i}" for i in range(6)])
         assert len(set(app.peers)) == 1 and len(app.peers) == 6
         assert pool_of(client).connects == 1 and listener.connections == 1
 
 
-async def test_sequential_requests_reuse_one_connection(server: tuple[QuicListener, App], certs: TestPki) -> None:
+async def test_sequential_requests_reuse_one_connection(server: tuple[QuicListener, App], fresh_certs: TestPki) -> None:
     listener, app = server
     app.gate.set()
-    async with KvspClient(certs.files("alice"), settings=SETTINGS, fallback=False,
+    async with KvspClient(fresh_certs.files("alice"), settings=SETTINGS, fallback=False,
                           connections_per_origin=3) as client:
         for i in range(5):
             assert await get(client, listener.port, f"q{i}") == payload(f"q{i}")
@@ -158,9 +153,9 @@ async def test_sequential_requests_reuse_one_connection(server: tuple[QuicListen
     assert pool_of(client).connects == 1
 
 
-async def test_a_discarded_connection_is_replaced(server: tuple[QuicListener, App], certs: TestPki) -> None:
+async def test_a_discarded_connection_is_replaced(server: tuple[QuicListener, App], fresh_certs: TestPki) -> None:
     listener, app = server
-    async with KvspClient(certs.files("alice"), settings=SETTINGS, fallback=False,
+    async with KvspClient(fresh_certs.files("alice"), settings=SETTINGS, fallback=False,
                           connections_per_origin=3) as client:
         pool = pool_of(client)
         await burst(client, listener.port, app, [f"a{i}" for i in range(6)])
@@ -182,14 +177,14 @@ async def test_a_discarded_connection_is_replaced(server: tuple[QuicListener, Ap
 
 
 async def test_a_slow_connect_does_not_hold_up_requests_an_open_connection_takes(server: tuple[QuicListener, App],
-                                                                                   certs: TestPki) -> None:
+                                                                                   fresh_certs: TestPki) -> None:
     listener, app = server
     loop = asyncio.get_running_loop()
     relay = DelayingRelay(("127.0.0.1", listener.port), delay=1.0, slow_for=1.5)
     transport, _ = await loop.create_datagram_endpoint(lambda: relay, local_addr=("127.0.0.1", 0))
     port = transport.get_extra_info("sockname")[1]
     try:
-        async with KvspClient(certs.files("alice"), settings=SETTINGS, fallback=False, connect_timeout=10,
+        async with KvspClient(fresh_certs.files("alice"), settings=SETTINGS, fallback=False, connect_timeout=10,
                               connections_per_origin=2) as client:
             app.through.add("warm")
             assert await get(client, port, "warm") == payload("warm")  # the first connection, at full speed
@@ -212,13 +207,13 @@ async def test_a_slow_connect_does_not_hold_up_requests_an_open_connection_takes
         relay.close()
 
 
-async def test_a_failed_connect_fails_every_request_waiting_for_it(certs: TestPki) -> None:
-    listener = QuicListener(certs.files("server"), {"h3": h3_handler(App())}, settings=SETTINGS)
+async def test_a_failed_connect_fails_every_request_waiting_for_it(fresh_certs: TestPki) -> None:
+    listener = QuicListener(fresh_certs.files("server"), {"h3": h3_handler(App())}, settings=SETTINGS)
     await listener.start("127.0.0.1", 0)
     port = listener.port
     await listener.close()  # nothing listens there any more
     loop = asyncio.get_running_loop()
-    async with KvspClient(certs.files("alice"), settings=SETTINGS, fallback=False, retries=0, connect_timeout=1,
+    async with KvspClient(fresh_certs.files("alice"), settings=SETTINGS, fallback=False, retries=0, connect_timeout=1,
                           connections_per_origin=3) as client:
         start = loop.time()
         results = await asyncio.gather(*(get(client, port, f"r{i}") for i in range(6)), return_exceptions=True)
@@ -228,9 +223,9 @@ async def test_a_failed_connect_fails_every_request_waiting_for_it(certs: TestPk
         assert not pool_of(client)._connecting.get(("127.0.0.1", port))
 
 
-async def test_connections_per_origin_is_validated(certs: TestPki) -> None:
+async def test_connections_per_origin_is_validated(fresh_certs: TestPki) -> None:
     with pytest.raises(ValueError):
-        KvspClient(certs.files("alice"), connections_per_origin=0)
+        KvspClient(fresh_certs.files("alice"), connections_per_origin=0)
 
 
 # -- the instance's case: block loads from one holder ------------------------------------------------------------
@@ -260,11 +255,11 @@ class Watch:
         await self.inner(scope, receive, send)
 
 
-async def test_concurrent_block_loads_from_one_holder_use_k_connections(certs: TestPki) -> None:
+async def test_concurrent_block_loads_from_one_holder_use_k_connections(fresh_certs: TestPki) -> None:
     d = small_descriptor(layers=4)
     blocks = 8
     watch = Watch(hold=blocks)
-    server = RoleServer(watch, certs.files("server"))
+    server = RoleServer(watch, fresh_certs.files("server"))
     await server.start("127.0.0.1", 0)
     base = server.base_uri("/")
     policy = Policy.from_dict({"principal": [
@@ -281,7 +276,7 @@ async def test_concurrent_block_loads_from_one_holder_use_k_connections(certs: T
         record = holder.store(alice, d.compat_id, SCOPE, key, bodies[-1], "*")
         matches.append(LookupMatch(record.block_key, (record,)))
     try:
-        async with KvspClient(certs.files("alice"), timeout=10.0, fallback=False,
+        async with KvspClient(fresh_certs.files("alice"), timeout=10.0, fallback=False,
                               connections_per_origin=3) as client:
             fetcher = BlockFetcher(client, server.base_uri("/is/"), descriptors=[d])
             # as a prefill does: every block's stream consumed at once

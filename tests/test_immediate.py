@@ -74,6 +74,7 @@ class Servers:
     blocks: dict[str, c.EncodedContainer]
 
 
+# Its own PKI, one per module: a holder only, at HOLDER_URI (no fixture of tests/conftest.py has exactly these roles).
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
     return make_pki(tmp_path_factory.mktemp("pki"), roles={"holder": HOLDER_URI})

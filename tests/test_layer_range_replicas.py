@@ -58,7 +58,7 @@ from moqt.aio import MoqtPool, MoqtRequestError
 from moqt.types import Draft
 from quic.tls import TlsFiles
 from tests.asgi import Router
-from tests.pki import TestPki, make_pki
+from tests.pki import TestPki
 from tests.support.descriptors import small_descriptor
 
 SCOPE = bytes.fromhex("6d1c6481cd428737da312c089db3832a")
@@ -137,16 +137,10 @@ class Net:
         return self.certs.files(file_name)
 
 
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
-    return make_pki(tmp_path_factory.mktemp("pki"), roles={"server": "https://127.0.0.1/",
-                                                           "holder": "https://127.0.0.1/kvsp/"})
-
-
 @pytest.fixture
-async def net(certs: TestPki, d: CompatDescriptor) -> AsyncIterator[Net]:
+async def net(server_holder_certs: TestPki, d: CompatDescriptor) -> AsyncIterator[Net]:
     router = Router()
-    server = RoleServer(router, certs.files("server"))
+    server = RoleServer(router, server_holder_certs.files("server"))
     await server.start("127.0.0.1", 0)
     uri = server.base_uri
     policy = Policy.from_dict({"principal": [
@@ -161,9 +155,9 @@ async def net(certs: TestPki, d: CompatDescriptor) -> AsyncIterator[Net]:
     router.apps["/is/"] = index_app(index, policy, base_path="/is/", sweep_interval=None)
     for name, holder in holders.items():
         router.apps[f"/{name}/"] = holder_app(holder, policy)
-    client = KvspClient(certs.files("alice"), timeout=10.0)
+    client = KvspClient(server_holder_certs.files("alice"), timeout=10.0)
     try:
-        yield Net(server, router, holders, client, d, certs, index, policy)
+        yield Net(server, router, holders, client, d, server_holder_certs, index, policy)
     finally:
         await client.aclose()
         await server.close()
@@ -334,7 +328,7 @@ def test_a_worker_stores_and_serves_a_layer_range(d: CompatDescriptor, tmp_path:
 
 
 @pytest.mark.parametrize("alpn", ["moq-00", "moqt-18"])
-async def test_moqt_serves_only_the_layers_held(certs: TestPki, d: CompatDescriptor, alpn: str) -> None:
+async def test_moqt_serves_only_the_layers_held(server_holder_certs: TestPki, d: CompatDescriptor, alpn: str) -> None:
     tcp, udp = bind_pair("127.0.0.1", 0, 1 << 20)
     base = f"https://127.0.0.1:{tcp.getsockname()[1]}/kvsp/"
     policy = Policy.from_dict({"principal": [{"identity": ALICE, "roles": ["instance"], "scopes": [SCOPE.hex()]}]})
@@ -342,12 +336,12 @@ async def test_moqt_serves_only_the_layers_held(certs: TestPki, d: CompatDescrip
     assert alice is not None
     holder = Holder(HolderSettings(base, (d,)))
     record = holder.store(alice, d.compat_id, SCOPE, KEY, container(d, HALF, LAYERS - 1), "*")
-    server = RoleServer(holder_app(holder, policy), certs.files("holder"),
+    server = RoleServer(holder_app(holder, policy), server_holder_certs.files("holder"),
                         quic_handlers=holder_moqt_handlers(holder, policy))
     await server.start(sockets=(tcp, udp))
     try:
         twin = moqt_record(record, f"moqt://127.0.0.1:{server.port}/")
-        async with MoqtPool(certs.files("alice"), alpn=alpn, connect_timeout=3) as pool:
+        async with MoqtPool(server_holder_certs.files("alice"), alpn=alpn, connect_timeout=3) as pool:
             got = [layer async for layer in fetch_replica(pool, twin, (HALF, LAYERS - 1), descriptor=d)]
             assert [layer.index for layer in got] == list(range(HALF, LAYERS))
             assert [layer.digest for layer in got] == digests(d)[HALF:]
@@ -517,8 +511,8 @@ def test_next_parts_prefers_one_replica_then_the_fewest_parts(d: CompatDescripto
 
 
 @pytest.mark.parametrize("alpn", ["moq-00", "moqt-18"])
-async def test_moqt_partial_replicas_at_two_holders_give_the_whole_block(certs: TestPki, d: CompatDescriptor,
-                                                                        alpn: str) -> None:
+async def test_moqt_partial_replicas_at_two_holders_give_the_whole_block(server_holder_certs: TestPki,
+                                                                        d: CompatDescriptor, alpn: str) -> None:
     policy = Policy.from_dict({"principal": [{"identity": ALICE, "roles": ["instance"], "scopes": [SCOPE.hex()]}]})
     alice = policy.principal(ALICE)
     assert alice is not None
@@ -529,13 +523,13 @@ async def test_moqt_partial_replicas_at_two_holders_give_the_whole_block(certs: 
             tcp, udp = bind_pair("127.0.0.1", 0, 1 << 20)
             holder = Holder(HolderSettings(f"https://127.0.0.1:{tcp.getsockname()[1]}/kvsp/", (d,)))
             record = holder.store(alice, d.compat_id, SCOPE, KEY, container(d, first, last), "*")
-            server = RoleServer(holder_app(holder, policy), certs.files("holder"),
+            server = RoleServer(holder_app(holder, policy), server_holder_certs.files("holder"),
                                 quic_handlers=holder_moqt_handlers(holder, policy))
             await server.start(sockets=(tcp, udp))
             servers.append(server)
             replicas += [record, moqt_record(record, f"moqt://127.0.0.1:{server.port}/")]
-        async with KvspClient(certs.files("alice")) as client, \
-                MoqtPool(certs.files("alice"), alpn=alpn, connect_timeout=3) as pool:
+        async with KvspClient(server_holder_certs.files("alice")) as client, \
+                MoqtPool(server_holder_certs.files("alice"), alpn=alpn, connect_timeout=3) as pool:
             fetcher = BlockFetcher(client, "https://127.0.0.1:9/is/", descriptors=[d], ranking=PreferMoqt(),
                                    sources=[MoqtSource(pool, [d]), HttpSource(client)], withdraw_corrupt=False,
                                    report_failures=False)

@@ -68,6 +68,7 @@ MISSING = _missing()
 pytestmark = needs_peer(MISSING)
 
 
+# Its own PKI: the moq-rs server's certificate (moqserver) besides the holder's and the relay's.
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
     return make_pki(tmp_path_factory.mktemp("pki"),

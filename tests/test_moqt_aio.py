@@ -28,7 +28,7 @@ from moqt.aio import (
 )
 from moqt.events import FetchRequested
 from quic.tls import TransportSettings, scope_identity
-from tests.pki import SERVER_URI, TestPki, make_pki
+from tests.pki import SERVER_URI, TestPki
 
 ALICE = "urn:kvsp:client:alice"
 NS = (b"test", b"objects")
@@ -84,11 +84,6 @@ async def identity_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     body = (scope_identity(scope) or "-").encode()
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]})
     await send({"type": "http.response.body", "body": body})
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
-    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @dataclasses.dataclass

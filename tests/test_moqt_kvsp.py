@@ -80,6 +80,7 @@ def block(d: CompatDescriptor, n: int) -> bytes:
                     token_count=d.block_tokens, descriptor=d).tobytes()
 
 
+# Its own PKI, one per module (tests/conftest.py's holder_certs has these roles, but one PKI per test).
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
     return make_pki(tmp_path_factory.mktemp("pki"), roles={"holder": HOLDER_CERT_URI, "index": "https://127.0.0.1/is/"})

@@ -67,6 +67,7 @@ MISSING = _aiomoqt_missing()
 pytestmark = needs_peer(MISSING)
 
 
+# Its own PKI: the aiomoqt relay's certificate (aiorelay) besides the holder's and the relay's.
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
     return make_pki(tmp_path_factory.mktemp("pki"),

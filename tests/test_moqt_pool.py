@@ -76,11 +76,6 @@ class Gated(MoqtApp):
                 await self.changed.wait()
 
 
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
-    return make_pki(tmp_path_factory.mktemp("pki"))
-
-
 @pytest.fixture
 async def server(certs: TestPki) -> AsyncIterator[tuple[QuicListener, Gated]]:
     app = Gated()

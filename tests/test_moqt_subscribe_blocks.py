@@ -61,6 +61,7 @@ class Subscriber(MoqtApp):
                 await self.changed.wait()
 
 
+# Its own PKI: a holder and a relay, no index (tests/conftest.py's relay_certs has an index too).
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
     return make_pki(tmp_path_factory.mktemp("pki"), roles={"holder": HOLDER_URI, "relay": RELAY_URI})

@@ -60,6 +60,7 @@ N = 3  # blocks
 HAVE_TORCH = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("safetensors") is not None
 
 
+# Its own PKI: the producing instances of two scopes (inst, inst-other) besides the server.
 @pytest.fixture(scope="module")
 def pd_certs(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
     return make_pki(tmp_path_factory.mktemp("pki"), roles={"server": "https://127.0.0.1/", "inst": INSTANCE,

@@ -25,16 +25,11 @@ from quic.connection import KvspQuicConnection
 from quic.protocol import coalesce_stream_data
 from quic.tls import TransportSettings, quic_configuration
 from quic.udp import BatchedUdpTransport, bind_udp
-from tests.pki import SERVER_URI, TestPki, make_pki
+from tests.pki import TestPki
 
 CLIENT_ADDR = ("127.0.0.1", 40000)
 SERVER_ADDR = ("127.0.0.1", 4433)
 KIB = 1 << 10
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
-    return make_pki(tmp_path_factory.mktemp("pki"), roles={"server": SERVER_URI})
 
 
 class SmallDatagramPeer(KvspQuicConnection):

@@ -47,6 +47,7 @@ RELAY_MOQT = "moqt://127.0.0.1:7/"
 JSON = {"content-type": "application/kvsp+json"}
 
 
+# Its own PKI: relay_certs' roles and mallory, a holder of the same CA trusted for its own blocks only.
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
     return make_pki(tmp_path_factory.mktemp("pki"), roles={"holder": HOLDER_URI, "relay": RELAY_URI,

@@ -4,7 +4,6 @@ authorization by identity, role and scope -- the same verdicts whatever the tran
 from __future__ import annotations
 
 import ssl
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,7 +20,7 @@ from kvsp_http.authz import Authorization, Rule, principal_of
 from kvsp_http.problem_response import install
 from kvsp_quic.auth import Policy, require_scope
 from quic.tls import TlsFiles, TransportSettings, scope_identity, ssl_client_context
-from tests.pki import TestPki, make_pki
+from tests.pki import TestPki
 from tests.support.transport import connect_without_certificate
 
 SCOPE_A, SCOPE_B = "aa" * 16, "bb" * 16
@@ -46,13 +45,8 @@ def build_app() -> Any:
 
 
 @pytest.fixture
-def certs(tmp_path: Path) -> TestPki:
-    return make_pki(tmp_path)
-
-
-@pytest.fixture
-async def server(certs: TestPki):
-    srv = RoleServer(build_app(), certs.files("server"), settings=SETTINGS)
+async def server(fresh_certs: TestPki):
+    srv = RoleServer(build_app(), fresh_certs.files("server"), settings=SETTINGS)
     await srv.start("127.0.0.1", 0)
     yield srv
     await srv.close()
@@ -79,8 +73,8 @@ TRANSPORTS = ["h1", "h2", "h3"]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-async def test_valid_certificate_sees_its_identity(server: RoleServer, certs: TestPki, transport: str) -> None:
-    status, body, version = await get(server, certs.files("alice"), transport, f"/things/{SCOPE_A}")
+async def test_valid_certificate_sees_its_identity(server: RoleServer, fresh_certs: TestPki, transport: str) -> None:
+    status, body, version = await get(server, fresh_certs.files("alice"), transport, f"/things/{SCOPE_A}")
     assert status == 200
     assert body == {"identity": "urn:kvsp:client:alice", "http": {"h1": "1.1", "h2": "2", "h3": "3"}[transport]}
     assert version == {"h1": "HTTP/1.1", "h2": "HTTP/2", "h3": "HTTP/3"}[transport]
@@ -88,21 +82,21 @@ async def test_valid_certificate_sees_its_identity(server: RoleServer, certs: Te
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("who", ["none", "foreign", "expired", "notyet"])
-async def test_bad_certificates_are_refused(server: RoleServer, certs: TestPki, transport: str, who: str) -> None:
+async def test_bad_certificates_are_refused(server: RoleServer, fresh_certs: TestPki, transport: str, who: str) -> None:
     if who == "none":
         files = None
     else:
-        bad = certs.foreign if who == "foreign" else certs.files(who)
-        files = TlsFiles(certs.ca, bad.cert, bad.key)
+        bad = fresh_certs.foreign if who == "foreign" else fresh_certs.files(who)
+        files = TlsFiles(fresh_certs.ca, bad.cert, bad.key)
     url = server.base_uri(f"/things/{SCOPE_A}")
     if transport == "h3":  # refused in the QUIC handshake
         if files is None:
-            assert "client certificate is required" in await connect_without_certificate(certs.ca, server.port)
+            assert "client certificate is required" in await connect_without_certificate(fresh_certs.ca, server.port)
         else:
             with pytest.raises(H3ConnectError):
                 await connect_h3("127.0.0.1", server.port, files, settings=SETTINGS, timeout=2)
         return
-    ctx = ssl.create_default_context(cafile=str(certs.ca))
+    ctx = ssl.create_default_context(cafile=str(fresh_certs.ca))
     if files is not None:
         ctx.load_cert_chain(str(files.cert), str(files.key))
     ctx.set_alpn_protocols(["h2"] if transport == "h2" else ["http/1.1"])
@@ -118,29 +112,29 @@ async def test_bad_certificates_are_refused(server: RoleServer, certs: TestPki, 
     ("nouri", f"/things/{SCOPE_A}", 403, "about:blank"),
     ("bob", f"/things/{SCOPE_B}", 200, None),
 ])
-async def test_authorization_is_the_same_on_every_transport(server: RoleServer, certs: TestPki, transport: str,
+async def test_authorization_is_the_same_on_every_transport(server: RoleServer, fresh_certs: TestPki, transport: str,
                                                             who: str, path: str, status: int,
                                                             type_: str | None) -> None:
-    got, body, _ = await get(server, certs.files(who), transport, path)
+    got, body, _ = await get(server, fresh_certs.files(who), transport, path)
     assert got == status
     if type_ is not None:
         assert body["type"] == type_ and body["status"] == status
 
 
-async def test_tcp_advertises_http3_on_the_same_port(server: RoleServer, certs: TestPki) -> None:
-    async with httpx.AsyncClient(verify=client_context(certs.files("alice"), ["h2"]), http2=True) as client:
+async def test_tcp_advertises_http3_on_the_same_port(server: RoleServer, fresh_certs: TestPki) -> None:
+    async with httpx.AsyncClient(verify=client_context(fresh_certs.files("alice"), ["h2"]), http2=True) as client:
         r = await client.get(server.base_uri(f"/things/{SCOPE_A}"))
     assert r.headers["alt-svc"] == f'h3=":{server.port}"; ma=86400'
     assert r.headers["content-type"] == "application/json"
 
 
 @pytest.mark.parametrize("http2", [False, True])
-async def test_client_falls_back_to_tcp_when_udp_has_no_http3(certs: TestPki, http2: bool) -> None:
-    srv = RoleServer(build_app(), certs.files("server"), settings=SETTINGS, http3=False)
+async def test_client_falls_back_to_tcp_when_udp_has_no_http3(fresh_certs: TestPki, http2: bool) -> None:
+    srv = RoleServer(build_app(), fresh_certs.files("server"), settings=SETTINGS, http3=False)
     await srv.start("127.0.0.1", 0)
     version = "HTTP/2" if http2 else "HTTP/1.1"
     try:
-        async with KvspClient(certs.files("alice"), settings=SETTINGS, connect_timeout=0.5,
+        async with KvspClient(fresh_certs.files("alice"), settings=SETTINGS, connect_timeout=0.5,
                               fallback_http2=http2) as client:
             url = srv.base_uri(f"/things/{SCOPE_A}")
             response = await client.request("GET", url)
@@ -164,7 +158,7 @@ def test_bind_pair_gives_the_same_port_number() -> None:
 
 
 @pytest.mark.parametrize(("method", "content", "attempts"), [("GET", None, 3), ("PUT", b"x", 3), ("POST", b"x", 1)])
-async def test_only_idempotent_requests_are_retried(certs: TestPki, method: str, content: bytes | None,
+async def test_only_idempotent_requests_are_retried(fresh_certs: TestPki, method: str, content: bytes | None,
                                                     attempts: int) -> None:
     import asyncio
 
@@ -178,7 +172,7 @@ async def test_only_idempotent_requests_are_retried(certs: TestPki, method: str,
     server = await asyncio.start_server(accept, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
-        async with KvspClient(certs.files("alice"), h3=False, retries=2) as client:
+        async with KvspClient(fresh_certs.files("alice"), h3=False, retries=2) as client:
             with pytest.raises(TransportError):
                 await client.request(method, f"https://127.0.0.1:{port}/x", content=content)
     finally:

@@ -31,17 +31,12 @@ from http3.tcp_h2 import H2Core
 from http3.tcp_server import TcpServer
 from quic.tls import TlsFiles, TransportSettings, scope_identity, ssl_client_context
 from tests.peers import needs_peer
-from tests.pki import TestPki, make_pki
+from tests.pki import TestPki
 
 MiB = 1 << 20
 BLOCK = os.urandom(MiB)
 PROTOCOLS = ["h1", "h2"]
 PROBLEM_413 = {"type": "about:blank", "title": "Content Too Large", "status": 413}
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
-    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 class App:
@@ -189,9 +184,9 @@ def url(server: TcpServer, path: str = "/") -> str:
 
 
 @pytest.mark.parametrize("proto", PROTOCOLS)
-async def test_valid_certificate_reaches_the_app_with_its_identity(pki: TestPki, proto: str) -> None:
+async def test_valid_certificate_reaches_the_app_with_its_identity(certs: TestPki, proto: str) -> None:
     app = App()
-    async with serving(pki, app) as server, client(pki, proto) as c:
+    async with serving(certs, app) as server, client(certs, proto) as c:
         r = await c.get(url(server, "/a%20b/c?x=1&y=%20"))
     assert r.status_code == 200
     version = "1.1" if proto == "h1" else "2"
@@ -209,13 +204,13 @@ async def test_valid_certificate_reaches_the_app_with_its_identity(pki: TestPki,
     tls = scope["extensions"]["tls"]
     assert tls["tls_version"] == 0x0304 and tls["cipher_suite"] in (0x1301, 0x1302, 0x1303)
     assert len(tls["client_cert_chain"]) == 1 and tls["client_cert_name"] == "CN=alice"
-    assert tls["server_cert"] == pki.files("server").cert_pem.decode()
+    assert tls["server_cert"] == certs.files("server").cert_pem.decode()
     assert app.lifespan == ["lifespan.startup", "lifespan.shutdown"]
 
 
 @pytest.mark.parametrize("proto", PROTOCOLS)
-async def test_alt_svc_port_and_the_apps_own_alt_svc(pki: TestPki, proto: str) -> None:
-    async with serving(pki, alt_svc_port=4433) as server, client(pki, proto) as c:
+async def test_alt_svc_port_and_the_apps_own_alt_svc(certs: TestPki, proto: str) -> None:
+    async with serving(certs, alt_svc_port=4433) as server, client(certs, proto) as c:
         plain = await c.get(url(server, "/"))
         own = await c.get(url(server, "/alt-svc"))
         head = await c.head(url(server, "/"))
@@ -225,8 +220,8 @@ async def test_alt_svc_port_and_the_apps_own_alt_svc(pki: TestPki, proto: str) -
 
 
 @pytest.mark.parametrize("proto", PROTOCOLS)
-async def test_certificate_without_uri_connects_without_identity(pki: TestPki, proto: str) -> None:
-    async with serving(pki) as server, client(pki, proto, pki.files("nouri")) as c:
+async def test_certificate_without_uri_connects_without_identity(certs: TestPki, proto: str) -> None:
+    async with serving(certs) as server, client(certs, proto, certs.files("nouri")) as c:
         r = await c.get(url(server, "/"))
     assert r.status_code == 200 and r.text.endswith(" None")
 
@@ -241,15 +236,15 @@ def _no_cert_context(pki: TestPki) -> ssl.SSLContext:
 
 @pytest.mark.parametrize("proto", PROTOCOLS)
 @pytest.mark.parametrize("who", ["none", "foreign", "expired", "notyet"])
-async def test_bad_client_certificates_are_refused_in_the_handshake(pki: TestPki, proto: str, who: str) -> None:
+async def test_bad_client_certificates_are_refused_in_the_handshake(certs: TestPki, proto: str, who: str) -> None:
     if who == "none":
-        ctx = _no_cert_context(pki)
+        ctx = _no_cert_context(certs)
     elif who == "foreign":  # mallory's certificate comes from another CA; she does verify our server
-        ctx = ssl_client_context(TlsFiles(pki.ca, pki.foreign.cert, pki.foreign.key))
+        ctx = ssl_client_context(TlsFiles(certs.ca, certs.foreign.cert, certs.foreign.key))
     else:
-        ctx = ssl_client_context(pki.files(who))
+        ctx = ssl_client_context(certs.files(who))
     app = App()
-    async with (serving(pki, app) as server,
+    async with (serving(certs, app) as server,
                 httpx.AsyncClient(verify=ctx, http1=proto == "h1", http2=proto == "h2", timeout=5) as c):
         with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
             await c.get(url(server, "/"))
@@ -273,13 +268,13 @@ def _expected(n: int) -> str:
 
 
 @pytest.mark.parametrize("proto", PROTOCOLS)
-async def test_64_mib_up_and_down_with_bounded_server_memory(pki: TestPki, proto: str) -> None:
+async def test_64_mib_up_and_down_with_bounded_server_memory(certs: TestPki, proto: str) -> None:
     # Small HTTP/2 windows here so that the flow-control bound is visible: the receive window is what a
     # stream may hold unread.
     settings = TransportSettings(stream_window=2 * MiB, connection_window=4 * MiB)
     n = 64
     app = App()
-    async with serving(pki, app, settings=settings) as server, client(pki, proto) as c:
+    async with serving(certs, app, settings=settings) as server, client(certs, proto) as c:
         await c.get(url(server, "/"))  # connect first: handshakes and imports are no part of the peak
         tracemalloc.start()
         try:
@@ -307,12 +302,12 @@ async def test_64_mib_up_and_down_with_bounded_server_memory(pki: TestPki, proto
 
 
 @pytest.mark.parametrize("proto", PROTOCOLS)
-async def test_receive_into_takes_the_body_into_the_apps_buffer(pki: TestPki, proto: str) -> None:
+async def test_receive_into_takes_the_body_into_the_apps_buffer(certs: TestPki, proto: str) -> None:
     # kvsp.receive_into: the body lands in the app's own buffer (over HTTP/1.1 TLS decrypts into it), receive()
     # then says the body is over, and the connection goes on with the next request
     n = 9
     app = App()
-    async with serving(pki, app) as server, client(pki, proto) as c:
+    async with serving(certs, app) as server, client(certs, proto) as c:
         r = await c.put(url(server, "/into"), content=_blocks(n), headers={"content-length": str(n * MiB)})
         again = await c.put(url(server, "/into"), content=BLOCK[:1000])
         after = await c.get(url(server, "/"))
@@ -324,9 +319,9 @@ async def test_receive_into_takes_the_body_into_the_apps_buffer(pki: TestPki, pr
 
 
 @pytest.mark.parametrize("proto", PROTOCOLS)
-async def test_receive_into_a_sink_that_refuses(pki: TestPki, proto: str) -> None:
+async def test_receive_into_a_sink_that_refuses(certs: TestPki, proto: str) -> None:
     app = App()
-    async with serving(pki, app) as server, client(pki, proto) as c:
+    async with serving(certs, app) as server, client(certs, proto) as c:
         refused = await c.put(url(server, "/into?fail=3145728"), content=_blocks(6),
                               headers={"content-length": str(6 * MiB)})
         ok = await c.put(url(server, "/into"), content=BLOCK)
@@ -336,9 +331,9 @@ async def test_receive_into_a_sink_that_refuses(pki: TestPki, proto: str) -> Non
 
 
 @pytest.mark.parametrize("proto", PROTOCOLS)
-async def test_receive_into_says_when_the_client_left(pki: TestPki, proto: str) -> None:
+async def test_receive_into_says_when_the_client_left(certs: TestPki, proto: str) -> None:
     app = App()
-    async with serving(pki, app) as server, client(pki, proto) as c:
+    async with serving(certs, app) as server, client(certs, proto) as c:
         async def upload() -> AsyncIterator[bytes]:
             yield BLOCK
             await asyncio.Event().wait()  # never finishes
@@ -349,10 +344,10 @@ async def test_receive_into_says_when_the_client_left(pki: TestPki, proto: str) 
 
 
 @pytest.mark.parametrize("proto", PROTOCOLS)
-async def test_too_large_body_gets_413(pki: TestPki, proto: str) -> None:
+async def test_too_large_body_gets_413(certs: TestPki, proto: str) -> None:
     app = App()
     settings = TransportSettings(max_body_bytes=MiB)
-    async with serving(pki, app, settings=settings) as server, client(pki, proto) as c:
+    async with serving(certs, app, settings=settings) as server, client(certs, proto) as c:
         declared = await c.put(url(server, "/hash"), content=BLOCK + b"x")  # content-length: refused upfront
         assert app.calls == 0
         streamed = await c.put(url(server, "/hash"), content=_blocks(3))  # no length: refused on the way
@@ -367,8 +362,8 @@ async def test_too_large_body_gets_413(pki: TestPki, proto: str) -> None:
 
 
 @pytest.mark.parametrize("proto", PROTOCOLS)
-async def test_app_exceptions(pki: TestPki, proto: str, caplog: pytest.LogCaptureFixture) -> None:
-    async with serving(pki) as server, client(pki, proto) as c:
+async def test_app_exceptions(certs: TestPki, proto: str, caplog: pytest.LogCaptureFixture) -> None:
+    async with serving(certs) as server, client(certs, proto) as c:
         r = await c.get(url(server, "/raise"))
         assert r.status_code == 500
         assert r.headers["content-type"] == "application/problem+json"
@@ -379,9 +374,9 @@ async def test_app_exceptions(pki: TestPki, proto: str, caplog: pytest.LogCaptur
 
 
 @pytest.mark.parametrize("proto", PROTOCOLS)
-async def test_client_disconnect_reaches_receive(pki: TestPki, proto: str) -> None:
+async def test_client_disconnect_reaches_receive(certs: TestPki, proto: str) -> None:
     app = App()
-    async with serving(pki, app) as server, client(pki, proto) as c:
+    async with serving(certs, app) as server, client(certs, proto) as c:
         async def upload() -> AsyncIterator[bytes]:
             yield b"x" * 1000
             await asyncio.Event().wait()  # never finishes
@@ -394,11 +389,11 @@ async def test_client_disconnect_reaches_receive(pki: TestPki, proto: str) -> No
 
 
 @pytest.mark.parametrize("proto", PROTOCOLS)
-async def test_graceful_close_waits_for_the_request_in_flight(pki: TestPki, proto: str) -> None:
+async def test_graceful_close_waits_for_the_request_in_flight(certs: TestPki, proto: str) -> None:
     app = App()
-    server = TcpServer(app, pki.files("server"))
+    server = TcpServer(app, certs.files("server"))
     await server.start("127.0.0.1", 0)
-    async with client(pki, proto) as c:
+    async with client(certs, proto) as c:
         request = asyncio.create_task(c.get(url(server, "/slow")))
         await asyncio.wait_for(app.started.wait(), 5)
         closing = asyncio.create_task(server.close())
@@ -413,11 +408,11 @@ async def test_graceful_close_waits_for_the_request_in_flight(pki: TestPki, prot
     assert server.connections == 0
 
 
-async def test_close_gives_up_after_the_grace_period(pki: TestPki) -> None:
+async def test_close_gives_up_after_the_grace_period(certs: TestPki) -> None:
     app = App()
-    server = TcpServer(app, pki.files("server"), settings=TransportSettings(shutdown_grace=0.2))
+    server = TcpServer(app, certs.files("server"), settings=TransportSettings(shutdown_grace=0.2))
     await server.start("127.0.0.1", 0)
-    async with client(pki, "h2") as c:
+    async with client(certs, "h2") as c:
         request = asyncio.create_task(c.get(url(server, "/slow")))
         await asyncio.wait_for(app.started.wait(), 5)
         loop = asyncio.get_running_loop()
@@ -428,16 +423,16 @@ async def test_close_gives_up_after_the_grace_period(pki: TestPki) -> None:
             await request
 
 
-async def test_start_on_a_bound_socket_and_lifespan_failures(pki: TestPki) -> None:
+async def test_start_on_a_bound_socket_and_lifespan_failures(certs: TestPki) -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    async with serving(pki) as s0:  # (a second server just to show ports are independent)
-        server = TcpServer(App(), pki.files("server"))
+    async with serving(certs) as s0:  # (a second server just to show ports are independent)
+        server = TcpServer(App(), certs.files("server"))
         await server.start(sock=sock)
         try:
             assert server.port == port != s0.port
-            async with client(pki, "h1") as c:
+            async with client(certs, "h1") as c:
                 assert (await c.get(url(server, "/"))).status_code == 200
         finally:
             await server.close()
@@ -447,20 +442,20 @@ async def test_start_on_a_bound_socket_and_lifespan_failures(pki: TestPki) -> No
         await send({"type": "lifespan.startup.failed", "message": "no database"})
 
     with pytest.raises(LifespanFailure, match="no database"):
-        await TcpServer(failing, pki.files("server")).start("127.0.0.1", 0)
+        await TcpServer(failing, certs.files("server")).start("127.0.0.1", 0)
 
     async def no_lifespan(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             raise ValueError("only http")
         await App.reply(send, 200, b"ok")
 
-    async with serving(pki, no_lifespan) as server, client(pki, "h2") as c:
+    async with serving(certs, no_lifespan) as server, client(certs, "h2") as c:
         assert (await c.get(url(server, "/"))).text == "ok"
 
 
-async def test_idle_keep_alive_connections_are_closed(pki: TestPki) -> None:
-    async with serving(pki, settings=TransportSettings(idle_timeout=0.3)) as server:
-        reader, writer = await _open(pki, server, "http/1.1")
+async def test_idle_keep_alive_connections_are_closed(certs: TestPki) -> None:
+    async with serving(certs, settings=TransportSettings(idle_timeout=0.3)) as server:
+        reader, writer = await _open(certs, server, "http/1.1")
         writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
         head = await reader.readuntil(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200 ")
@@ -490,11 +485,11 @@ async def _close(writer: asyncio.StreamWriter) -> None:
     b"GET / HTTP/1.1\r\nhost: x\r\nbad header\r\n\r\n",
     b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
 ])
-async def test_malformed_http1_gets_400_and_close(pki: TestPki, request_bytes: bytes,
+async def test_malformed_http1_gets_400_and_close(certs: TestPki, request_bytes: bytes,
                                                   caplog: pytest.LogCaptureFixture) -> None:
     app = App()
-    async with serving(pki, app) as server:
-        reader, writer = await _open(pki, server, "http/1.1")
+    async with serving(certs, app) as server:
+        reader, writer = await _open(certs, server, "http/1.1")
         writer.write(request_bytes)
         answer = await asyncio.wait_for(reader.read(), 5)  # read to EOF: the server closes
         await _close(writer)
@@ -503,9 +498,9 @@ async def test_malformed_http1_gets_400_and_close(pki: TestPki, request_bytes: b
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-async def test_header_limit_and_pipelining(pki: TestPki, caplog: pytest.LogCaptureFixture) -> None:
-    async with serving(pki, settings=TransportSettings(max_header_bytes=4096)) as server:
-        reader, writer = await _open(pki, server, "http/1.1")
+async def test_header_limit_and_pipelining(certs: TestPki, caplog: pytest.LogCaptureFixture) -> None:
+    async with serving(certs, settings=TransportSettings(max_header_bytes=4096)) as server:
+        reader, writer = await _open(certs, server, "http/1.1")
         writer.write(b"GET /1 HTTP/1.1\r\nhost: x\r\n\r\nGET /2 HTTP/1.1\r\nhost: x\r\n\r\n")
         for _ in range(2):  # two pipelined requests, answered in order
             head = await reader.readuntil(b"\r\n\r\n")
@@ -524,9 +519,9 @@ async def _response(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
     return head, await reader.readexactly(length)
 
 
-async def test_pipelined_requests_with_bodies(pki: TestPki) -> None:
-    async with serving(pki) as server:
-        reader, writer = await _open(pki, server, "http/1.1")
+async def test_pipelined_requests_with_bodies(certs: TestPki) -> None:
+    async with serving(certs) as server:
+        reader, writer = await _open(certs, server, "http/1.1")
         writer.write(b"PUT /hash HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\n\r\nabc"
                      b"PUT /hash HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n2\r\nde\r\n0\r\n\r\n"
                      b"PUT /hash HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n"
@@ -537,9 +532,9 @@ async def test_pipelined_requests_with_bodies(pki: TestPki) -> None:
         b"1.1 urn:kvsp:client:alice"]
 
 
-async def test_unread_request_body_is_discarded_or_the_connection_closed(pki: TestPki) -> None:
-    async with serving(pki) as server:
-        reader, writer = await _open(pki, server, "http/1.1")
+async def test_unread_request_body_is_discarded_or_the_connection_closed(certs: TestPki) -> None:
+    async with serving(certs) as server:
+        reader, writer = await _open(certs, server, "http/1.1")
         # The app answers "/" without reading the body: a small rest is read and dropped, the connection stays.
         writer.write(b"PUT / HTTP/1.1\r\nhost: x\r\ncontent-length: 200000\r\n\r\n" + b"x" * 200000)
         writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
@@ -562,10 +557,10 @@ async def test_unread_request_body_is_discarded_or_the_connection_closed(pki: Te
 
 
 @pytest.mark.parametrize("proto", PROTOCOLS)
-async def test_stalled_request_body_times_out(pki: TestPki, proto: str) -> None:
+async def test_stalled_request_body_times_out(certs: TestPki, proto: str) -> None:
     app = App()
-    async with serving(pki, app, settings=TransportSettings(idle_timeout=0.3)) as server:
-        _, writer = await _open(pki, server, "http/1.1" if proto == "h1" else "h2")
+    async with serving(certs, app, settings=TransportSettings(idle_timeout=0.3)) as server:
+        _, writer = await _open(certs, server, "http/1.1" if proto == "h1" else "h2")
         if proto == "h1":
             writer.write(b"PUT /wait-disconnect HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\nabc")
         else:
@@ -581,9 +576,9 @@ async def test_stalled_request_body_times_out(pki: TestPki, proto: str) -> None:
     assert [m["type"] for m in app.received] == ["http.request", "http.disconnect"]
 
 
-async def test_expect_100_continue(pki: TestPki) -> None:
-    async with serving(pki) as server:
-        reader, writer = await _open(pki, server, "http/1.1")
+async def test_expect_100_continue(certs: TestPki) -> None:
+    async with serving(certs) as server:
+        reader, writer = await _open(certs, server, "http/1.1")
         writer.write(b"PUT /hash HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\nexpect: 100-continue\r\n\r\n")
         assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 100 ")
         writer.write(b"hello")
@@ -593,10 +588,10 @@ async def test_expect_100_continue(pki: TestPki) -> None:
     assert body == f"5 {hashlib.sha256(b'hello').hexdigest()}".encode()
 
 
-async def test_malformed_http2_closes_the_connection(pki: TestPki, caplog: pytest.LogCaptureFixture) -> None:
+async def test_malformed_http2_closes_the_connection(certs: TestPki, caplog: pytest.LogCaptureFixture) -> None:
     app = App()
-    async with serving(pki, app) as server:
-        reader, writer = await _open(pki, server, "h2")
+    async with serving(certs, app) as server:
+        reader, writer = await _open(certs, server, "h2")
         writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x04\x08\x00\x00\x00\x00\x00" + b"garbage!" * 4)
         data = await asyncio.wait_for(reader.read(), 5)  # the server closes after a GOAWAY
         await _close(writer)
@@ -605,10 +600,10 @@ async def test_malformed_http2_closes_the_connection(pki: TestPki, caplog: pytes
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-async def test_h2_stream_reset_by_the_client_reaches_receive(pki: TestPki) -> None:
+async def test_h2_stream_reset_by_the_client_reaches_receive(certs: TestPki) -> None:
     app = App()
-    async with serving(pki, app) as server:
-        _, writer = await _open(pki, server, "h2")
+    async with serving(certs, app) as server:
+        _, writer = await _open(certs, server, "h2")
         conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
         conn.initiate_connection()
         conn.send_headers(1, [(":method", "PUT"), (":scheme", "https"), (":authority", "x"),
@@ -623,11 +618,11 @@ async def test_h2_stream_reset_by_the_client_reaches_receive(pki: TestPki) -> No
     assert [m["type"] for m in app.received] == ["http.request", "http.disconnect"]
 
 
-async def test_h2_settings_come_from_transport_settings(pki: TestPki) -> None:
+async def test_h2_settings_come_from_transport_settings(certs: TestPki) -> None:
     settings = TransportSettings(max_streams=7, stream_window=3 * MiB, connection_window=5 * MiB,
                                  max_header_bytes=9000)
-    async with serving(pki, settings=settings) as server:
-        reader, writer = await _open(pki, server, "h2")
+    async with serving(certs, settings=settings) as server:
+        reader, writer = await _open(certs, server, "h2")
         conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
         conn.initiate_connection()
         writer.write(conn.data_to_send())
@@ -689,13 +684,13 @@ CURL = shutil.which("curl")
 
 @needs_peer("curl is not installed (Debian: apt-get install curl)" if CURL is None else None)
 @pytest.mark.parametrize("proto", PROTOCOLS)
-async def test_curl(pki: TestPki, proto: str, tmp_path: Path) -> None:
+async def test_curl(certs: TestPki, proto: str, tmp_path: Path) -> None:
     assert CURL is not None
     upload = tmp_path / "upload.bin"
     upload.write_bytes(BLOCK * 3)
     flag = "--http1.1" if proto == "h1" else "--http2"
-    alice = pki.files("alice")
-    base = [CURL, "-sS", flag, "--cacert", str(pki.ca), "--max-time", "20"]
+    alice = certs.files("alice")
+    base = [CURL, "-sS", flag, "--cacert", str(certs.ca), "--max-time", "20"]
     auth = ["--cert", str(alice.cert), "--key", str(alice.key)]
 
     async def curl(*args: str) -> tuple[int, bytes, bytes]:
@@ -705,7 +700,7 @@ async def test_curl(pki: TestPki, proto: str, tmp_path: Path) -> None:
         return proc.returncode or 0, out, err
 
     app = App()
-    async with serving(pki, app) as server:
+    async with serving(certs, app) as server:
         code, out, err = await curl(*base, *auth, "-i", url(server, "/"))
         assert code == 0, err
         version = "1.1" if proto == "h1" else "2"
@@ -720,6 +715,6 @@ async def test_curl(pki: TestPki, proto: str, tmp_path: Path) -> None:
         calls = app.calls
         code, out, err = await curl(*base, url(server, "/"))  # no client certificate
         assert code != 0 and app.calls == calls
-        foreign = pki.foreign
+        foreign = certs.foreign
         code, out, err = await curl(*base, "--cert", str(foreign.cert), "--key", str(foreign.key), url(server, "/"))
         assert code != 0 and app.calls == calls
