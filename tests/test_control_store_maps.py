@@ -1,7 +1,7 @@
 """Shard maps and their contexts in the Placement Controller's shared state (issue 12, point 1): the
 :class:`~kvsp_quic.storage.redis_control.RedisControlStore` on a real redis-server and on a 3-node Redis Cluster,
 and :class:`kvsp_runtime.controller_maps.ShardMaps` with two replicas on one Redis and with none (one process), on the
-recording link of tests/test_controller.py.
+recording link of tests/support/controller.py.
 
 The context (extension member ``"context"`` of ``PUT maps/{map}``, docs/wire.md "Resharding") is stored with the map:
 registered atomically with it, kept by a commit, replaced by a reshard that gives one (whether it commits or aborts,
@@ -24,7 +24,7 @@ from kvsp_quic.roles.controller_reshard import ContextPlan, ReshardContext, cont
 from kvsp_quic.storage.redis_control import RedisControlStore
 from kvsp_runtime.controller_maps import ShardMaps
 from tests.redis_server import RedisClusterServers, command, needs_redis
-from tests.test_controller import Env
+from tests.support.controller import Env
 
 I1, I2, I3 = "https://ii1.example/kvsp/", "https://ii2.example/kvsp/", "https://ii3.example/kvsp/"
 KEYS = tuple(BlockKey(bytes([i]) * 32) for i in range(1, 9))

@@ -5,235 +5,53 @@ and count the octets a reshard would move. Also ``/metrics`` on the PC and on a 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import socket
 import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
 
 from http3.client import KvspClient
-from http3.client import Response as ClientResponse
-from http3.server import RoleServer, bind_pair
+from http3.server import RoleServer
 from kvsp_app.config import ConfigError, IndexFile, build
 from kvsp_app.serve import run_index
-from kvsp_http.app_kit import JSON_MEDIA_TYPE, kvsp_json, read_json_body, role_app
-from kvsp_http.authz import Rule
-from kvsp_http.controller_app import controller_app
+from kvsp_http.app_kit import JSON_MEDIA_TYPE
 from kvsp_http.holder_app import holder_app
-from kvsp_http.problem_response import install
 from kvsp_quic import keys as k
 from kvsp_quic.auth import ALL, Policy, Principal, Role
 from kvsp_quic.compat import InstanceState
 from kvsp_quic.metrics import CONTENT_TYPE, Registry
-from kvsp_quic.problems import InvalidState
 from kvsp_quic.records import (
-    CheckpointAck,
-    InstanceStatusRecord,
-    Link,
-    PrefetchDirective,
     ReshardAbort,
     ReshardCommit,
     ReshardPlan,
-    Sampler,
-    SessionCheckpoint,
-    StateMessage,
-    parse_reshard,
 )
-from kvsp_quic.roles.controller import ControllerConfig, PlacementController
-from kvsp_quic.roles.controller_records import SessionInfo, SessionResume, SessionStart
+from kvsp_quic.roles.controller import ControllerConfig
+from kvsp_quic.roles.controller_records import SessionInfo
 from kvsp_quic.roles.holder import Holder, HolderSettings
-from kvsp_quic.roles.index import Geometry, IndexConfig, IndexService
-from kvsp_quic.roles.status import LifecyclePolicy, SleepPolicy, StatusTable
-from kvsp_quic.storage.memory_index import MemoryIndexStore
-from kvsp_runtime.controller_link import CommandStarter, HttpInstanceLink
-from kvsp_runtime.controller_service import ControllerService
+from kvsp_runtime.controller_link import CommandStarter
 from quic.tls import TlsFiles
-from tests.conftest import small_descriptor
 from tests.pki import make_pki
-from tests.test_index import C1, S1, bk, replica
-from tests.test_metrics import check_format
-
-BLOCK = 16
-BYTES_PER_TOKEN = 1024  # what a fake instance counts per token it would transfer in a reshard
-NAMES = ("pc", "ia", "ib", "ic", "h1")
-
-
-@dataclass
-class FakeInstance:
-    """Records the PC's directives; answers like an instance (docs/inference.md)."""
-
-    name: str
-    uri: str = ""
-    calls: list[tuple[str, Any]] = field(default_factory=list)
-    state: InstanceState = InstanceState.ACTIVE
-    reshard_delay: float = 0.0
-    fetched_bytes: int = 0  # octets it would have loaded for reshard fetch ranges
-    retained_bytes_moved: int = 0  # octets moved for ranges it retained: must stay 0
-    held: set[int] = field(default_factory=set)  # tokens of the sharded context it holds
-
-    def of(self, kind: str) -> list[Any]:
-        return [body for kind_, body in self.calls if kind_ == kind]
-
-    def app(self, policy: Policy) -> Any:
-        async def body(request: Request) -> dict[str, Any]:
-            return json.loads(await read_json_body(request, 1 << 22))  # type: ignore[no-any-return]
-
-        def not_active(kind: str, what: Any) -> None:
-            if self.state is not InstanceState.ACTIVE:
-                self.calls.append(("refused " + kind, what))
-                raise InvalidState(f"{self.name} is {self.state.value}")
-
-        async def prefetch(request: Request) -> Response:
-            directive = PrefetchDirective.from_json(await body(request))
-            not_active("prefetch", directive)
-            self.calls.append(("prefetch", directive))
-            return kvsp_json({"directive": str(directive.directive), "state": "pending"}, 202,
-                             {"location": f"prefetch/{directive.directive}"})
-
-        async def start(request: Request) -> Response:
-            start = SessionStart.from_json(await body(request))
-            not_active("start", start)
-            self.calls.append(("start", start))
-            return kvsp_json(CheckpointAck(start.session, start.epoch, 0).to_json(), 201)
-
-        async def resume(request: Request) -> Response:
-            resume = SessionResume.from_json(await body(request))
-            not_active("resume", resume)
-            self.calls.append(("resume", resume))
-            session = uuid.UUID(request.path_params["session"])
-            return kvsp_json(CheckpointAck(session, resume.epoch, resume.checkpoint.output_offset).to_json())
-
-        async def put_state(request: Request) -> Response:
-            self.state = StateMessage.from_json(await body(request)).state
-            self.calls.append(("state", self.state))
-            return kvsp_json({"state": self.state.value})
-
-        async def reshard(request: Request) -> Response:
-            message = parse_reshard(await body(request))
-            self.calls.append(("reshard", message))
-            if isinstance(message, ReshardPlan):
-                for fetch in message.fetch:  # "load" the range: count what would travel
-                    tokens = set(range(*fetch.tokens))
-                    self.retained_bytes_moved += len(tokens & self.held) * BYTES_PER_TOKEN
-                    self.fetched_bytes += len(tokens) * BYTES_PER_TOKEN
-                await asyncio.sleep(self.reshard_delay)
-            return kvsp_json({"map": message.map})
-
-        app = Starlette(routes=[
-            Route("/prefetch", prefetch, methods=["POST"]),
-            Route("/sessions/{session}/start", start, methods=["POST"]),
-            Route("/sessions/{session}/resume", resume, methods=["POST"]),
-            Route("/state", put_state, methods=["PUT"]),
-            Route("/reshard", reshard, methods=["POST"]),
-        ])
-        install(app)
-        rules = [Rule(m, p, ["controller"]) for m, p in (("POST", "prefetch"), ("POST", "sessions/{s}/start"),
-                                                         ("POST", "sessions/{s}/resume"), ("PUT", "state"),
-                                                         ("POST", "reshard"))]
-        return role_app(app, policy, rules, "/kvsp/")
-
-
-@dataclass
-class Cluster:
-    pc_uri: str
-    uris: dict[str, str]
-    service: IndexService
-    controller: ControllerService
-    instances: dict[str, FakeInstance]
-    clients: dict[str, KvspClient]
-    epochs: dict[str, int] = field(default_factory=dict)
-
-    def uri(self, name: str) -> str:
-        return self.uris[name]
-
-    async def call(self, who: str, method: str, path: str, body: Any = None) -> ClientResponse:
-        content = None if body is None else json.dumps(body).encode()
-        headers = {"content-type": JSON_MEDIA_TYPE} if content is not None else {}
-        response = await self.clients[who].request(method, self.pc_uri + path, headers=headers, content=content)
-        assert response.headers.get("cache-control") == "no-store"
-        return response
-
-    async def report(self, name: str, *, epoch: int | None = None, state: InstanceState = InstanceState.ACTIVE,
-                     ttl_ms: int = 60_000, **changes: Any) -> ClientResponse:
-        uri = self.uri(name)
-        epoch = epoch if epoch is not None else self.epochs.setdefault(name, 1)
-        fields: dict[str, Any] = dict(running=0, queued=0, batch_size=8, prefill_tokens_per_s=1000.0,
-                                      decode_tokens_per_s=100.0, links=(Link(self.uri("h1"), 1000.0, 50.0),))
-        fields.update(changes)
-        record = InstanceStatusRecord(uri, epoch, state, ttl_ms, **fields)
-        return await self.call(name, "PUT", f"instances/{k.uri_id(uri)}/status", record.to_json())
-
-
-def policy_for(uris: dict[str, str]) -> Policy:
-    return Policy.from_dict({"principal": [
-        {"identity": uris["pc"], "roles": ["controller"], "scopes": "*"},
-        {"identity": uris["h1"], "roles": ["holder"], "scopes": [S1.hex()]},
-        *({"identity": uris[n], "roles": ["instance", "holder"], "scopes": [S1.hex()]} for n in ("ia", "ib", "ic")),
-        {"identity": "urn:kvsp:client:alice", "roles": ["client"], "scopes": [S1.hex()]},
-    ]})
-
-
-@contextlib.asynccontextmanager
-async def cluster(root: Path) -> AsyncIterator[Cluster]:
-    sockets: dict[str, tuple[socket.socket, socket.socket | None]] = {n: bind_pair("127.0.0.1", 0, 1 << 20)
-                                                                      for n in NAMES}
-    uris = {n: f"https://127.0.0.1:{s[0].getsockname()[1]}/kvsp/" for n, s in sockets.items()}
-    pki = make_pki(root, roles=uris)
-    policy = policy_for(uris)
-    status = StatusTable(time.monotonic, policy=LifecyclePolicy(SleepPolicy()), max_ttl_ms=60_000)
-    service = IndexService(MemoryIndexStore(), clock=time.monotonic,
-                           config=IndexConfig(geometry={C1: Geometry(BLOCK, 4)}), status=status)
-    pc_client = KvspClient(pki.files("pc"), timeout=5.0)
-    role = PlacementController(service, clock=time.monotonic, config=ControllerConfig(prefetch_deadline_ms=200),
-                               metrics=Registry(), identity=uris["pc"])
-    controller = ControllerService(role, HttpInstanceLink(pc_client))
-    servers = [RoleServer(controller_app(service, controller, policy, base_path="/kvsp/", tick_interval=0.05),
-                          pki.files("pc"))]
-    instances = {n: FakeInstance(n, uris[n]) for n in ("ia", "ib", "ic")}
-    servers += [RoleServer(inst.app(policy), pki.files(n)) for n, inst in instances.items()]
-    clients = {n: KvspClient(pki.files(n), timeout=5.0) for n in ("pc", "ia", "ib", "ic", "alice")}
-    try:
-        for name, server in zip(("pc", "ia", "ib", "ic"), servers, strict=True):
-            await server.start(sockets=sockets[name])
-        sockets["h1"][0].close()
-        if sockets["h1"][1] is not None:
-            sockets["h1"][1].close()
-        yield Cluster(uris["pc"], uris, service, controller, instances, clients)
-    finally:
-        for client in [*clients.values(), pc_client]:
-            await client.aclose()
-        for server in servers:
-            await server.close()
+from tests.support.descriptors import small_descriptor
+from tests.support.index import bk, replica
+from tests.support.metrics import check_format
+from tests.support.pc_app import (
+    BYTES_PER_TOKEN,
+    Cluster,
+    checkpoint,
+    cluster,
+    session_body,
+)
 
 
 @pytest.fixture
 async def c(tmp_path: Path) -> AsyncIterator[Cluster]:
     async with cluster(tmp_path) as found:
         yield found
-
-
-def session_body(n: int = 1, blocks: int = 4) -> dict[str, Any]:
-    prompt = list(range(100, 100 + blocks * BLOCK + 3))
-    return {"session": str(uuid.UUID(int=n)), "scope_id": S1.hex(), "compat_id": C1.hex(), "prompt": prompt,
-            "max_tokens": 16, "sampler": Sampler("top-p", 7, 0, False, {"p": 0.9}).to_json(),
-            "block_keys": [bk(i).hex() for i in range(blocks)]}
-
-
-def checkpoint(body: dict[str, Any], epoch: int, generated: list[int]) -> dict[str, Any]:
-    return SessionCheckpoint(uuid.UUID(body["session"]), epoch, C1, S1, tuple(bk(i) for i in range(4)),
-                             tuple(body["prompt"][64:]), tuple(generated), len(generated),
-                             Sampler("top-p", 7, len(generated), False, {"p": 0.9})).to_json()
 
 
 async def wait_for(predicate: Any, timeout: float = 5.0) -> None:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvsp_quic.problems import NotFound, PlanConflict
 from kvsp_quic.records import ReshardAbort, ReshardCommit, ReshardFetch, ReshardPlan, Shard, ShardMap
 from kvsp_quic.roles.controller_reshard import merge, owners, plan_reshard, subtract
-from tests.test_controller import Env
+from tests.support.controller import Env
 
 I1, I2, I3 = "https://ii1.example/kvsp/", "https://ii2.example/kvsp/", "https://ii3.example/kvsp/"
 

@@ -1,5 +1,5 @@
 """Suspect reports (docs/wire.md, "Suspect reports"; issue 12 point 4) at the Placement Controller's role and adapter,
-and the front end's stall bound. The instances are the recording link of tests/test_controller.py with a probe
+and the front end's stall bound. The instances are the recording link of tests/support/controller.py with a probe
 whose outcome each test sets; tests/test_fast_migration.py runs the same with real processes."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from kvsp_quic.roles.controller_sessions import RunHealth, judge_probe
 from kvsp_quic.storage.control_store import StoredStatus
 from tests.peers import missing_peer
 from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisServer
-from tests.test_controller import FRONT, IA, IB, OTHER, Env, FakeLink, checkpoint, request, who
+from tests.support.controller import FRONT, IA, IB, OTHER, Env, FakeLink, checkpoint, request, who
 
 
 @dataclass

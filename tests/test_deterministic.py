@@ -4,8 +4,8 @@ to resume the session produces bit-identical output tokens from the same state).
 
 The PC keeps a session's ``deterministic`` only when every live instance of the session's scope reports the
 session's compat_id with one and the same (engine name, build fingerprint); it clears it at a start or a resume
-otherwise. Driven through the role's asyncio adapter (tests.test_controller's Env), and once over real sockets
-(tests.test_controller_app's cluster: the real controller app, recording instances)."""
+otherwise. Driven through the role's asyncio adapter (tests.support.controller's Env), and once over real sockets
+(tests.support.pc_app's cluster: the real controller app, recording instances)."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ from kvsp_quic.roles.controller_sessions import engines_agree
 from kvsp_quic.roles.instance import InstanceRole, InstanceSettings
 from kvsp_quic.roles.status import InstanceStatus
 from tests.helpers import Clock
+from tests.support.controller import FRONT, IA, IB, IC, Env, checkpoint, request, who
 from tests.support.index import C1, C2
-from tests.test_controller import FRONT, IA, IB, IC, Env, checkpoint, request, who
-from tests.test_controller_app import Cluster, cluster, session_body
+from tests.support.pc_app import Cluster, cluster, session_body
 
 REF = EngineStatus("reference", "kvsp-quic/0.1 torch/2.4 cpu float32", CompatId(C1))
 REF_CUDA = dataclasses.replace(REF, build="kvsp-quic/0.1 torch/2.4 cuda float32")

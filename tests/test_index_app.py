@@ -43,10 +43,10 @@ from tests.support.index_app import (
     H2,
     II7,
     MAX_KEYS,
+    NOW,
     POLICY,
     Harness,
-    _clock,
-    _now,
+    manual_clock,
     problem,
     replica_path,
     serve,
@@ -55,7 +55,7 @@ from tests.support.index_app import (
 
 @pytest.fixture
 async def h(pki_dir: Path) -> AsyncIterator[Harness]:
-    _now[0] = 0.0
+    NOW[0] = 0.0
     async with serve(pki_dir) as harness:
         yield harness
 
@@ -192,7 +192,7 @@ async def test_status(h: Harness) -> None:
 
 async def test_expired_entries_are_swept_while_serving(h: Harness) -> None:
     assert (await h.publish("h1", replica(0, holder=H1, ttl_ms=1000))).status == 201
-    _now[0] = 5.0
+    NOW[0] = 5.0
     for _ in range(100):
         if await h.service.store.count() == 0:
             break
@@ -213,6 +213,6 @@ async def test_over_tcp(pki_dir: Path) -> None:
 
 
 def test_base_path_must_be_a_directory() -> None:
-    service = IndexService(MemoryIndexStore(), clock=_clock)
+    service = IndexService(MemoryIndexStore(), clock=manual_clock)
     with pytest.raises(ValueError, match="base path"):
         index_app(service, POLICY, base_path="/kvsp")

@@ -36,8 +36,8 @@ from kvsp_runtime.controller_link import HttpInstanceLink
 from kvsp_runtime.controller_service import ControllerService
 from tests.helpers import Clock
 from tests.pki import make_pki
-from tests.test_controller_app import BLOCK, Cluster, FakeInstance, checkpoint, session_body
-from tests.test_index import C1, S1
+from tests.support.index import C1, S1
+from tests.support.pc_app import BLOCK, Cluster, FakeInstance, checkpoint, session_body
 
 NAMES = ("pc", "ia", "h1")
 

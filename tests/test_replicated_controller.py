@@ -2,128 +2,35 @@
 
 Two controller apps (two replicas, each its own RoleServer, certificate and role) share a
 :class:`~kvsp_quic.storage.redis_control.RedisControlStore`; the instances are the real HTTP/3 servers of
-tests/test_controller_app.py's :class:`FakeInstance`. Also: the atomic epoch increment against real Redis, and
+tests/support/pc_app.py's :class:`FakeInstance`. Also: the atomic epoch increment against real Redis, and
 ``kvsp-quic index`` refusing a wrong Redis URL or mode with one line and exit 1.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import socket
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from http3.client import KvspClient
-from http3.client import Response as ClientResponse
-from http3.server import RoleServer, bind_pair
-from kvsp_http.app_kit import JSON_MEDIA_TYPE
-from kvsp_http.controller_app import controller_app
-from kvsp_quic import keys as k
-from kvsp_quic.auth import ALL, Policy, Principal, Role
-from kvsp_quic.compat import InstanceState
+from kvsp_quic.auth import ALL, Principal, Role
 from kvsp_quic.metrics import Registry
-from kvsp_quic.records import InstanceStatusRecord, Link
-from kvsp_quic.roles.controller import ControllerConfig, PlacementController
+from kvsp_quic.roles.controller import PlacementController
 from kvsp_quic.roles.controller_records import SessionRequest, SessionState
 from kvsp_quic.roles.controller_sessions import Admitted
-from kvsp_quic.roles.index import Geometry, IndexConfig, IndexService
-from kvsp_quic.roles.status import LifecyclePolicy, SleepPolicy, StatusTable
+from kvsp_quic.roles.index import IndexService
 from kvsp_quic.storage.memory_index import MemoryIndexStore
 from kvsp_quic.storage.redis_control import RedisControlStore
-from kvsp_quic.storage.redis_index import RedisIndexStore
 from kvsp_runtime.controller_link import HttpInstanceLink
 from kvsp_runtime.controller_service import ControllerService, Superseded
-from tests.pki import make_pki
 from tests.redis_server import needs_redis
-from tests.test_controller_app import BLOCK, FakeInstance, checkpoint, session_body
-from tests.test_index import C1, S1
+from tests.support.pc_app import checkpoint, session_body
+from tests.support.replicated_pc import replica_policy, replicas
 
 pytestmark = needs_redis
-
-NAMES = ("pc1", "pc2", "ia", "ic", "h1")
-
-
-@dataclass
-class Replicas:
-    uris: dict[str, str]
-    controllers: dict[str, ControllerService]
-    servers: dict[str, RoleServer]
-    instances: dict[str, FakeInstance]
-    clients: dict[str, KvspClient]
-
-    async def call(self, pc: str, who: str, method: str, path: str, body: Any = None) -> ClientResponse:
-        content = None if body is None else json.dumps(body).encode()
-        headers = {"content-type": JSON_MEDIA_TYPE} if content is not None else {}
-        return await self.clients[who].request(method, self.uris[pc] + path, headers=headers, content=content)
-
-    async def report(self, pc: str, name: str, *, ttl_ms: int = 60_000, epoch: int = 1) -> ClientResponse:
-        uri = self.uris[name]
-        record = InstanceStatusRecord(uri, epoch, InstanceState.ACTIVE, ttl_ms, running=0, queued=0, batch_size=8,
-                                      prefill_tokens_per_s=1000.0, decode_tokens_per_s=100.0,
-                                      links=(Link(self.uris["h1"], 1000.0, 50.0),))
-        return await self.call(pc, name, "PUT", f"instances/{k.uri_id(uri)}/status", record.to_json())
-
-
-def _policy(uris: dict[str, str]) -> Policy:
-    return Policy.from_dict({"principal": [
-        *({"identity": uris[n], "roles": ["controller"], "scopes": "*"} for n in ("pc1", "pc2")),
-        {"identity": uris["h1"], "roles": ["holder"], "scopes": [S1.hex()]},
-        *({"identity": uris[n], "roles": ["instance", "holder"], "scopes": [S1.hex()]} for n in ("ia", "ic")),
-        {"identity": "urn:kvsp:client:alice", "roles": ["client"], "scopes": [S1.hex()]},
-    ]})
-
-
-def _controller(uri: str, redis_url: str, client: KvspClient) -> tuple[IndexService, ControllerService]:
-    status = StatusTable(time.monotonic, policy=LifecyclePolicy(SleepPolicy()), max_ttl_ms=60_000)
-    service = IndexService(RedisIndexStore.from_url(redis_url), clock=time.monotonic,
-                           config=IndexConfig(geometry={C1: Geometry(BLOCK, 4)}), status=status)
-    role = PlacementController(service, clock=time.monotonic, metrics=Registry(), identity=uri,
-                               config=ControllerConfig(prefetch_deadline_ms=200, lease_ms=600))
-    return service, ControllerService(role, HttpInstanceLink(client), store=RedisControlStore.from_url(redis_url))
-
-
-@contextlib.asynccontextmanager
-async def replicas(root: Path, redis_url: str) -> AsyncIterator[Replicas]:
-    sockets: dict[str, tuple[socket.socket, socket.socket | None]] = {n: bind_pair("127.0.0.1", 0, 1 << 20)
-                                                                      for n in NAMES}
-    uris = {n: f"https://127.0.0.1:{s[0].getsockname()[1]}/kvsp/" for n, s in sockets.items()}
-    pki = make_pki(root, roles=uris)
-    policy = _policy(uris)
-    pc_clients = {n: KvspClient(pki.files(n), timeout=5.0) for n in ("pc1", "pc2")}
-    controllers, services, servers = {}, [], {}
-    for n in ("pc1", "pc2"):
-        service, controllers[n] = _controller(uris[n], redis_url, pc_clients[n])
-        services.append(service)
-        servers[n] = RoleServer(controller_app(service, controllers[n], policy, base_path="/kvsp/",
-                                               tick_interval=0.05), pki.files(n))
-    instances = {n: FakeInstance(n, uris[n]) for n in ("ia", "ic")}
-    servers.update({n: RoleServer(inst.app(policy), pki.files(n)) for n, inst in instances.items()})
-    clients = {n: KvspClient(pki.files(n), timeout=5.0) for n in ("ia", "ic", "alice")}
-    try:
-        for name, server in servers.items():
-            await server.start(sockets=sockets[name])
-        for s in sockets["h1"]:
-            if s is not None:
-                s.close()
-        yield Replicas(uris, controllers, servers, instances, clients)
-    finally:
-        for client in [*clients.values(), *pc_clients.values()]:
-            await client.aclose()
-        for server in servers.values():
-            with contextlib.suppress(Exception):
-                await server.close()
-        for service in services:
-            await service.store.aclose()
-        for pc in controllers.values():
-            await pc.store.aclose()
 
 
 async def test_two_replicas_share_statuses_sessions_and_failover(tmp_path: Path, redis_url: str) -> None:
@@ -193,7 +100,7 @@ async def test_a_retry_takes_over_a_placement_its_replica_abandoned(tmp_path: Pa
     async with replicas(tmp_path, redis_url) as r:
         assert (await r.report("pc1", "ia")).status == 200
         body = session_body()
-        alice = _policy(r.uris).principal("urn:kvsp:client:alice")
+        alice = replica_policy(r.uris).principal("urn:kvsp:client:alice")
         assert alice is not None
         admitted = await r.controllers["pc2"]._admit(alice, SessionRequest.from_json(body))
         assert isinstance(admitted, Admitted)  # stored as placing; replica 2 "dies" here (no lease, no placement)

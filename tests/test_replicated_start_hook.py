@@ -1,6 +1,6 @@
 """The start hook with a replicated PC (issue 12, point 1: replicas are interchangeable, instances report to any of
 them): a request waits for the instance the hook starts even when that instance reports its status to another
-replica. Two controller apps on one real redis-server (tests/test_replicated_controller.py's harness).
+replica. Two controller apps on one real redis-server (tests/support/replicated_pc.py's harness).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 from tests.redis_server import needs_redis
-from tests.test_controller_app import session_body
-from tests.test_replicated_controller import Replicas, replicas
+from tests.support.pc_app import session_body
+from tests.support.replicated_pc import Replicas, replicas
 
 pytestmark = needs_redis
 

@@ -2,7 +2,7 @@
 session's owner in every start and resume it sends (docs/wire.md, "Session owner"), and the instance serves the
 session's token stream and ``GET sessions/{id}`` only to that owner and to the PC.
 
-* Over the wire: the real Placement Controller (tests/test_controller_app.py's cluster: controller_app behind a
+* Over the wire: the real Placement Controller (tests/support/pc_app.py's cluster: controller_app behind a
   RoleServer, recording instances behind their own) sends ``owner`` = the identity that created the session.
 * Against a real instance (tests/support/instance.py's cluster: build_instance around a tiny model, on
   127.0.0.1): alice and bob are clients of the same scope; the PC starts alice's session; bob can neither read its
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import test_controller_app as pc_app
+from tests.support import pc_app
 
 pytest.importorskip("torch", reason="the gpu extra (torch) is not installed")
 

@@ -2,7 +2,7 @@
 
 The Index Service + Placement Controller (kvsp_http.controller_app behind RoleServer, mutual TLS) with two tenants:
 tenant A's instance ``ia`` and client ``alice`` hold scope S1, tenant B's instance ``ib`` and client ``bob`` hold
-S2. The instances are the recording instance apps of ``tests.test_controller_app`` behind their own RoleServers:
+S2. The instances are the recording instance apps of ``tests.support.pc_app`` behind their own RoleServers:
 whatever the PC sends them arrives over HTTP/3 and is recorded, so "tenant B received nothing of tenant A" is an
 observation of the wire, not of the PC's internals.
 """
@@ -34,7 +34,7 @@ from kvsp_runtime.controller_link import HttpInstanceLink
 from kvsp_runtime.controller_service import ControllerService
 from tests.pki import make_pki
 from tests.support.index import C1, S1, S2, bk, replica
-from tests.test_controller_app import BLOCK, Cluster, FakeInstance, session_body
+from tests.support.pc_app import BLOCK, Cluster, FakeInstance, session_body
 
 NAMES = ("pc", "ia", "ib", "h1", "h2")
 

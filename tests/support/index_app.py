@@ -77,7 +77,7 @@ def problem(response: Response) -> Any:
 
 @contextlib.asynccontextmanager
 async def serve(pki_dir: Path, *, h3: bool = True) -> AsyncIterator[Harness]:
-    service = IndexService(MemoryIndexStore(), clock=_clock, config=IndexConfig(
+    service = IndexService(MemoryIndexStore(), clock=manual_clock, config=IndexConfig(
         max_ttl_ms=600_000, max_lookup_keys=MAX_KEYS, geometry={C1: Geometry(16, 4)}))
     app = index_app(service, POLICY, base_path="/kvsp/", max_body_bytes=MAX_BODY, sweep_interval=0.05)
     server = RoleServer(app, TlsFiles.in_dir(pki_dir, "index"))
@@ -92,8 +92,8 @@ async def serve(pki_dir: Path, *, h3: bool = True) -> AsyncIterator[Harness]:
         await server.close()
 
 
-_now = [0.0]
+NOW = [0.0]  # the time of :func:`serve`'s Index Service, in seconds: tests set NOW[0]
 
 
-def _clock() -> float:
-    return _now[0]
+def manual_clock() -> float:
+    return NOW[0]
