@@ -18,6 +18,7 @@ from kvsp_quic.auth import Policy
 from kvsp_quic.compat import CompatDescriptor
 from kvsp_quic.roles.holder import Holder, HolderSettings
 from kvsp_quic.roles.index import IndexService
+from kvsp_quic.roles.leases import LeaseLimits
 from kvsp_quic.storage.index_store import IndexStore
 from kvsp_quic.storage.memory_index import MemoryIndexStore
 from quic.tls import TlsFiles
@@ -31,8 +32,9 @@ from tests.support import holder_app as holder_ids
 from tests.support import index_app as index_ids
 from tests.support import moqt_relay as relay_ids
 from tests.support.cluster import CONTAINER_SIZE
-from tests.support.descriptors import small_descriptor  # noqa: F401  (still imported from here by two modules)
+from tests.support.descriptors import small_descriptor
 from tests.support.index import Env, make_config
+from tests.support.retrieval import ALICE, LAYERS, SCOPE, FakeHolder, Net, block
 
 if TYPE_CHECKING:
     from gpu.model import LlamaModel
@@ -297,4 +299,50 @@ async def instance_cluster(certs: TestPki, model_dir: Path) -> AsyncIterator[Clu
             engine.close()
         await alice.aclose()
         await bob.aclose()
+        await server.close()
+
+
+# -- the retrieval client's servers (tests/support/retrieval.py) ------------------------------------------------------
+
+
+@pytest.fixture
+async def net(certs: TestPki) -> AsyncIterator[Net]:
+    """The Index Service, real holders h1 and h2 and the misbehaving fakes bad and bad2 on one RoleServer, with
+    alice's client (:class:`tests.support.retrieval.Net`)."""
+    d = small_descriptor(layers=LAYERS)
+    router = Router()
+    server = RoleServer(router, certs.files("server"))
+    await server.start("127.0.0.1", 0)
+
+    def uri(name: str) -> str:
+        return server.base_uri(f"/{name}/")
+
+    policy = Policy.from_dict({"principal": [
+        # alice loads blocks, stores them (instance) and may withdraw for the fake "bad" holder (not "bad2")
+        {"identity": ALICE, "roles": ["client", "instance", "holder"], "scopes": [SCOPE.hex()],
+         "publish_for": [uri("bad")]},
+        {"identity": uri("h1"), "roles": ["holder"], "scopes": "*"},
+        {"identity": uri("h2"), "roles": ["holder"], "scopes": "*"},
+    ]})
+    index = IndexService(MemoryIndexStore(), clock=time.monotonic)
+    size = len(block(d, 0))
+    holders = {
+        "h1": Holder(HolderSettings(uri("h1"), (d,), replica_ttl_ms=60_000)),
+        # h2 grants no lease of a whole block: its quota is one replica's octets minus one
+        "h2": Holder(HolderSettings(uri("h2"), (d,), replica_ttl_ms=60_000,
+                                    leases=LeaseLimits(max_octets_per_client=size - 1))),
+    }
+    fakes = {"bad": FakeHolder(), "bad2": FakeHolder()}
+    router.apps["/is/"] = index_app(index, policy, base_path="/is/", sweep_interval=None)
+    for name, holder in holders.items():
+        router.apps[f"/{name}/"] = holder_app(holder, policy)
+    for name, fake in fakes.items():
+        router.apps[f"/{name}/"] = fake
+    client = KvspClient(certs.files("alice"), timeout=10.0)
+    alice = policy.principal(ALICE)
+    assert alice is not None
+    try:
+        yield Net(server, router, index, holders, fakes, client, d, certs, alice)
+    finally:
+        await client.aclose()
         await server.close()

@@ -46,7 +46,7 @@ from quic.tls import TlsFiles
 from tests.asgi import Router
 from tests.pki import TestPki, make_pki
 from tests.support.descriptors import small_descriptor
-from tests.test_retrieval import block, key
+from tests.support.retrieval import block, key
 
 SCOPE = ScopeId(bytes.fromhex("6d1c6481cd428737da312c089db3832a"))
 OTHER_SCOPE = ScopeId(bytes.fromhex("0f" * 16))

@@ -4,7 +4,7 @@ cache whatever its publisher holds now: a lease the publisher refuses (it gave t
 the instance skip the relay (found by ``kvsp-quic chaos``, fault relay-kill: every relay copy was skipped once the
 instances that published the blocks had restarted). At the publisher's own endpoint a refusal still skips it.
 
-Real holders over HTTP/3 on 127.0.0.1 (the cluster of tests/test_retrieval.py)."""
+Real holders over HTTP/3 on 127.0.0.1 (the net of tests/support/retrieval.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from kvsp_quic.keys import uri_id
 from kvsp_quic.records import LookupMatch, ReplicaRecord, encode_moqt_namespace
 from kvsp_quic.retrieval_plan import AttemptError, Failure
 from moqt.aio import MoqtPool
-from tests.test_retrieval import SCOPE, Net, certs, net  # noqa: F401  (fixtures by name)
+from tests.support.retrieval import SCOPE, Net
 
 
 def twin(record: ReplicaRecord, publisher: str, holder: str) -> ReplicaRecord:
@@ -29,7 +29,7 @@ def twin(record: ReplicaRecord, publisher: str, holder: str) -> ReplicaRecord:
     return dataclasses.replace(record, holder=holder, moqt_namespace=encode_moqt_namespace(namespace))
 
 
-async def test_a_relay_copy_is_fetched_without_the_lease_its_publisher_refuses(net: Net) -> None:  # noqa: F811
+async def test_a_relay_copy_is_fetched_without_the_lease_its_publisher_refuses(net: Net) -> None:
     genuine = await net.store("h1", 1)
     h1, h2 = net.uri("h1"), net.uri("h2")  # h2 published a twin of block 1 and gave the block up since
     own = f"moqt://127.0.0.1:{net.server.port}/"  # a holder's moqt:// twin shares its port

@@ -2,7 +2,7 @@
 into the attempt's decoder (``Response.receive_into`` with a sink around it: no scratch buffer, no ``bytes`` chunk),
 and layers still stream as they are verified; every failure maps as over HTTP/3.
 
-The servers are tests/test_retrieval.py's (one RoleServer with the Index Service, real holders and misbehaving
+The servers are tests/support/retrieval.py's (one RoleServer with the Index Service, real holders and misbehaving
 fake holders on 127.0.0.1); here the client prefers the TCP path.
 """
 
@@ -21,29 +21,27 @@ from kvsp_quic import container as c
 from kvsp_quic.container import DecodedLayer
 from kvsp_quic.records import ReplicaRecord, ResidencyEntry
 from kvsp_quic.retrieval_plan import DefaultRanking, LayerRange, Ranking
-from tests.test_retrieval import (  # noqa: F401  (certs and net are fixtures)
+from tests.support.retrieval import (
     LAYERS,
     Net,
     assert_block,
     block,
-    certs,
     key,
-    net,
     one_match,
 )
 
 
 @pytest.fixture
-async def tcp(net: Net) -> AsyncIterator[KvspClient]:  # noqa: F811
+async def tcp(net: Net) -> AsyncIterator[KvspClient]:
     async with KvspClient(net.certs.files("alice"), timeout=10.0, prefer="tcp") as client:
         yield client
 
 
-def fetcher_of(net: Net, client: KvspClient, **kwargs: Any) -> BlockFetcher:  # noqa: F811
+def fetcher_of(net: Net, client: KvspClient, **kwargs: Any) -> BlockFetcher:
     return BlockFetcher(client, net.uri("is"), descriptors=[net.d], **kwargs)
 
 
-async def gated_layers(net: Net, fake: str, stream: AsyncIterable[DecodedLayer]) -> list[DecodedLayer]:  # noqa: F811
+async def gated_layers(net: Net, fake: str, stream: AsyncIterable[DecodedLayer]) -> list[DecodedLayer]:
     """The layers of *stream*, opening the fake holder's gate after each one (so the holder sends layer l + 1 only
     once the caller has layer l: a layer held back until the body ends deadlocks, caught by the timeout)."""
     net.fakes[fake].gate = gate = asyncio.Event()
@@ -55,7 +53,7 @@ async def gated_layers(net: Net, fake: str, stream: AsyncIterable[DecodedLayer])
     return out
 
 
-async def test_the_body_lands_in_the_decoders_own_buffer_while_layers_stream(net: Net, tcp: KvspClient) -> None:  # noqa: F811
+async def test_the_body_lands_in_the_decoders_own_buffer_while_layers_stream(net: Net, tcp: KvspClient) -> None:
     """Zero-copy mode: TLS decrypts the body into the decoder's buffer (one for the block's data), so each layer's
     K and V are single views of that one buffer -- not views of the transport's ``bytes`` chunks -- and each layer
     is handed over before the holder sends the next."""
@@ -75,7 +73,7 @@ async def test_the_body_lands_in_the_decoders_own_buffer_while_layers_stream(net
     assert fetcher.metrics.bytes_by_transport == {"HTTP/1.1": len(block(net.d, 1))}
 
 
-async def test_assembled_into_the_callers_buffer(net: Net, tcp: KvspClient) -> None:  # noqa: F811
+async def test_assembled_into_the_callers_buffer(net: Net, tcp: KvspClient) -> None:
     await net.store("h1", 1)
     arena = bytearray(1 << 16)
     fetcher = fetcher_of(net, tcp, assemble=True, allocate=lambda n: memoryview(arena)[:n])
@@ -84,7 +82,7 @@ async def test_assembled_into_the_callers_buffer(net: Net, tcp: KvspClient) -> N
     assert all(part.obj is arena for layer in result.layers for part in layer.k_parts + layer.v_parts)
 
 
-async def test_one_layer_and_a_range_of_layers(net: Net, tcp: KvspClient) -> None:  # noqa: F811
+async def test_one_layer_and_a_range_of_layers(net: Net, tcp: KvspClient) -> None:
     await net.store("h1", 1)
     fetcher = fetcher_of(net, tcp)
     match = await one_match(fetcher, 1)
@@ -99,7 +97,7 @@ async def test_one_layer_and_a_range_of_layers(net: Net, tcp: KvspClient) -> Non
 
 
 async def test_a_corrupt_layer_is_caught_mid_body_and_the_rest_comes_from_the_next_replica(
-        net: Net, tcp: KvspClient) -> None:  # noqa: F811
+        net: Net, tcp: KvspClient) -> None:
     genuine = await net.store("h1", 1)
     net.fakes["bad"].mode = "flip"  # layer 2 has a flipped bit; Repr-Digest matches what is sent
     await net.fake("bad", 1, genuine)
@@ -113,7 +111,7 @@ async def test_a_corrupt_layer_is_caught_mid_body_and_the_rest_comes_from_the_ne
 
 
 @pytest.mark.parametrize("mode", ["repr", "norepr-nolayers"])
-async def test_the_layers_that_end_the_body_wait_for_repr_digest(net: Net, tcp: KvspClient, mode: str) -> None:  # noqa: F811
+async def test_the_layers_that_end_the_body_wait_for_repr_digest(net: Net, tcp: KvspClient, mode: str) -> None:
     """A wrong Repr-Digest fails the replica before its last layer is handed over (the spec: clients MUST verify
     it), even though every layer digest matched; the block then comes whole from the next replica."""
     genuine = await net.store("h1", 1)
@@ -143,7 +141,7 @@ async def test_the_layers_that_end_the_body_wait_for_repr_digest(net: Net, tcp: 
     assert b"".join(bytes(layer.k) + bytes(layer.v) for layer in layers) == original[c.parse_header(original).size:]
 
 
-async def test_a_container_other_than_asked_is_malformed(net: Net, tcp: KvspClient) -> None:  # noqa: F811
+async def test_a_container_other_than_asked_is_malformed(net: Net, tcp: KvspClient) -> None:
     genuine = await net.store("h1", 1)
     net.fakes["bad"].blocks[key(1).hex()] = c.cut(block(net.d, 1), 0, 2).tobytes()  # layers 0-2 for 0-3
     await net.publish(_moved(genuine, net.uri("bad")))
@@ -154,7 +152,7 @@ async def test_a_container_other_than_asked_is_malformed(net: Net, tcp: KvspClie
 
 
 @pytest.mark.parametrize("streamed", [True, False])
-async def test_a_body_that_stalls_is_a_transport_failure(net: Net, streamed: bool) -> None:  # noqa: F811
+async def test_a_body_that_stalls_is_a_transport_failure(net: Net, streamed: bool) -> None:
     """A holder that goes silent mid-body fails the attempt after the stall timeout (``HttpSource``: a few RTTs plus
     the block at a slow rate, at most the request timeout); the layers it delivered stay, the rest come from the
     next replica. Streamed: layers are handed over as they come (the delivery runs in a task of its own); else
