@@ -1,7 +1,8 @@
 """The layering contracts of pyproject.toml's ``[tool.importlinter]`` hold: ``lint-imports`` passes.
 
 CI runs ``lint-imports`` in the README's test command; this test makes the suite fail too, with the offending
-imports in its message, when a module reaches a layer it must not (or an import cycle appears).
+imports in its message, when a module reaches a layer it must not (or an import cycle appears). The tests have a
+rule of their own: no test module imports another (what they share is in tests/support/ and tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -42,3 +43,57 @@ def test_no_contract_needs_an_exception() -> None:
     packaged = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     roots = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists() and p.name not in {"tests", "benchmarks"}}
     assert roots <= packaged, f"packages missing from [tool.setuptools] packages: {sorted(roots - packaged)}"
+
+
+TESTS = ROOT / "tests"
+
+
+def _test_modules_imported(source: str, package: str = "tests") -> list[str]:
+    """The test modules (``tests.test_*``) and ``tests.conftest`` that *source*, a module of *package*, imports, as
+    ``line: module``."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # from . import test_x, from .test_x import y, from .. import conftest
+                parts = package.split(".")
+                base = ".".join([*parts[:len(parts) - node.level + 1], *([base] if base else [])])
+            names = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "tests" and len(parts) > 1 and (parts[1].startswith("test_") or parts[1] == "conftest"):
+                found.append(f"{node.lineno}: {'.'.join(parts[:2])}")
+                break
+    return found
+
+
+def test_the_import_check_sees_every_form() -> None:
+    forms = ["from tests.test_index import C1", "import tests.test_index", "import tests.test_index as ti",
+             "from tests import test_index", "from tests import conftest", "from tests.conftest import x",
+             "from .test_index import C1", "from . import test_index", "def f():\n    from tests.test_x import y"]
+    for form in forms:
+        assert _test_modules_imported(form), form
+    assert _test_modules_imported("from .. import test_index", "tests.support")
+    fine = ["from tests.support.index import C1", "from tests import vectors", "from tests.pki import make_pki",
+            "import tests.helpers", "from . import helpers", "from .support import index", "import test_x"]
+    for form in fine:
+        assert not _test_modules_imported(form), form
+
+
+def test_no_test_module_imports_another() -> None:
+    """Issue 25: what test modules share lives in support modules (tests/support/, tests/helpers.py, tests/pki.py,
+    ...) and the fixtures they share in tests/conftest.py, found by name: no module under tests/ imports a test
+    module (nor tests.conftest), so each test module can be read, moved or deleted on its own."""
+    offenders = {}
+    for path in sorted(TESTS.rglob("*.py")):
+        package = ".".join(path.relative_to(ROOT).parent.parts)  # tests, tests.support
+        if found := _test_modules_imported(path.read_text(), package):
+            offenders[str(path.relative_to(ROOT))] = found
+    assert offenders == {}, "modules under tests/ import test modules (move what they share to tests/support/):\n" + \
+        "\n".join(f"  {path}: {', '.join(found)}" for path, found in offenders.items())
