@@ -78,6 +78,7 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlsplit
 
+from benchmarks.floor import PUT_PASSES, floor_ms, sha256_cpu_ms
 from kvsp_app import event_loop
 
 REPO = Path(__file__).resolve().parent.parent
@@ -648,17 +649,27 @@ def table(results: dict[Op, dict[str, list[float]]], bodies: dict[str, bytes]) -
     return lines
 
 
-def cpu_table(cpu: dict[Op, dict[str, float]]) -> list[str]:
-    """CPU milliseconds per operation, client and server processes together (the steadier figure here)."""
+GET_PASSES = 1  # this head-to-head's GET checks Repr-Digest (Mooncake's checks nothing by default)
+
+
+def cpu_table(cpu: dict[Op, dict[str, float]], sha_ms: dict[str, float]) -> list[str]:
+    """CPU milliseconds per operation, client and server processes together (the steadier figure here), and the
+    same-run floor (benchmarks/floor.py: the mTLS socket's CPU + one SHA-256 pass per digest: the GET's
+    Repr-Digest, the PUT's layer digests at the holder) with ours against it."""
     cols = ["Mooncake", "Mooncake + checksum", "ours h3", "ours h1", "TCP socket", "mTLS socket",
-            "ours least/Mooncake", "ours least/mTLS socket"]
+            "floor (mTLS + SHA-256)", "ours least/Mooncake", "ours least/mTLS socket", "ours least/floor"]
     lines = ["| CPU ms per op (client + server), op | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for op, per in cpu.items():
         cells = [f"{per[s] * 1e3:.2f}" if s in per else "n/a" for s in SUBJECTS]
         ours = [per[s] for s in ("ours h3", "ours h1") if s in per]
         best = min(ours) if ours else None
+        socket = per.get("mtls socket")
+        passes = GET_PASSES if op[0] == "get" else PUT_PASSES
+        floor = floor_ms(socket * 1e3, sha_ms[op[1]], passes) if socket else None
+        cells.append(f"{floor:.2f} ({passes} pass{'es' if passes > 1 else ''})" if floor is not None else "n/a")
         for base in ("mooncake", "mtls socket"):
             cells.append(f"{best / per[base]:.1f}x" if best is not None and per.get(base) else "n/a")
+        cells.append(f"{best * 1e3 / floor:.2f}x" if best is not None and floor else "n/a")
         lines.append(f"| {op_label(op)} | " + " | ".join(cells) + " |")
     return lines
 
@@ -723,7 +734,9 @@ async def run(args: argparse.Namespace, env: Environment, procs: Processes, work
           "by the holder\n")
     print("\n".join(table(results.times, bodies)))
     print()
-    print("\n".join(cpu_table(results.cpu)))
+    sha_ms = {name: sha256_cpu_ms(len(bodies[name])) for name in names}  # the same run's SHA-256, per block
+    print(f"SHA-256 here: {', '.join(f'{n} {ms:.2f} ms' for n, ms in sha_ms.items())} of CPU per pass\n")
+    print("\n".join(cpu_table(results.cpu, sha_ms)))
 
 
 def main() -> None:

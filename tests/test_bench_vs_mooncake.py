@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import bench_vs_mooncake as bench
+from benchmarks.floor import floor_ms, sha256_cpu_ms
 from quic.tls import TlsFiles, ssl_client_context
 
 NAME = "256 KiB"
@@ -79,7 +80,8 @@ async def test_holder_clients_and_ceilings_move_the_block(tmp_path: Path) -> Non
                                                                                       bench.batch_size(op, True))
             assert all(results.cpu[op][s] > 0 for s in subjects)
         lines = bench.table(results.times, bodies)
-        cpu_lines = bench.cpu_table(results.cpu)
+        sha_ms = {NAME: sha256_cpu_ms(len(body))}
+        cpu_lines = bench.cpu_table(results.cpu, sha_ms)
     finally:
         for sock in socks:
             sock.close()
@@ -92,6 +94,13 @@ async def test_holder_clients_and_ceilings_move_the_block(tmp_path: Path) -> Non
     assert all(cell.split(" ")[0].isdigit() for cell in row[3:7]), row  # MB/s (and the p50) of each subject
     assert row[7] == row[8] == "n/a" and float(row[9].rstrip(" |")) > 0
     cpu_row = cpu_lines[2].split(" | ")
-    assert cpu_row[0] == "| get 256 KiB, c1" and cpu_row[1] == cpu_row[2] == "n/a" and cpu_row[-2] == "n/a"
-    assert all(float(cell) > 0 for cell in cpu_row[3:7]) and cpu_row[-1].endswith("x |")
+    assert cpu_row[0] == "| get 256 KiB, c1" and cpu_row[1] == cpu_row[2] == "n/a" and cpu_row[-3] == "n/a"
+    assert all(float(cell) > 0 for cell in cpu_row[3:7]) and cpu_row[-2].endswith("x")
+    # the same-run floor: the mTLS socket's CPU + one SHA-256 pass (the GET's Repr-Digest; the PUT's layer digests)
+    for line, op in zip(cpu_lines[2:4], ops, strict=True):
+        cells = line.split(" | ")
+        floor, passes = cells[7].split(" ", 1)
+        assert passes == "(1 pass)" and abs(float(floor) - floor_ms(float(cells[6]), sha_ms[NAME], 1)) < 0.02, cells
+        ours = min(float(cells[3]), float(cells[4]))
+        assert abs(float(cells[-1].rstrip("x |")) - ours / float(floor)) < 0.05, (op, cells)
     assert len(started) == 2 and all(proc.poll() is not None for proc in started)  # both stopped
