@@ -90,7 +90,9 @@ class Superseded(Exception):
 
 
 _CAS_TRIES = 16
-_ACTIVATION_POLL_S = 0.1  # how often a wait for an active instance reads the stored statuses
+_STORE_POLL_S = 0.1  # how often a wait for another replica's change (an active instance, a move) reads the store
+_MIN_TICK_S = 0.01  # the failure check runs at most this often
+_IDLE_TICK_S = 1.0  # and at least this often with a store only this process writes (else every tick interval)
 
 
 class ControllerService:
@@ -113,6 +115,9 @@ class ControllerService:
         self._tasks: set[asyncio.Task[bool]] = set()
         self._migrating: set[uuid.UUID] = set()
         self._closing = False  # aclose() began: no migration starts any more
+        self._next_tick = float("inf")  # when the ticker wakes next (role clock): a report due earlier kicks it
+        self._migrations_due = False  # the last tick found sessions to migrate (they may wait for an instance)
+        self._saved: dict[uuid.UUID, set[asyncio.Event]] = {}  # set when this process stores the session
         self.maps = ShardMaps(role, link, self.store, self.replica)  # the shard maps and their resharding
 
     # -- the store: read before a decision, write after it --------------------------------------------------------
@@ -163,6 +168,8 @@ class ControllerService:
             return False
         session.version = version
         self._hold(session)
+        for waiting in self._saved.get(session.id, ()):
+            waiting.set()
         return True
 
     async def _persist(self, session: PlacedSession, *, strict: bool = False) -> None:
@@ -238,12 +245,14 @@ class ControllerService:
                             record: InstanceStatusRecord) -> StateMessage:
         """PUT instances/{instance-id}/status: judged by the role on the stored view of the instance (every
         replica's), written through (the store refuses an epoch lower than one any replica accepted); wakes whoever
-        waits for it."""
+        waits for it, and the ticker when a failover is likely, an instance became active (migrations waiting for
+        one) or the status expires before the ticker's next look."""
         await self.refresh()
         report = self.role.report_status(principal, instance_id, record)
         if report.activated:
             self._activated()
-        if report.failover_due:
+        expires_at = report.expires_at
+        if report.failover_due or report.activated or (expires_at is not None and expires_at < self._next_tick):
             self.kick.set()
         await self._push_status(record.instance)
         return report.answer
@@ -323,11 +332,11 @@ class ControllerService:
     async def _until_activated(self, waiting: asyncio.Event) -> None:
         """Until an instance becomes active. A report to this replica sets *waiting*; the report may reach another
         replica sharing the store (the start hook's instance reports to any), so the stored statuses are read every
-        ``_ACTIVATION_POLL_S`` too: an instance active there that was not active here before counts."""
+        ``_STORE_POLL_S`` too: an instance active there that was not active here before counts."""
         before = self._active()
         while True:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(_ACTIVATION_POLL_S):
+                async with asyncio.timeout(_STORE_POLL_S):
                     await waiting.wait()
             if waiting.is_set():
                 return
@@ -532,15 +541,29 @@ class ControllerService:
         return await self._moved(principal, session_id, report.epoch)
 
     async def _moved(self, principal: Principal, session_id: uuid.UUID, epoch: int) -> SuspectAnswer:
-        """The session once it is past *epoch* (``moved``), or as it is after ``suspect_wait_ms`` (``migrating``)."""
+        """The session once it is past *epoch* (``moved``), or as it is after ``suspect_wait_ms`` (``migrating``).
+        Read again whenever this process stores the session (its migration), and every ``_STORE_POLL_S`` when
+        another replica may move it."""
         deadline = time.monotonic() + self.role.config.suspect_wait_ms / 1000
         while True:
             info = await self.session_info(principal, session_id)
             if info.epoch > epoch or info.state is SessionState.DONE:
                 return SuspectAnswer.of(info, Verdict.MOVED)
-            if time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return SuspectAnswer.of(info, Verdict.MIGRATING)
-            await asyncio.sleep(0.02)
+            saved = asyncio.Event()
+            waiting = self._saved.setdefault(session_id, set())
+            waiting.add(saved)
+            try:
+                async with asyncio.timeout(min(left, _STORE_POLL_S) if self.store.shared else left):
+                    await saved.wait()
+            except TimeoutError:
+                pass
+            finally:
+                waiting.discard(saved)
+                if not waiting and self._saved.get(session_id) is waiting:
+                    del self._saved[session_id]
 
     def _failed_run(self, instance: str, instance_epoch: int) -> bool:
         status = self.role.status
@@ -554,6 +577,7 @@ class ControllerService:
         role's table forgets them)."""
         await self.refresh()
         due = await self.store.candidates(self._failed_run)
+        self._migrations_due = bool(due)
         self.role.forget_expired()
         if self._closing:
             return []
@@ -577,15 +601,24 @@ class ControllerService:
         return task
 
     async def run(self, interval: float) -> None:
-        """Tick every *interval* seconds, and at once when a report says an instance failed or restarted."""
+        """The failure check: a tick when the role next has something to find (its ``next_due()``: the earliest
+        expiry of an instance status), at once on :attr:`kick` (a report of a failure, a restart, an active instance,
+        or a status expiring before that), within *interval* seconds while sessions wait for a migration, and at
+        least every *interval* seconds when other processes write the store (their reports are seen only by reading
+        it), else every ``_IDLE_TICK_S``; never more often than every ``_MIN_TICK_S``."""
+        clock = self.role.clock
         while True:
             self.kick.clear()
             try:
                 await self.tick()
             except Exception as exc:  # the store is away: the next tick tries again
                 log.warning("controller tick failed: %s", why(exc))
+            longest = interval if self.store.shared or self._migrations_due else max(interval, _IDLE_TICK_S)
+            due = self.role.next_due()
+            wait = longest if due is None else min(longest, max(_MIN_TICK_S, due - clock()))
+            self._next_tick = clock() + wait
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(interval):
+                async with asyncio.timeout(wait):
                     await self.kick.wait()
 
     async def aclose(self) -> None:

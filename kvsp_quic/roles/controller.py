@@ -226,7 +226,9 @@ class PlacementController:
         if activated:
             self._activated()
         restarted = previous_epoch is not None and record.epoch > previous_epoch
-        return StatusReport(answer, activated, restarted or answer.state is InstanceState.FAILED)
+        entry = self.status.get(record.instance)
+        return StatusReport(answer, activated, restarted or answer.state is InstanceState.FAILED,
+                            entry.expires_at if entry is not None else None)
 
     def check_state_change(self, instance: str, state: InstanceState) -> None:
         """Raise unless the PC may send ``PUT state`` *state* to *instance* (a live one; never ``failed``)."""
@@ -656,6 +658,13 @@ class PlacementController:
     def lost(self, session: PlacedSession, epoch: int | None) -> bool:
         """Whether a verified suspect report of *epoch* moves *session*: it still runs in that epoch."""
         return epoch is not None and session.state is SessionState.RUNNING and session.epoch == epoch
+
+    def next_due(self) -> float | None:
+        """When the failure check (the adapter's tick) next has something to find, on the clock (None: no instance
+        has a live status): the earliest expiry of a live instance status -- an instance that stops reporting fails
+        then, and the sessions it serves migrate. A report moves its instance's expiry later, except for a new run
+        (:attr:`StatusReport.expires_at` says); a failure reported or probed is an event of its own."""
+        return min((e.expires_at for e in self.status.live()), default=None)
 
     def forget_expired(self) -> None:
         """Drop from :attr:`sessions` those the control store has let expire: done for ``done_ttl_ms``, or without a

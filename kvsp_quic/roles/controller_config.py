@@ -23,7 +23,7 @@ class ControllerConfig:
     prefetch_deadline_ms: int = 1000  # of the directives sent before a session starts
     prefetch_lease_ms: int = 5000
     request_timeout_ms: int = 10_000  # of each request to an instance
-    tick_ms: int = 100  # failure checks
+    tick_ms: int = 100  # failure checks: this often with a shared store or while migrations wait, else at expiries
     session_ttl_ms: int = 3_600_000  # a session without a checkpoint for this long is forgotten
     done_ttl_ms: int = 600_000  # a finished session stays readable for this long
     max_sessions: int = 100_000

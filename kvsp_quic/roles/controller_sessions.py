@@ -228,11 +228,13 @@ def fail_run(table: StatusTable, instance: str, instance_epoch: int) -> bool:
 @dataclass(frozen=True)
 class StatusReport:
     """A status report as the PC took it: the answer for the instance, whether an instance became active (whoever
-    waits for capacity can go on), and whether a failover is likely due (the instance failed or restarted)."""
+    waits for capacity can go on), whether a failover is likely due (the instance failed or restarted), and when the
+    status now held expires (clock seconds: the PC's failure check must look again by then, ``next_due``)."""
 
     answer: StateMessage
     activated: bool
     failover_due: bool
+    expires_at: float | None = None
 
 
 __all__ = [

@@ -150,6 +150,8 @@ def parse_run_key(key: str) -> tuple[str, int]:
 class ControlStore(Protocol):
     """Where the Placement Controller's state lives (module docstring): in this process, or shared by replicas."""
 
+    shared: bool  # other processes write it too: their changes reach this one only by reading it (readers poll)
+
     # sessions
     async def load(self, session_id: uuid.UUID) -> StoredSession | None:
         """The stored session, or None."""

@@ -44,6 +44,8 @@ class _Lock:
 class MemoryControlStore:
     """:class:`~kvsp_quic.storage.control_store.ControlStore` in this process (module docstring)."""
 
+    shared = False  # only this process writes it: whoever reads it learns every change by its own events
+
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
         self._sessions: dict[uuid.UUID, _Held] = {}

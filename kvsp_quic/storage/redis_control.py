@@ -193,6 +193,8 @@ def _raw(value: bytes | str) -> bytes:
 class RedisControlStore:
     """:class:`~kvsp_quic.storage.control_store.ControlStore` in Redis or Redis Cluster (module docstring)."""
 
+    shared = True  # every replica of the PC writes it
+
     def __init__(self, client: Redis | RedisCluster, *, prefix: str = "kvsp:", owns_client: bool = False) -> None:
         self.client = client
         self.cluster = isinstance(client, RedisCluster)
