@@ -1,3 +1,20 @@
+"""The fixtures several test modules share, found by name (no test module imports another: tests/test_layering.py).
+
+The builders behind them are tests/support/'s. By area:
+
+* the whole suite: ``spec_descriptor``, ``redis_url`` (a redis-server of the test's own), ``procs``;
+* the test PKI (tests/pki.py): ``certs`` (role ``server``, per module), ``fresh_certs`` (the same, per test),
+  ``server_holder_certs``, ``holder_certs`` (tests/support/holder_app.py), ``relay_certs``
+  (tests/support/moqt_relay.py), ``pki_dir`` (tests/support/index_app.py);
+* the Index Service (tests/support/index.py): ``env`` (memory store, then Redis), ``redis_server``;
+* real ``kvsp-quic`` processes (tests/support/cluster.py): ``index_store``, ``dev_cluster`` and ``dev_client``,
+  ``index`` and ``index_client``, ``two_holder_cluster``;
+* the instance cluster (tests/support/instance.py, the gpu extra): ``model_dir``, ``reference``, ``instance_cluster``;
+* the retrieval client's servers (tests/support/retrieval.py): ``net``.
+
+A module may override one by defining a fixture of the same name (test_security_owner's ``certs`` adds a PC).
+"""
+
 from __future__ import annotations
 
 import os
@@ -41,11 +58,49 @@ if TYPE_CHECKING:
     from tests.support.instance import Cluster
 
 
+# -- the whole suite ---------------------------------------------------------------------------------------------------
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     for mark in item.iter_markers("needs_peer"):  # tests/peers.py
         if mark.args and mark.args[0] is not None:
             missing_peer(mark.args[0])
+
+
+@pytest.fixture
+def spec_descriptor() -> CompatDescriptor:
+    return CompatDescriptor.from_json(vectors.DESCRIPTOR)
+
+
+if os.environ.get("KVSP_TEST_LOOP") == "uvloop":  # the in-process tests on uvloop, as the servers run by default
+    def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
+        import uvloop
+        return {"uvloop": uvloop.new_event_loop}
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    """A redis-server of the test's own (skipped where it is not installed)."""
+    if REDIS_SERVER is None:
+        missing_peer(SKIP_REASON)
+    with RedisServer.start(tmp_path / "redis") as server:
+        yield server.url
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Process]]:
+    """The ``kvsp-quic`` processes a test started: stopped at its end (a frozen one woken first), none with a
+    traceback on stderr."""
+    started: list[Process] = []
+    yield started
+    for proc in reversed(started):
+        if proc.proc.stderr is not None and proc.proc.stderr.closed:
+            continue  # the test stopped it itself
+        if proc.proc.poll() is None:
+            os.kill(proc.proc.pid, signal.SIGCONT)
+        err = proc.stop()
+        assert "Traceback" not in err, err
 
 
 # -- the test PKI (tests/pki.py's make_pki): one fixture per set of roles that several modules use -------------------
@@ -92,41 +147,6 @@ def relay_certs(tmp_path_factory: pytest.TempPathFactory) -> TestPki:
     """A PKI for the module with the holder, relay and index of tests/support/moqt_relay.py (its :func:`world`)."""
     return make_pki(tmp_path_factory.mktemp("pki"), roles={
         "holder": relay_ids.HOLDER_URI, "relay": relay_ids.RELAY_URI, "index": relay_ids.INDEX_URI})
-
-
-@pytest.fixture
-def spec_descriptor() -> CompatDescriptor:
-    return CompatDescriptor.from_json(vectors.DESCRIPTOR)
-
-
-if os.environ.get("KVSP_TEST_LOOP") == "uvloop":  # the in-process tests on uvloop, as the servers run by default
-    def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
-        import uvloop
-        return {"uvloop": uvloop.new_event_loop}
-
-
-@pytest.fixture
-def redis_url(tmp_path: Path) -> Iterator[str]:
-    """A redis-server of the test's own (skipped where it is not installed)."""
-    if REDIS_SERVER is None:
-        missing_peer(SKIP_REASON)
-    with RedisServer.start(tmp_path / "redis") as server:
-        yield server.url
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Process]]:
-    """The ``kvsp-quic`` processes a test started: stopped at its end (a frozen one woken first), none with a
-    traceback on stderr."""
-    started: list[Process] = []
-    yield started
-    for proc in reversed(started):
-        if proc.proc.stderr is not None and proc.proc.stderr.closed:
-            continue  # the test stopped it itself
-        if proc.proc.poll() is None:
-            os.kill(proc.proc.pid, signal.SIGCONT)
-        err = proc.stop()
-        assert "Traceback" not in err, err
 
 
 # -- the Index Service (tests/support/index.py) ----------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """A real inference instance loads blocks that exist only as partial (layer-range) replicas at two holders (issue 13;
 spec, "Block Retrieval and Storage": a client assembles a layer range from the replicas that hold its parts).
 
-The infrastructure of tests/test_instance_app.py (one RoleServer with the Index Service at ``/is/`` and a holder at
+The instance cluster of tests/support/instance.py (one RoleServer with the Index Service at ``/is/`` and a holder at
 ``/h1/``, a fake PC, instances built by :func:`kvsp_app.instance.build_instance` around a tiny random model),
 with a second holder at ``/h2/``: a producer's prefill stores layers 0-1 of each block at h1 and layers 2-3 at h2,
 and nowhere the whole block. The instance's BlockFetcher (kvsp_client/retrieval.py) assembles every block from the two

@@ -1,6 +1,6 @@
 """MOQT FETCH floods against real server processes (issue 13, point 4): the holder's MOQT endpoint and the relay's.
-The measuring and the legitimate client are tests/test_resource_limits.py's (see its docstring); this module only
-attacks over MOQT.
+The measuring and the legitimate client are tests/support/resource_limits.py's (tests/test_resource_limits.py's
+docstring says how they work); this module only attacks over MOQT.
 """
 
 from __future__ import annotations

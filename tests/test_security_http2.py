@@ -1,7 +1,7 @@
 """Issue 13: the optional HTTP/2 path of the client (``KvspClient(fallback_http2=True)``, httpx) checks the server's
 role identity like the HTTP/1.1 and HTTP/3 paths (docs/security.md): the server certificate's SAN URI must cover
 the URL called (:func:`quic.tls.serves`) before any request is sent. Real servers on 127.0.0.1 with ``--dev``-style
-certificates (tests/test_security_tls.py): the index's certificate answering on the holder's port is refused and
+certificates (tests/support/tls.py's dev_roles): the index's certificate answering on the holder's port is refused and
 the server sees no request; the index at its own port is reached over HTTP/2."""
 
 from __future__ import annotations
