@@ -45,6 +45,7 @@ from kvsp_quic.records import (
     StateMessage,
 )
 from kvsp_quic.roles.controller import PlacementController
+from kvsp_quic.roles.controller_admission import SessionsAtLimit
 from kvsp_quic.roles.controller_placement import (
     AwaitInstanceStep,
     LookupStep,
@@ -118,6 +119,7 @@ class ControllerService:
         self._next_tick = float("inf")  # when the ticker wakes next (role clock): a report due earlier kicks it
         self._migrations_due = False  # the last tick found sessions to migrate (they may wait for an instance)
         self._saved: dict[uuid.UUID, set[asyncio.Event]] = {}  # set when this process stores the session
+        self._read_again_at: dict[str, float] = {}  # per identity at its session limit: when it was read again
         self.maps = ShardMaps(role, link, self.store, self.replica)  # the shard maps and their resharding
 
     # -- the store: read before a decision, write after it --------------------------------------------------------
@@ -368,7 +370,12 @@ class ControllerService:
         await self.refresh()
         for _ in range(_CAS_TRIES):
             await self._fetch(request.session)
-            admission = self.role.admit(principal, request)
+            try:
+                admission = self.role.admit(principal, request)
+            except SessionsAtLimit:
+                if not await self._read_again(principal.identity):
+                    raise
+                admission = self.role.admit(principal, request)
             if not isinstance(admission, Admitted):
                 return admission.info
             session = admission.session
@@ -381,6 +388,20 @@ class ControllerService:
                 return admission
             self.role.abandon(session)  # another replica stored it meanwhile: the next try finds it (a retry)
         raise Unavailable(f"session {request.session}: too many concurrent writes")
+
+    async def _read_again(self, identity: str) -> bool:
+        """*identity* is at its session limit as the role's table holds its sessions: read them from the store again
+        (another replica may have seen some end), at most once per ``client_retry_ms`` per identity. True when they
+        were read."""
+        now, every = time.monotonic(), self.role.config.client_retry_ms / 1000
+        last = self._read_again_at.get(identity)
+        if last is not None and now - last < every:
+            return False
+        self._read_again_at = {i: t for i, t in self._read_again_at.items() if now - t < every}
+        self._read_again_at[identity] = now
+        for session_id in self.role.admission.live(identity, self.role.sessions):
+            await self._fetch(session_id)
+        return True
 
     async def create_session(self, principal: Principal, request: SessionRequest) -> tuple[SessionInfo, bool]:
         """POST sessions: place and start the session; (its info, whether it was created now). A retry of a

@@ -16,9 +16,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kvsp_quic.auth import ALL, Principal, Role
 from kvsp_quic.metrics import Registry
-from kvsp_quic.roles.controller import PlacementController
+from kvsp_quic.problems import TooManyRequests
+from kvsp_quic.roles.controller import ControllerConfig, PlacementController
+from kvsp_quic.roles.controller_lifecycle import SessionEvent
 from kvsp_quic.roles.controller_records import SessionRequest, SessionState
 from kvsp_quic.roles.controller_sessions import Admitted
 from kvsp_quic.roles.index import IndexService
@@ -153,6 +157,36 @@ async def test_two_replicas_migrating_at_once_make_one_epoch(redis_url: str) -> 
         assert stored is not None and stored.epoch == 2 and stored.state is SessionState.MIGRATING
         # the session waits for a migration: every replica's tick finds it
         assert await stores[0].candidates(lambda i, e: False) == [session.id]
+    finally:
+        for store in stores:
+            await store.aclose()
+
+
+async def test_a_client_at_its_limit_is_counted_again_from_the_store(redis_url: str) -> None:
+    """Each replica counts the sessions it holds; one that ended at another replica (its last checkpoint went there)
+    is read again before a client at its ``client_max_sessions`` is refused, so it does not count any more."""
+    stores = [RedisControlStore.from_url(redis_url) for _ in range(2)]
+    try:
+        pcs = []
+        for i, store in enumerate(stores):
+            role = PlacementController(IndexService(MemoryIndexStore(), clock=time.monotonic), clock=time.monotonic,
+                                       config=ControllerConfig(client_max_sessions=1), identity=f"https://pc{i}/")
+            pcs.append(ControllerService(role, HttpInstanceLink(None), store=store))  # type: ignore[arg-type]
+        alice = Principal("urn:kvsp:client:alice", frozenset({Role.CLIENT}), ALL)
+        first, second = (SessionRequest.from_json(session_body(n)) for n in (1, 2))
+        admitted = await pcs[0]._admit(alice, first)
+        assert isinstance(admitted, Admitted)
+        pcs[0].role.placed(admitted.session, 0.01)  # running, as replica 1 holds it
+        await pcs[0]._persist(admitted.session)
+        with pytest.raises(TooManyRequests, match="max_sessions 1"):
+            await pcs[0]._admit(alice, second)
+        ended = await pcs[1]._fetch(first.session)  # its last checkpoint reached replica 2: done there
+        assert ended is not None
+        ended.apply(SessionEvent.FINISHED)
+        await pcs[1]._persist(ended)
+        pcs[0]._read_again_at.clear()  # (read again at most once per client_retry_ms)
+        assert isinstance(await pcs[0]._admit(alice, second), Admitted)
+        assert pcs[0].role.sessions[first.session].state is SessionState.DONE
     finally:
         for store in stores:
             await store.aclose()

@@ -25,6 +25,11 @@ from kvsp_quic.roles.controller_records import SessionState
 from kvsp_quic.roles.controller_sessions import PlacedSession
 
 
+class SessionsAtLimit(TooManyRequests):
+    """429: the client owns ``client_max_sessions`` sessions that are not done, as this PC holds them (with a shared
+    store another replica may have seen some end: the adapter reads them again, :meth:`SessionAdmission.live`)."""
+
+
 class SessionAdmission:
     """The limits of ``POST sessions`` and the placements under way they count (module docstring)."""
 
@@ -45,13 +50,18 @@ class SessionAdmission:
                                   f"(max_in_flight {config.client_max_in_flight})",
                                   retry_after_s=config.client_retry_after_s)
         if len(held) >= config.client_max_sessions:  # (fewer sessions in all: nobody can be over the limit)
-            live = sum(1 for s in held.values() if s.owner == identity and s.state is not SessionState.DONE)
+            live = len(self.live(identity, held))
             if live >= config.client_max_sessions:
-                raise TooManyRequests(f"{identity!r} has {live} sessions that are not done, its limit "
+                raise SessionsAtLimit(f"{identity!r} has {live} sessions that are not done, its limit "
                                       f"(max_sessions {config.client_max_sessions})",
                                       retry_after_s=config.client_retry_after_s)
         if len(held) >= config.max_sessions:
             raise Unavailable(f"the PC holds {len(held)} sessions, its maximum")
+
+    @staticmethod
+    def live(identity: str, held: Mapping[uuid.UUID, PlacedSession]) -> list[uuid.UUID]:
+        """The sessions of *identity* among *held* that are not done."""
+        return [i for i, s in held.items() if s.owner == identity and s.state is not SessionState.DONE]
 
     def began(self, session: PlacedSession) -> None:
         """*session* was admitted: its placement is under way."""
@@ -66,4 +76,4 @@ class SessionAdmission:
                 del self._placing[session.owner]
 
 
-__all__ = ["SessionAdmission"]
+__all__ = ["SessionAdmission", "SessionsAtLimit"]
