@@ -46,19 +46,13 @@ from tests.support.pc_app import (
     cluster,
     session_body,
 )
+from tests.support.waits import until
 
 
 @pytest.fixture
 async def c(tmp_path: Path) -> AsyncIterator[Cluster]:
     async with cluster(tmp_path) as found:
         yield found
-
-
-async def wait_for(predicate: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)
 
 
 # -- sessions, placement, lifecycle -------------------------------------------------------------------------------
@@ -107,7 +101,7 @@ async def test_placement_checkpoints_failover_metrics(c: Cluster) -> None:
         got = await c.call("alice", "GET", f"sessions/{body['session']}")
         return bool(got.json()["epoch"] == 2 and got.json().get("instance") == c.uri("ic"))
 
-    await wait_for(moved)
+    await until(moved)
     resume, = ic.of("resume")
     assert resume.epoch == 2 and resume.checkpoint.generated == (1, 2, 3) and resume.max_tokens == 16
     late = await c.call("ia", "PUT", f"sessions/{body['session']}/checkpoint", checkpoint(body, 1, [1, 2, 3, 4]))

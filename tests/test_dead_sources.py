@@ -23,6 +23,7 @@ from kvsp_quic.roles.status import endpoint
 from moqt.aio import MoqtPool
 from quic.tls import TlsFiles
 from tests.support.cluster import DESCRIPTOR, KEYER, block, block_url
+from tests.support.waits import until
 
 BLOCKS = 6
 
@@ -43,15 +44,6 @@ async def replicas(fetcher: BlockFetcher, count: int) -> list[set[str]]:
     return [{r.holder for r in m.replicas} for m in found.blocks]
 
 
-async def wait_for(check: Any, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not await check():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.1)
-    return True
-
-
 async def test_a_holder_killed_mid_load_costs_little(two_holder_cluster: dict[str, Any]) -> None:
     ready = two_holder_cluster["index"]
     files = TlsFiles(Path(ready["ca"]), Path(ready["client_cert"]), Path(ready["client_key"]))
@@ -66,7 +58,7 @@ async def test_a_holder_killed_mid_load_costs_little(two_holder_cluster: dict[st
         fetcher = BlockFetcher(client, ready["base_uri"], descriptors=[DESCRIPTOR], ranking=Prefer(dead["base_uri"]),
                                sources=[MoqtSource(pool, [DESCRIPTOR]), HttpSource(client)])
         everyone = {dead["base_uri"], dead["moqt"], alive["base_uri"], alive["moqt"]}
-        assert await wait_for(lambda: _all(fetcher, everyone), 15), await replicas(fetcher, BLOCKS)
+        await until(lambda: _all(fetcher, everyone), 15, "every holder's replicas of every block")
 
         first = await fetcher.load_prefix(DESCRIPTOR.compat_id, KEYER.scope_id, [block(0)[0]])
         assert first[0] is not None and first[0].record.holder == dead["moqt"]  # a MOQT connection to it is open
@@ -92,7 +84,7 @@ async def test_a_holder_killed_mid_load_costs_little(two_holder_cluster: dict[st
         assert {r.holder for r in order.blocks[0].replicas[:2]} == {alive["base_uri"], alive["moqt"]}  # tried last
 
         # its liveness record (4 s by default) lapses: its replicas leave the lookups, 56 s before their TTL ends
-        assert await wait_for(lambda: _exactly(fetcher, {alive["base_uri"], alive["moqt"]}), 10)
+        await until(lambda: _exactly(fetcher, {alive["base_uri"], alive["moqt"]}), 10, "only the live holder")
 
 
 async def _all(fetcher: BlockFetcher, holders: set[str]) -> bool:

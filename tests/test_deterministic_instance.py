@@ -9,7 +9,8 @@ import pytest
 pytest.importorskip("torch", reason="the gpu extra (torch) is not installed")
 
 from kvsp_quic.records import EngineStatus, InstanceStatusRecord
-from tests.support.instance import Cluster, until
+from tests.support.instance import Cluster
+from tests.support.waits import until
 
 
 async def test_a_real_instance_reports_its_engine_and_build(instance_cluster: Cluster) -> None:

@@ -26,6 +26,7 @@ from kvsp_quic.samples import random_sections
 from quic.tls import TransportSettings, ssl_client_context
 from tests.pki import TestPki
 from tests.support.descriptors import small_descriptor
+from tests.support.waits import until
 
 MiB = 1 << 20
 BIG = os.urandom(16 * MiB + 123)
@@ -260,7 +261,7 @@ async def test_server_closes_idle_connection(server_holder_certs: TestPki) -> No
     try:
         first = await pool.request("127.0.0.1", srv.port, "GET", "/chunked")
         await first.aread()
-        await asyncio.sleep(0.6)  # the server closed the idle connection meanwhile
+        await until(lambda: pool.idle("127.0.0.1", srv.port) == 0, 5.0, "the server's close of the idle connection")
         second = await pool.request("127.0.0.1", srv.port, "GET", "/big")
         assert await second.aread() == BIG and pool.connects == 2
     finally:

@@ -34,6 +34,7 @@ from tests.pki import make_pki
 from tests.redis_server import REDIS_SERVER, SKIP_REASON, RedisClusterServers, RedisServer, free_port, needs_redis
 from tests.support.index import C1, H1, H2, PC, S1, S2, bk, hid, make_config, replica, who
 from tests.support.index_app import POLICY
+from tests.support.waits import until
 
 pytest.importorskip("redis", reason="the redis extra is not installed (pip install -e '.[redis]')")
 
@@ -292,15 +293,6 @@ async def two_indexes(pki_dir: Path, redis_url: str) -> AsyncIterator[Pair]:
             await service.store.aclose()
 
 
-async def eventually(check: Any, timeout: float = 10.0) -> float:
-    """Poll *check* (an async predicate) until it holds; the seconds it took."""
-    start = time.monotonic()
-    while not await check():
-        assert time.monotonic() - start < timeout, "not within the timeout"
-        await asyncio.sleep(0.05)
-    return time.monotonic() - start
-
-
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     if REDIS_SERVER is None:
@@ -323,18 +315,18 @@ async def test_two_index_apps_leave_out_and_demote_the_same_replicas(pki_dir: Pa
         assert sorted(map(sorted, await p.lookup("b"))) == [[H1, H2], [H1, H2]]
         # H1 stops refreshing: after its TTL, B leaves its replicas out (as A does), H2's stay
         await asyncio.sleep(1.5)
-        await eventually(lambda: _only(p, "b", [[H2], [H2]]))
+        await until(lambda: _only(p, "b", [[H2], [H2]]))
         assert await p.lookup("a") == [[H2], [H2]]
         # H1 is back (at A): B lists it again within the sync period
         assert (await p.liveness("a", H1, 60_000)).status == 200
-        await eventually(lambda: _has(p, "b", H1))
+        await until(lambda: _has(p, "b", H1))
         # a failure report at A demotes the holder B lists first, in B's lookups of that scope
         first = (await p.lookup("b"))[0][0]
         other = H2 if first == H1 else H1
         report = await p.call("a", "alice", "POST", f"holders/{k.holder_id(first)}/failures",
                               {"holder": first, "scope_id": S1.hex()})
         assert report.status == 202
-        took = await eventually(lambda: _only(p, "b", [[other, first], [other, first]]))
+        took = await until(lambda: _only(p, "b", [[other, first], [other, first]]))
         assert took < 5.0  # the sync period is 250 ms; generous for a loaded machine
         # Redis down: a liveness PUT or a failure report answers 503 problem+json, never 500
         redis_server.stop()
@@ -382,7 +374,7 @@ async def test_two_index_processes_share_liveness(tmp_path: Path, redis_server: 
         assert live.status == 200 and live.json()["ttl_ms"] == 1000
         assert sorted(await listed_at_b()) == [H1, H2]
         await asyncio.sleep(1.0)
-        await eventually(lambda: _listed(listed_at_b, [H2]))
+        await until(lambda: _listed(listed_at_b, [H2]))
 
 
 async def _listed(listed: Any, expected: list[str]) -> bool:

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import hashlib
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -31,6 +31,7 @@ from quic.listener import QuicListener
 from tests.pki import TestPki, make_pki
 from tests.support.descriptors import small_descriptor
 from tests.support.transport import DelayingRelay
+from tests.support.waits import until
 
 ALPNS = ["moqt-18", "moq-00"]
 DRAFTS = pytest.mark.parametrize("alpn", ALPNS)
@@ -114,12 +115,6 @@ async def burst(pool: MoqtPool, port: int, app: Gated, names: list[str]) -> None
     assert await asyncio.gather(*tasks) == [expected(name) for name in names]
 
 
-async def eventually(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.01)
-
-
 def client_ports(pool: MoqtPool, port: int) -> set[int]:
     return {conn.transport._transport.get_extra_info("sockname")[1]  # type: ignore[attr-defined]
             for conn in pool.connections(uri(port))}
@@ -197,7 +192,7 @@ async def test_after_goaway_a_connection_takes_no_new_fetches_and_closes_when_do
         served_side = app.conns[0]
         served_side.session.goaway()
         served_side.flush()
-        await eventually(lambda: old.goaway is not None)
+        await until(lambda: old.goaway is not None)
         app.through.add(b"fresh")
         assert await fetch(pool, listener.port, "fresh") == expected("fresh")  # on a new connection
         assert pool.connects == 2 and old.closed is None  # its fetch is still under way
@@ -205,7 +200,7 @@ async def test_after_goaway_a_connection_takes_no_new_fetches_and_closes_when_do
         assert await held == expected("held")
         app.through.add(b"next")
         assert await fetch(pool, listener.port, "next") == expected("next")  # the pool sweeps the old one
-        await eventually(lambda: old.closed is not None)
+        await until(lambda: old.closed is not None)
         assert len(set(app.peers)) == 2 and pool.connects == 2
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -44,6 +44,7 @@ from tests.support.moqt_relay import (
     key,
     layers,
 )
+from tests.support.waits import until
 
 POLICY = Policy.from_dict({"principal": [  # alice and bob read the same scope
     {"identity": HOLDER_URI, "roles": ["holder"], "scopes": "*"},
@@ -104,12 +105,6 @@ def check_refusal(exc: MoqtRequestError, draft: Draft, retry_ms: int) -> None:
     else:  # FETCH_ERROR / SUBSCRIBE_ERROR have no such code or field: INTERNAL_ERROR, the hint in the reason
         assert exc.error_code == RequestErrorCode14.INTERNAL_ERROR and exc.retry_interval == 0
     assert b"excessive load" in exc.reason and f"retry after {retry_ms} ms".encode() in exc.reason
-
-
-async def until(check: Callable[[], bool], seconds: float = 10) -> None:
-    async with asyncio.timeout(seconds):
-        while not check():
-            await asyncio.sleep(0.01)
 
 
 @pytest.mark.parametrize("alpn", ALPNS)

@@ -9,7 +9,6 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from kvsp_quic.records import LookupRequest
 from kvsp_quic.samples import example_descriptor, random_sections
 from quic.tls import TlsFiles
 from tests.helpers import Process, run_cli
+from tests.support.waits import until
 
 DESCRIPTOR = example_descriptor()
 KEYER = BlockKeyer(bytes(range(32)), DESCRIPTOR.compat_id, DESCRIPTOR.block_tokens)
@@ -114,15 +114,6 @@ def files_of(ready: dict[str, Any]) -> TlsFiles:
     return TlsFiles(Path(ready["ca"]), Path(ready["client_cert"]), Path(ready["client_key"]))
 
 
-async def until(check: Callable[[], Awaitable[bool]], timeout: float, what: str) -> float:
-    """Seconds until *check* holds (polled every 50 ms); fails after *timeout*."""
-    start = time.monotonic()
-    while not await check():
-        assert time.monotonic() - start < timeout, f"{what}: not within {timeout} s"
-        await asyncio.sleep(0.05)
-    return time.monotonic() - start
-
-
 def block(i: int) -> tuple[bytes, bytes]:
     tokens = list(range(1000, 1000 + 4 * (i + 1)))
     key = KEYER.keys(tokens)[-1]
@@ -174,7 +165,7 @@ async def test_the_client_fails_over_and_probes_the_failed_uri_again(tmp_path: P
         await asyncio.sleep(0.6)
         assert eps.probes_due() == [dead]
         await api.lookup(eps, lookup_of(block(0)[0]))  # starts a probe of the dead URI in the background
-        await until(lambda: asyncio.sleep(0, not eps._probes), 10.0, "the probe")
+        await until(lambda: not eps._probes, 10.0, "the probe")
         assert eps.is_down(dead) and eps.probes_due() == []  # still dead: the next probe is later (1 s)
         with pytest.raises(RetryElsewhere):  # a plain str is one URI, as before
             await api.lookup(dead, lookup_of(block(0)[0]), timeout=3)
@@ -196,7 +187,7 @@ async def test_the_keepalive_notices_a_stopped_peer_within_two_seconds(tmp_path:
         try:
             started = time.monotonic()
             in_flight = asyncio.ensure_future(client.send("GET", f"{uri}instances", retries=0))
-            elapsed = await until(lambda: asyncio.sleep(0, client.pooled(uri) == 0), 5.0, "the pooled connection")
+            elapsed = await until(lambda: client.pooled(uri) == 0, 5.0, "the pooled connection")
             assert elapsed < 2.5, elapsed
             with pytest.raises(TransportError):  # the request on it failed with it, not after 30 s
                 await asyncio.wait_for(in_flight, 10)

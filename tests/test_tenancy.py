@@ -9,7 +9,6 @@ observation of the wire, not of the PC's internals.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import socket
 import time
@@ -35,6 +34,7 @@ from kvsp_runtime.controller_service import ControllerService
 from tests.pki import make_pki
 from tests.support.index import C1, S1, S2, bk, replica
 from tests.support.pc_app import BLOCK, Cluster, FakeInstance, session_body
+from tests.support.waits import until
 
 NAMES = ("pc", "ia", "ib", "h1", "h2")
 
@@ -130,15 +130,18 @@ async def test_placement_never_crosses_tenants(t: Cluster) -> None:
     # A's instance fails (reports failed): A's running session is not resumed on B's instance, and new sessions of
     # A fail with the typed 503 while B's idle instance is live
     assert (await t.report("ia", state=InstanceState.FAILED)).status == 200
-    await asyncio.sleep(0.3)  # a few ticks of the migration loop
+    async def migrating() -> bool:
+        got = (await t.call("alice", "GET", f"sessions/{body['session']}")).json()
+        return bool(got["state"] == "migrating" and "instance" not in got)
+
+    await until(migrating, 5.0, "the failed instance's session, migrating")  # the migration loop has run
     refused = await t.call("alice", "POST", "sessions", session_body(3))
     assert refused.status == 503, refused.content
     assert refused.headers["content-type"].startswith("application/problem+json")
     assert refused.json()["status"] == 503 and S1.hex() in refused.json()["detail"]
     assert leaked(ib, S1) == []
     assert [kind for kind, _ in ib.calls] == ["prefetch", "start"] or [kind for kind, _ in ib.calls] == ["start"]
-    info = await t.call("alice", "GET", f"sessions/{body['session']}")
-    assert info.json()["state"] == "migrating" and "instance" not in info.json()
+    assert await migrating()  # with nowhere else of its scope to go, it stays migrating
 
     # A's instance comes back (a new run): the migrating session resumes there, not anywhere else
     assert (await t.report("ia", epoch=2)).status == 200
@@ -147,10 +150,7 @@ async def test_placement_never_crosses_tenants(t: Cluster) -> None:
         got = await t.call("alice", "GET", f"sessions/{body['session']}")
         return bool(got.json().get("instance") == t.uri("ia"))
 
-    deadline = time.monotonic() + 5.0
-    while not await resumed():
-        assert time.monotonic() < deadline, "the session was not resumed on tenant A's instance"
-        await asyncio.sleep(0.05)
+    await until(resumed, 5.0, "the session, resumed on tenant A's instance")
     assert leaked(ib, S1) == []
 
 

@@ -18,4 +18,5 @@ tests/vectors.py -- stay where they were.
   ``moqt_examples`` (every control message, fetch streams, datagrams)
 * transports and security: ``transport`` (QUIC helpers), ``tls`` (``--dev`` role identities), ``crl`` (revocation)
 * the front end: ``frontend`` (a byte tokenizer, a one-instance PC)
+* waiting: ``waits`` (``until``: a bounded poll for an event, the seconds it took)
 """

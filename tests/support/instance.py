@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -209,14 +208,6 @@ def tokens_of(lines: list[dict[str, Any]]) -> list[int]:
     body = lines[:-1]
     assert [x["index"] for x in body] == list(range(body[0]["index"], body[0]["index"] + len(body)))
     return [x["token"] for x in body]
-
-
-async def until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
 
 
 async def lookup(cl: Cluster, d: CompatDescriptor, keys: Sequence[bytes]) -> dict[str, Any]:
