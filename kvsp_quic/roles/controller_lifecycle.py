@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from types import MappingProxyType
 
 from kvsp_quic.roles.controller_records import SessionState
+from kvsp_quic.roles.transitions import IllegalTransition, TransitionTable
 
 
 class SessionEvent(enum.Enum):
@@ -34,9 +34,15 @@ class SessionEvent(enum.Enum):
     FINISHED = "finished"  # its instance reported the last token (a checkpoint with done, or at max_tokens)
 
 
+class IllegalSessionTransition(IllegalTransition):
+    """An event that the session's state does not allow (a broken rule of the PC, never the client's doing)."""
+
+    subject = "a session"
+
+
 _S, _E = SessionState, SessionEvent
 
-SESSION_TRANSITIONS: Mapping[tuple[SessionState, SessionEvent], SessionState] = MappingProxyType({
+SESSIONS: TransitionTable[SessionState, SessionEvent] = TransitionTable({
     (_S.PLACING, _E.PLACED): _S.RUNNING,
     (_S.PLACING, _E.PLACEMENT_ABANDONED): _S.MIGRATING,
     (_S.PLACING, _E.FINISHED): _S.DONE,
@@ -47,25 +53,12 @@ SESSION_TRANSITIONS: Mapping[tuple[SessionState, SessionEvent], SessionState] = 
     (_S.DONE, _E.PLACED): _S.DONE,
     (_S.DONE, _E.MIGRATED): _S.DONE,
     (_S.DONE, _E.FINISHED): _S.DONE,
-})
-"""Every legal (state, event) pair and the state it leads to (module docstring)."""
+}, IllegalSessionTransition)
+"""The session's machine: every legal (state, event) pair and the state it leads to (module docstring)."""
+
+SESSION_TRANSITIONS: Mapping[tuple[SessionState, SessionEvent], SessionState] = SESSIONS.pairs
+next_state = SESSIONS.next_state
+"""The state an event leads to from a state; :class:`IllegalSessionTransition` when the table has no such pair."""
 
 
-class IllegalSessionTransition(RuntimeError):
-    """An event that the session's state does not allow (a broken rule of the PC, never the client's doing)."""
-
-    def __init__(self, state: SessionState, event: SessionEvent) -> None:
-        super().__init__(f"a session in state {state.value!r} cannot take the event {event.value!r}")
-        self.state = state
-        self.event = event
-
-
-def next_state(state: SessionState, event: SessionEvent) -> SessionState:
-    """The state *event* leads to from *state*; :class:`IllegalSessionTransition` when the table has no such pair."""
-    try:
-        return SESSION_TRANSITIONS[state, event]
-    except KeyError:
-        raise IllegalSessionTransition(state, event) from None
-
-
-__all__ = ["SESSION_TRANSITIONS", "IllegalSessionTransition", "SessionEvent", "next_state"]
+__all__ = ["SESSIONS", "SESSION_TRANSITIONS", "IllegalSessionTransition", "SessionEvent", "next_state"]

@@ -1,8 +1,8 @@
 """The instance's lifecycle (spec, "Instance Status and Lifecycle") as a transition table (h11 style; no I/O).
 
 The state changes only by an event applied with :func:`next_state` (through :meth:`Lifecycle.apply`): the pair
-(state, event) is looked up in :data:`LIFECYCLE_TRANSITIONS`; a pair the table lacks raises
-:class:`IllegalLifecycleTransition`, naming both. ::
+(state, event) is looked up in :data:`LIFECYCLE` (a kvsp_quic.roles.transitions table); a pair the table lacks
+raises :class:`IllegalLifecycleTransition`, naming both. ::
 
     active | draining | sleeping --activate--> active      (PUT state active)
     active | draining | sleeping --drain--> draining       (PUT state draining or sleeping; the PC granted a sleep)
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping
-from types import MappingProxyType
 
 from kvsp_quic.compat import InstanceState
 from kvsp_quic.problems import InvalidState
 from kvsp_quic.roles.instance_sessions import Clock
+from kvsp_quic.roles.transitions import IllegalTransition, TransitionTable
 
 
 class LifecycleEvent(enum.Enum):
@@ -30,9 +30,15 @@ class LifecycleEvent(enum.Enum):
     IDLE = "idle"  # its last session in flight ended while draining
 
 
+class IllegalLifecycleTransition(IllegalTransition):
+    """An event the instance's state does not allow (a broken rule of the role, never a peer's doing)."""
+
+    subject = "an instance"
+
+
 _S, _E = InstanceState, LifecycleEvent
 
-LIFECYCLE_TRANSITIONS: Mapping[tuple[InstanceState, LifecycleEvent], InstanceState] = MappingProxyType({
+LIFECYCLE: TransitionTable[InstanceState, LifecycleEvent] = TransitionTable({
     (_S.ACTIVE, _E.ACTIVATE): _S.ACTIVE,
     (_S.DRAINING, _E.ACTIVATE): _S.ACTIVE,
     (_S.SLEEPING, _E.ACTIVATE): _S.ACTIVE,
@@ -40,26 +46,12 @@ LIFECYCLE_TRANSITIONS: Mapping[tuple[InstanceState, LifecycleEvent], InstanceSta
     (_S.DRAINING, _E.DRAIN): _S.DRAINING,
     (_S.SLEEPING, _E.DRAIN): _S.DRAINING,
     (_S.DRAINING, _E.IDLE): _S.SLEEPING,
-})
-"""Every legal (state, event) pair and the state it leads to (module docstring)."""
+}, IllegalLifecycleTransition)
+"""The instance's machine: every legal (state, event) pair and the state it leads to (module docstring)."""
 
-
-class IllegalLifecycleTransition(RuntimeError):
-    """An event the instance's state does not allow (a broken rule of the role, never a peer's doing)."""
-
-    def __init__(self, state: InstanceState, event: LifecycleEvent) -> None:
-        super().__init__(f"an instance in state {state.value!r} cannot take the event {event.value!r}")
-        self.state = state
-        self.event = event
-
-
-def next_state(state: InstanceState, event: LifecycleEvent) -> InstanceState:
-    """The state *event* leads to from *state*; :class:`IllegalLifecycleTransition` when the table has no such
-    pair."""
-    try:
-        return LIFECYCLE_TRANSITIONS[state, event]
-    except KeyError:
-        raise IllegalLifecycleTransition(state, event) from None
+LIFECYCLE_TRANSITIONS: Mapping[tuple[InstanceState, LifecycleEvent], InstanceState] = LIFECYCLE.pairs
+next_state = LIFECYCLE.next_state
+"""The state an event leads to from a state; :class:`IllegalLifecycleTransition` when the table has no such pair."""
 
 
 class Lifecycle:
@@ -140,4 +132,5 @@ class Lifecycle:
             self._idle_since = self._clock()
 
 
-__all__ = ["LIFECYCLE_TRANSITIONS", "IllegalLifecycleTransition", "Lifecycle", "LifecycleEvent", "next_state"]
+__all__ = ["LIFECYCLE", "LIFECYCLE_TRANSITIONS", "IllegalLifecycleTransition", "Lifecycle", "LifecycleEvent",
+           "next_state"]
