@@ -123,10 +123,11 @@ class Engine:
 
     async def prefill(self, tokens: Sequence[int], blocks: Sequence[BlockInput] = (), *,
                       keys: Sequence[bytes] | None = None, load_timeout: float | None = None,
-                      prompt_logprobs: int | None = None) -> PrefillResult:
+                      prompt_logprobs: int | None = None, decoded_from: int | None = None) -> PrefillResult:
         trace = PrefillTrace()
         result = await prefill(self.model, self.cache, tokens, blocks, executor=self.executor, trace=trace,
-                               keys=keys, load_timeout=load_timeout, prompt_logprobs=prompt_logprobs)
+                               keys=keys, load_timeout=load_timeout, prompt_logprobs=prompt_logprobs,
+                               decoded_from=decoded_from)
         computed = len(tokens) - len(result.loaded_blocks) * self.block_tokens
         busy = 0.0
         started: float | None = None
@@ -204,8 +205,11 @@ async def run_session(engine: Engine, plan: RunPlan[Page], hooks: SessionHooks[P
     cache = engine.cache
     sampler = TokenSampler.from_record(plan.sampler, plan.output)
     b = cache.block_tokens
+    # the prompt's length: the positions after it were first computed by decode steps (a resume's generated
+    # tokens, prefilled or replayed), and a generated block recomputed here must be computed as they were
+    prompt_len = len(plan.tokens) + len(plan.replay) - len(plan.output)
     result = await engine.prefill(plan.tokens, plan.blocks, keys=plan.keys, load_timeout=plan.load_timeout,
-                                  prompt_logprobs=plan.prompt_logprobs)
+                                  prompt_logprobs=plan.prompt_logprobs, decoded_from=prompt_len)
     seq = result.sequence
     try:
         lost = [i for i in result.recomputed_blocks if i < plan.must_load]

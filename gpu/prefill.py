@@ -207,7 +207,7 @@ async def prefill(model: StepModel, cache: PagedKVCache, tokens: Sequence[int],
                   blocks: Sequence[BlockInput] = (), *, chunk_tokens: int | None = None,
                   executor: Executor | None = None, trace: PrefillTrace | None = None, all_logits: bool = False,
                   load_timeout: float | None = None, keys: Sequence[bytes] | None = None,
-                  prompt_logprobs: int | None = None) -> PrefillResult:
+                  prompt_logprobs: int | None = None, decoded_from: int | None = None) -> PrefillResult:
     """Prefill *tokens*, with the K and V of the first ``len(blocks)`` blocks loaded from *blocks*.
 
     * *chunk_tokens*: the computation's chunk size (default and for exactness: a divisor of the loaded prefix,
@@ -219,6 +219,12 @@ async def prefill(model: StepModel, cache: PagedKVCache, tokens: Sequence[int],
     * *prompt_logprobs*: also compute every prompt token's log probability and that many alternatives
       (``result.prompt_logprobs``): every position is computed then, so *blocks* must be empty. The last token's
       logits are computed as without it (bit for bit): the sampled tokens do not change.
+    * *decoded_from*: the positions from here on were first computed one token at a time, by decode steps (a
+      resumed session's generated tokens: the prompt's length). Every position at or after it that is computed
+      here -- a generated block whose source failed, the suffix -- is computed so again, one token per chunk, and
+      no chunk reaches over it (the prompt's tail is the chunk that first computed it). Without it such a block
+      would be computed as one chunk of the block: K and V equal to the decode steps' only up to rounding (a matrix
+      product's rows depend on how many rows it has on the CPU), and every later logit with them.
     """
     _check_geometry(model, cache)
     n = len(tokens)
@@ -230,6 +236,14 @@ async def prefill(model: StepModel, cache: PagedKVCache, tokens: Sequence[int],
         raise ValueError("chunk_tokens must be positive")
     trace = trace if trace is not None else PrefillTrace()
     layers = model.num_layers
+
+    def bounds(start: int, end: int) -> list[tuple[int, int]]:
+        """The chunks of [start, end): at the multiples of *chunk* before *decoded_from*, one token each after."""
+        if decoded_from is None or end <= decoded_from:
+            return chunk_bounds(start, end, chunk)
+        out = chunk_bounds(start, decoded_from, chunk) if start < decoded_from else []
+        return out + [(p, p + 1) for p in range(max(start, decoded_from), end)]
+
     usable = min(len(blocks), (n - 1) // b)
     if prompt_logprobs is not None and usable:
         raise ValueError("prompt log probabilities need the hidden states of every prompt position: load no block")
@@ -262,7 +276,7 @@ async def prefill(model: StepModel, cache: PagedKVCache, tokens: Sequence[int],
         rows = len(seq.pages) * b
         k_ctx, v_ctx = model.new_context(rows)
         suffix = usable * b
-        chunks = [Chunk(s, e, model.embed(tokens[s:e])) for s, e in chunk_bounds(suffix, n, chunk)]
+        chunks = [Chunk(s, e, model.embed(tokens[s:e])) for s, e in bounds(suffix, n)]
         converted: set[int] = set()
         for layer in range(layers):
             while not loads.ready(layer):
@@ -281,7 +295,7 @@ async def prefill(model: StepModel, cache: PagedKVCache, tokens: Sequence[int],
             for i in new:
                 converted.add(i)
                 trace.add("catchup", layer, i)
-                catchup += [Chunk(s, e, model.embed(tokens[s:e])) for s, e in chunk_bounds(i * b, (i + 1) * b, chunk)]
+                catchup += [Chunk(s, e, model.embed(tokens[s:e])) for s, e in bounds(i * b, (i + 1) * b)]
             if catchup:
                 chunks = sorted(chunks + catchup, key=lambda c: c.start)
             loaded_now = [i for i in range(usable) if not loads.failed[i]]
