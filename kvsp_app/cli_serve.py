@@ -271,20 +271,27 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+
+def _given(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """The flags among *names* given on the command line (those left out keep the configuration's values)."""
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def _serve(run_role: Any, cfg: Any, args: argparse.Namespace) -> int:
+    """Log at ``--log-level`` and run the role *run_role* with *cfg* on its configured event loop until stopped."""
+    _logging(args.log_level)
+    event_loop.run(run_role(cfg, dev_dir=args.dev, policy_path=args.policy), cfg.server.event_loop)
+    return 0
+
 def cmd_frontend(args: argparse.Namespace) -> int:
     from kvsp_app.config import FrontendFile, replace
     from kvsp_app.serve import run_frontend
 
     cfg = _file(FrontendFile, args)
-    overrides: dict[str, Any] = {}
-    for name in ("controller", "model", "model_name", "block_tokens", "scope_key", "max_tokens"):
-        if getattr(args, name) is not None:
-            overrides[name] = getattr(args, name)
+    overrides = _given(args, "controller", "model", "model_name", "block_tokens", "scope_key", "max_tokens")
     cfg = dataclasses.replace(cfg, frontend=replace(cfg.frontend, "frontend", **overrides),
                               **_server_overrides(cfg, args))
-    _logging(args.log_level)
-    event_loop.run(run_frontend(cfg, dev_dir=args.dev, policy_path=args.policy), cfg.server.event_loop)
-    return 0
+    return _serve(run_frontend, cfg, args)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -364,9 +371,7 @@ def cmd_index(args: argparse.Namespace) -> int:
         pc["sleep"] = args.sleep_policy
     cfg = dataclasses.replace(cfg, index=replace(section, "index", **overrides),
                               controller=replace(cfg.controller, "controller", **pc), **_server_overrides(cfg, args))
-    _logging(args.log_level)
-    event_loop.run(run_index(cfg, dev_dir=args.dev, policy_path=args.policy), cfg.server.event_loop)
-    return 0
+    return _serve(run_index, cfg, args)
 
 
 def cmd_holder(args: argparse.Namespace) -> int:
@@ -375,14 +380,9 @@ def cmd_holder(args: argparse.Namespace) -> int:
 
     cfg = _file(HolderFile, args)
     section = cfg.holder
-    overrides: dict[str, Any] = {}
-    if args.index is not None:
-        overrides["index"] = args.index
+    overrides = _given(args, "index", "host_capacity", "replica_ttl_ms", "eviction", "workers")
     if args.descriptor:
         overrides["descriptors"] = [Path(d) for d in args.descriptor]
-    for name in ("host_capacity", "replica_ttl_ms", "eviction", "workers"):
-        if getattr(args, name) is not None:
-            overrides[name] = getattr(args, name)
     if args.local_storage is not None:
         try:
             overrides["local_storage"] = LocalStorageSection(
@@ -393,9 +393,7 @@ def cmd_holder(args: argparse.Namespace) -> int:
     elif args.local_capacity is not None or args.encryption_key_file is not None or args.mac_key_file is not None:
         raise ConfigError("--local-capacity, --encryption-key-file and --mac-key-file need --local-storage DIR")
     cfg = dataclasses.replace(cfg, holder=replace(section, "holder", **overrides), **_server_overrides(cfg, args))
-    _logging(args.log_level)
-    event_loop.run(run_holder(cfg, dev_dir=args.dev, policy_path=args.policy), cfg.server.event_loop)
-    return 0
+    return _serve(run_holder, cfg, args)
 
 
 def cmd_relay(args: argparse.Namespace) -> int:
@@ -404,14 +402,9 @@ def cmd_relay(args: argparse.Namespace) -> int:
 
     cfg = _file(RelayFile, args)
     section = cfg.relay
-    overrides: dict[str, Any] = {}
-    for name in ("index", "cache_bytes", "open_prefixes", "publish_records", "record_ttl_ms", "workers"):
-        if getattr(args, name) is not None:
-            overrides[name] = getattr(args, name)
+    overrides = _given(args, "index", "cache_bytes", "open_prefixes", "publish_records", "record_ttl_ms", "workers")
     cfg = dataclasses.replace(cfg, relay=replace(section, "relay", **overrides), **_server_overrides(cfg, args))
-    _logging(args.log_level)
-    event_loop.run(run_relay(cfg, dev_dir=args.dev, policy_path=args.policy), cfg.server.event_loop)
-    return 0
+    return _serve(run_relay, cfg, args)
 
 
 def cmd_instance(args: argparse.Namespace) -> int:
@@ -419,13 +412,10 @@ def cmd_instance(args: argparse.Namespace) -> int:
     from kvsp_app.serve import check_device, run_instance
 
     cfg = _file(InstanceFile, args)
-    overrides: dict[str, Any] = {}
-    for name in ("model", "model_name", "block_tokens", "dtype", "kv_dtype", "index", "controller", "scope_keys",
-                 "device_pages", "host_pages", "status_ttl_ms", "max_running", "max_tokens", "checkpoint_tokens",
-                 "sleep_after_idle_ms", "replica_ttl_ms", "warmup_tokens", "moqt", "device", "prefer_transport",
-                 "engine"):
-        if getattr(args, name) is not None:
-            overrides[name] = getattr(args, name)
+    overrides = _given(args, "model", "model_name", "block_tokens", "dtype", "kv_dtype", "index", "controller",
+                       "scope_keys", "device_pages", "host_pages", "status_ttl_ms", "max_running", "max_tokens",
+                       "checkpoint_tokens", "sleep_after_idle_ms", "replica_ttl_ms", "warmup_tokens", "moqt", "device",
+                       "prefer_transport", "engine")
     if args.gpu is not None:
         overrides["device"] = f"cuda:{args.gpu}"
     section = replace(cfg.instance, "instance", **overrides)
@@ -433,6 +423,4 @@ def cmd_instance(args: argparse.Namespace) -> int:
     if section.model is None:
         raise ConfigError("--model DIR (or instance.model in --config) is required")
     cfg = dataclasses.replace(cfg, instance=section, **_server_overrides(cfg, args))
-    _logging(args.log_level)
-    event_loop.run(run_instance(cfg, dev_dir=args.dev, policy_path=args.policy), cfg.server.event_loop)
-    return 0
+    return _serve(run_instance, cfg, args)
