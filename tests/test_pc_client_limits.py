@@ -10,36 +10,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
-import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from http3.client import KvspClient
-from http3.server import RoleServer, bind_pair
-from kvsp_http.controller_app import controller_app
 from kvsp_quic.auth import ALL, Policy, Principal, Role
-from kvsp_quic.metrics import Registry
 from kvsp_quic.problems import TooManyRequests, Unavailable
 from kvsp_quic.roles.controller import ControllerConfig, PlacementController
 from kvsp_quic.roles.controller_records import SessionRequest
 from kvsp_quic.roles.controller_sessions import Admitted, Repeated
-from kvsp_quic.roles.index import Geometry, IndexConfig, IndexService
+from kvsp_quic.roles.index import IndexService
 from kvsp_quic.roles.status import LifecyclePolicy, SleepPolicy, StatusTable
 from kvsp_quic.storage.memory_index import MemoryIndexStore
-from kvsp_runtime.controller_link import HttpInstanceLink
-from kvsp_runtime.controller_service import ControllerService
 from tests.helpers import Clock
-from tests.pki import make_pki
-from tests.support.index import C1, S1
-from tests.support.pc_app import BLOCK, Cluster, FakeInstance, checkpoint, session_body
+from tests.support.index import S1
+from tests.support.pc_app import Cluster, checkpoint, cluster, session_body
 
-NAMES = ("pc", "ia", "h1")
+
+def one_instance(uris: dict[str, str]) -> Policy:
+    return Policy.from_dict({"principal": [
+        {"identity": uris["pc"], "roles": ["controller"], "scopes": "*"},
+        {"identity": uris["ia"], "roles": ["instance", "holder"], "scopes": [S1.hex()]},
+        {"identity": "urn:kvsp:client:alice", "roles": ["client"], "scopes": [S1.hex()]},
+        {"identity": "urn:kvsp:client:bob", "roles": ["client"], "scopes": [S1.hex()]}]})
 
 
 @contextlib.asynccontextmanager
@@ -47,48 +43,19 @@ async def limited_pc(root: Path, limits: ControllerConfig,
                      hold: tuple[asyncio.Event, asyncio.Event] | None = None) -> AsyncIterator[Cluster]:
     """The PC and its instance; with *hold* = (arrived, release), the instance's first session start sets
     *arrived* and waits for *release* before it answers."""
-    sockets: dict[str, tuple[socket.socket, socket.socket | None]] = {n: bind_pair("127.0.0.1", 0, 1 << 20)
-                                                                      for n in NAMES}
-    uris = {n: f"https://127.0.0.1:{s[0].getsockname()[1]}/kvsp/" for n, s in sockets.items()}
-    pki = make_pki(root, roles=uris)
-    policy = Policy.from_dict({"principal": [
-        {"identity": uris["pc"], "roles": ["controller"], "scopes": "*"},
-        {"identity": uris["ia"], "roles": ["instance", "holder"], "scopes": [S1.hex()]},
-        {"identity": "urn:kvsp:client:alice", "roles": ["client"], "scopes": [S1.hex()]},
-        {"identity": "urn:kvsp:client:bob", "roles": ["client"], "scopes": [S1.hex()]}]})
-    status = StatusTable(time.monotonic, policy=LifecyclePolicy(SleepPolicy()), max_ttl_ms=60_000)
-    service = IndexService(MemoryIndexStore(), clock=time.monotonic,
-                           config=IndexConfig(geometry={C1: Geometry(BLOCK, 4)}), status=status)
-    pc_client = KvspClient(pki.files("pc"), timeout=5.0)
-    role = PlacementController(service, clock=time.monotonic, config=replace(limits, prefetch_deadline_ms=200),
-                               metrics=Registry(), identity=uris["pc"])
-    controller = ControllerService(role, HttpInstanceLink(pc_client))
-    instance = FakeInstance("ia", uris["ia"])
-    inner = instance.app(policy)
 
-    async def slow(scope: Any, receive: Any, send: Any) -> None:
-        if hold is not None and scope["type"] == "http" and scope["method"] == "POST" \
-                and scope["path"].endswith("/start") and not hold[0].is_set():
-            hold[0].set()
-            await hold[1].wait()  # the instance takes its time to start this session
-        await inner(scope, receive, send)
+    def slowed(_name: str, inner: Any) -> Any:
+        async def slow(scope: Any, receive: Any, send: Any) -> None:
+            if hold is not None and scope["type"] == "http" and scope["method"] == "POST" \
+                    and scope["path"].endswith("/start") and not hold[0].is_set():
+                hold[0].set()
+                await hold[1].wait()  # the instance takes its time to start this session
+            await inner(scope, receive, send)
+        return slow
 
-    servers = [RoleServer(controller_app(service, controller, policy, base_path="/kvsp/", tick_interval=0.05),
-                          pki.files("pc")),
-               RoleServer(slow, pki.files("ia"))]
-    clients = {n: KvspClient(pki.files(n), timeout=10.0, retries=0) for n in ("pc", "ia", "alice", "bob")}
-    try:
-        for name, server in zip(("pc", "ia"), servers, strict=True):
-            await server.start(sockets=sockets[name])
-        for sock in sockets["h1"]:
-            if sock is not None:
-                sock.close()
-        yield Cluster(uris["pc"], uris, service, controller, {"ia": instance}, clients)
-    finally:
-        for client in [*clients.values(), pc_client]:
-            await client.aclose()
-        for server in servers:
-            await server.close()
+    async with cluster(root, one_instance, ("ia",), ("h1",), ("alice", "bob"), config=limits, wrap=slowed,
+                       client_retries=0, client_timeout=10.0) as found:
+        yield found
 
 
 def _body(n: int) -> dict[str, Any]:

@@ -9,34 +9,18 @@ observation of the wire, not of the PC's internals.
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from http3.client import KvspClient
-from http3.server import RoleServer, bind_pair
-from kvsp_http.controller_app import controller_app
 from kvsp_quic import keys as k
 from kvsp_quic.auth import ALL, Policy, Principal, Role
 from kvsp_quic.compat import InstanceState
-from kvsp_quic.metrics import Registry
-from kvsp_quic.roles.controller import ControllerConfig, PlacementController
 from kvsp_quic.roles.controller_records import SessionInfo
-from kvsp_quic.roles.index import Geometry, IndexConfig, IndexService
-from kvsp_quic.roles.status import LifecyclePolicy, SleepPolicy, StatusTable
-from kvsp_quic.storage.memory_index import MemoryIndexStore
-from kvsp_runtime.controller_link import HttpInstanceLink
-from kvsp_runtime.controller_service import ControllerService
-from tests.pki import make_pki
-from tests.support.index import C1, S1, S2, bk, replica
-from tests.support.pc_app import BLOCK, Cluster, FakeInstance, session_body
+from tests.support.index import S1, S2, bk, replica
+from tests.support.pc_app import Cluster, FakeInstance, cluster, session_body
 from tests.support.waits import until
-
-NAMES = ("pc", "ia", "ib", "h1", "h2")
 
 
 def two_tenants(uris: dict[str, str]) -> Policy:
@@ -51,43 +35,9 @@ def two_tenants(uris: dict[str, str]) -> Policy:
     ]})
 
 
-@contextlib.asynccontextmanager
-async def tenant_cluster(root: Path) -> AsyncIterator[Cluster]:
-    sockets: dict[str, tuple[socket.socket, socket.socket | None]] = {n: bind_pair("127.0.0.1", 0, 1 << 20)
-                                                                      for n in NAMES}
-    uris = {n: f"https://127.0.0.1:{s[0].getsockname()[1]}/kvsp/" for n, s in sockets.items()}
-    pki = make_pki(root, roles=uris)
-    policy = two_tenants(uris)
-    status = StatusTable(time.monotonic, policy=LifecyclePolicy(SleepPolicy()), max_ttl_ms=60_000)
-    service = IndexService(MemoryIndexStore(), clock=time.monotonic,
-                           config=IndexConfig(geometry={C1: Geometry(BLOCK, 4)}), status=status)
-    pc_client = KvspClient(pki.files("pc"), timeout=5.0)
-    role = PlacementController(service, clock=time.monotonic, config=ControllerConfig(prefetch_deadline_ms=200),
-                               metrics=Registry(), identity=uris["pc"])
-    controller = ControllerService(role, HttpInstanceLink(pc_client))
-    servers = [RoleServer(controller_app(service, controller, policy, base_path="/kvsp/", tick_interval=0.05),
-                          pki.files("pc"))]
-    instances = {n: FakeInstance(n, uris[n]) for n in ("ia", "ib")}
-    servers += [RoleServer(inst.app(policy), pki.files(n)) for n, inst in instances.items()]
-    clients = {n: KvspClient(pki.files(n), timeout=5.0) for n in ("pc", "ia", "ib", "alice", "bob")}
-    try:
-        for name, server in zip(("pc", "ia", "ib"), servers, strict=True):
-            await server.start(sockets=sockets[name])
-        for name in ("h1", "h2"):
-            for sock in sockets[name]:
-                if sock is not None:
-                    sock.close()
-        yield Cluster(uris["pc"], uris, service, controller, instances, clients)
-    finally:
-        for client in [*clients.values(), pc_client]:
-            await client.aclose()
-        for server in servers:
-            await server.close()
-
-
 @pytest.fixture
 async def t(tmp_path: Path) -> AsyncIterator[Cluster]:
-    async with tenant_cluster(tmp_path) as found:
+    async with cluster(tmp_path, two_tenants, ("ia", "ib"), ("h1", "h2"), ("alice", "bob")) as found:
         yield found
 
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,6 @@ from tests.support.index import C1, S1, bk
 
 BLOCK = 16
 BYTES_PER_TOKEN = 1024  # what a fake instance counts per token it would transfer in a reshard
-NAMES = ("pc", "ia", "ib", "ic", "h1")
 
 
 @dataclass
@@ -174,30 +174,43 @@ def policy_for(uris: dict[str, str]) -> Policy:
 
 
 @contextlib.asynccontextmanager
-async def cluster(root: Path) -> AsyncIterator[Cluster]:
+async def cluster(root: Path, policy_of: Callable[[dict[str, str]], Policy] = policy_for,
+                  instances_named: Sequence[str] = ("ia", "ib", "ic"), holders: Sequence[str] = ("h1",),
+                  clients_named: Sequence[str] = ("alice",), *, config: ControllerConfig | None = None,
+                  wrap: Callable[[str, Any], Any] | None = None, client_retries: int | None = None,
+                  client_timeout: float = 5.0) -> AsyncIterator[Cluster]:
+    """The index + PC app and recording instances (*instances_named*) behind RoleServers, under *policy_of*'s
+    policy; *holders* are names with a URI (and a certificate) but no server; *clients_named* get a client each.
+    *config*: the PC's (its prefetch deadline is 200 ms); *wrap(name, app)*: an ASGI app in front of an instance's;
+    *client_retries*, *client_timeout*: the clients' (the KvspClient default retries when None)."""
+    names = ("pc", *instances_named, *holders)
     sockets: dict[str, tuple[socket.socket, socket.socket | None]] = {n: bind_pair("127.0.0.1", 0, 1 << 20)
-                                                                      for n in NAMES}
+                                                                      for n in names}
     uris = {n: f"https://127.0.0.1:{s[0].getsockname()[1]}/kvsp/" for n, s in sockets.items()}
     pki = make_pki(root, roles=uris)
-    policy = policy_for(uris)
+    policy = policy_of(uris)
     status = StatusTable(time.monotonic, policy=LifecyclePolicy(SleepPolicy()), max_ttl_ms=60_000)
     service = IndexService(MemoryIndexStore(), clock=time.monotonic,
                            config=IndexConfig(geometry={C1: Geometry(BLOCK, 4)}), status=status)
     pc_client = KvspClient(pki.files("pc"), timeout=5.0)
-    role = PlacementController(service, clock=time.monotonic, config=ControllerConfig(prefetch_deadline_ms=200),
-                               metrics=Registry(), identity=uris["pc"])
+    config = dataclasses.replace(config or ControllerConfig(), prefetch_deadline_ms=200)
+    role = PlacementController(service, clock=time.monotonic, config=config, metrics=Registry(), identity=uris["pc"])
     controller = ControllerService(role, HttpInstanceLink(pc_client))
     servers = [RoleServer(controller_app(service, controller, policy, base_path="/kvsp/", tick_interval=0.05),
                           pki.files("pc"))]
-    instances = {n: FakeInstance(n, uris[n]) for n in ("ia", "ib", "ic")}
-    servers += [RoleServer(inst.app(policy), pki.files(n)) for n, inst in instances.items()]
-    clients = {n: KvspClient(pki.files(n), timeout=5.0) for n in ("pc", "ia", "ib", "ic", "alice")}
+    instances = {n: FakeInstance(n, uris[n]) for n in instances_named}
+    servers += [RoleServer(inst.app(policy) if wrap is None else wrap(n, inst.app(policy)), pki.files(n))
+                for n, inst in instances.items()]
+    options: dict[str, Any] = {"timeout": client_timeout} | ({} if client_retries is None else
+                                                            {"retries": client_retries})
+    clients = {n: KvspClient(pki.files(n), **options) for n in ("pc", *instances_named, *clients_named)}
     try:
-        for name, server in zip(("pc", "ia", "ib", "ic"), servers, strict=True):
+        for name, server in zip(("pc", *instances_named), servers, strict=True):
             await server.start(sockets=sockets[name])
-        sockets["h1"][0].close()
-        if sockets["h1"][1] is not None:
-            sockets["h1"][1].close()
+        for name in holders:
+            for sock in sockets[name]:
+                if sock is not None:
+                    sock.close()
         yield Cluster(uris["pc"], uris, service, controller, instances, clients)
     finally:
         for client in [*clients.values(), pc_client]:
