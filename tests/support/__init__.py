@@ -18,5 +18,7 @@ tests/vectors.py -- stay where they were.
   ``moqt_examples`` (every control message, fetch streams, datagrams)
 * transports and security: ``transport`` (QUIC helpers), ``tls`` (``--dev`` role identities), ``crl`` (revocation)
 * the front end: ``frontend`` (a byte tokenizer, a one-instance PC)
+* vLLM (issue 27): ``vllm_runs`` (the model vLLM's CPU kernels take, running ``vllm_driver`` in .venv-vllm),
+  ``vllm_driver`` (a script for .venv-vllm's interpreter, not imported here)
 * waiting: ``waits`` (``until``: a bounded poll for an event, the seconds it took)
 """
