@@ -146,10 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="an extra SAN IP address or DNS name for every role certificate (repeatable)")
     cinit.set_defaults(handler=cmd_certs_init)
 
-    from kvsp_app import cli_model, cli_serve
+    from kvsp_app import cli_model, cli_serve, cli_vllm
 
     cli_model.add_commands(sub)
     cli_serve.add_commands(sub)
+    cli_vllm.add_commands(sub)
     return parser
 
 

@@ -54,6 +54,21 @@ def parse_scope_key(text: str) -> bytes:
     return check_scope_key(raw)
 
 
+def scope_key_of_file(raw: bytes) -> bytes:
+    """A scope key file's content: hex text (64 or more hex digits, whitespace ignored), or 32 or more raw octets
+    (the format ``kvsp-quic instance --dev`` writes as DIR/scope.key)."""
+    text = b"".join(raw.split())
+    if len(text) >= 64 and len(text) % 2 == 0:
+        try:
+            return check_scope_key(bytes.fromhex(text.decode("ascii")))
+        except (UnicodeDecodeError, ValueError):
+            pass
+    if len(raw) >= MIN_SCOPE_KEY_OCTETS:
+        return bytes(raw)
+    raise KeyInputError(f"expected a scope key of at least {MIN_SCOPE_KEY_OCTETS} octets (raw) or "
+                        f"{2 * MIN_SCOPE_KEY_OCTETS} hex characters")
+
+
 def scope_id(scope_key: bytes) -> ScopeId:
     return ScopeId(hashlib.sha256(SCOPE_LABEL + check_scope_key(scope_key)).digest()[:16])
 
