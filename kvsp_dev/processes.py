@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Literal
 
@@ -39,13 +39,15 @@ class RoleProcess:
     """``python -m kvsp_app ARGS`` started now, named *name*, with ``--log-level LOG_LEVEL`` appended unless *args*
     set one. Standard output is a pipe (:meth:`wait_ready` reads the ready line there). Standard error goes to
     *stderr*: a log file (written, or appended to with *append*), ``"pipe"`` (read at :meth:`stop`, which returns
-    it), or ``"inherit"`` (this process's). *cwd* and *env* are the child's working directory and environment.
+    it), or ``"inherit"`` (this process's). *cwd* and *env* are the child's working directory and environment;
+    *launcher* is a command the role runs under, which must exec it (``("ip", "netns", "exec", NS)``: in a network
+    namespace).
 
     :attr:`args` are *args* as given: ``RoleProcess(p.name, *p.args)`` starts it again."""
 
     def __init__(self, name: str, *args: str, stderr: Path | Literal["pipe", "inherit"] = "inherit",
                  append: bool = False, log_level: str = "WARNING", cwd: Path | None = None,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, launcher: Sequence[str] = ()) -> None:
         self.name = name
         self.args = args
         self.log = stderr if isinstance(stderr, Path) else None
@@ -55,7 +57,7 @@ class RoleProcess:
         self._stderr_text: str | None = None  # what stop() returns, once the pipes are closed
         self._terminated = False
         level = () if "--log-level" in args else ("--log-level", log_level)
-        cmd = [sys.executable, "-m", "kvsp_app", *args, *level]
+        cmd = [*launcher, sys.executable, "-m", "kvsp_app", *args, *level]
         if self.log is not None:
             with self.log.open("a" if append else "w") as err:
                 self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=cwd, env=env)

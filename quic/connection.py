@@ -27,6 +27,12 @@ The gaps of aioquic 1.7.2 (pinned; FACTS.md) are closed here, and nowhere else:
    whose congestion window is a few small packets waits a timer tick for every window. :meth:`KvspQuicConnection.
    ack_now` lets the transport acknowledge at the end of a batch of datagrams (RFC 9000 13.2.2: a receiver
    SHOULD acknowledge after two ack-eliciting packets; one ACK per batch is what :mod:`quic.udp` is for).
+7. aioquic builds every datagram of a connection at the configured ``max_datagram_size``, whatever the path: 16
+   KiB datagrams on a 1500-octet link became IP fragments (RFC 9000, 14: QUIC datagrams must not be fragmented).
+   :meth:`KvspQuicConnection.fit_datagrams` sizes them to the path (:func:`quic.udp.datagram_size` of the route's
+   MTU, at most the configured maximum and the peer's ``max_udp_payload_size``) before the first packet, with the
+   initial congestion window of that size (RFC 9002, 7.2); :meth:`KvspQuicConnection.shrink_datagrams` shrinks
+   them when the kernel refuses one as too large for the path (``EMSGSIZE``: the sockets set DF).
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ from typing import Any, cast
 
 from aioquic import tls
 from aioquic.buffer import Buffer  # type: ignore[attr-defined]  # re-exported from aioquic._buffer
+from aioquic.quic.configuration import SMALLEST_MAX_DATAGRAM_SIZE
+from aioquic.quic.congestion.base import K_INITIAL_WINDOW
 from aioquic.quic.connection import QuicConnection, QuicConnectionState
 from aioquic.quic.packet import pull_quic_transport_parameters
 from aioquic.quic.recovery import QuicPacketPacer
@@ -49,6 +57,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from quic import rtt
 from quic.crl import Revocation
 from quic.tls import check_server_auth
+from quic.udp import DEFAULT_DATAGRAM, datagram_size
 
 log = logging.getLogger("kvsp.quic")
 
@@ -350,7 +359,57 @@ class KvspQuicConnection(QuicConnection):
         pacer.__class__ = OctetBurstPacer
         cast(OctetBurstPacer, pacer).burst = burst
 
-    # -- the peer's UDP payload limit ------------------------------------------------------------------------------
+    # -- datagrams sized to the path and to the peer ------------------------------------------------------------
+
+    _kvsp_peer_udp_limit: int | None = None
+
+    def fit_datagrams(self, mtu: int | None) -> int:
+        """Build datagrams that a path of *mtu* octets carries (:func:`quic.udp.datagram_size`; 1452 where *mtu* is
+        None), never more than the configured ``max_datagram_size`` nor the peer's ``max_udp_payload_size``. Called
+        before the first packet (a client once its socket is connected, a server for each new peer) it also sets
+        the initial congestion window to that of the size (RFC 9002, 7.2: ten datagrams). Returns the size."""
+        size = datagram_size(mtu, self._configuration.max_datagram_size)
+        loss = self._loss
+        fresh = self._packet_number == 0 and not loss.bytes_in_flight
+        size = self._set_datagram_size(size)
+        if fresh:
+            loss._cc.congestion_window = K_INITIAL_WINDOW * size
+        return size
+
+    def shrink_datagrams(self, refused: int, mtu: int | None) -> int:
+        """The kernel refused a datagram of *refused* octets as larger than the path carries (``EMSGSIZE``; DF is
+        set, so it was dropped, not fragmented, and loss recovery resends its frames): build datagrams for *mtu*
+        (the route's MTU as the kernel knows it now), and when that is no smaller, 1452 octets, then 1200. A
+        refused datagram larger than today's size was built before an earlier shrink: nothing changes. Returns
+        the size."""
+        current = self._max_datagram_size
+        if refused > current:
+            return current
+        size = datagram_size(mtu, self._configuration.max_datagram_size)
+        if size >= current:
+            size = DEFAULT_DATAGRAM if current > DEFAULT_DATAGRAM else SMALLEST_MAX_DATAGRAM_SIZE
+        size = self._set_datagram_size(min(size, current))
+        log.debug("datagrams shrunk to %d octets (path MTU %s)", size, mtu)
+        return size
+
+    @property
+    def datagram_size(self) -> int:
+        """The largest datagram this connection builds now."""
+        return self._max_datagram_size
+
+    def _set_datagram_size(self, size: int) -> int:
+        if self._kvsp_peer_udp_limit is not None:
+            size = min(size, self._kvsp_peer_udp_limit)
+        size = max(size, SMALLEST_MAX_DATAGRAM_SIZE)
+        self._max_datagram_size = size
+        loss = self._loss
+        loss._pacer._max_datagram_size = size
+        cc = loss._cc
+        if hasattr(cc, "_max_datagram_size"):
+            cc._max_datagram_size = size
+        if hasattr(cc, "additive_increase_factor"):  # cubic's Reno-friendly growth: one datagram per window
+            cc.additive_increase_factor = size
+        return size
 
     def respect_peer_udp_payload(self) -> int | None:
         """Send no datagram larger than the peer's ``max_udp_payload_size`` transport parameter (RFC 9000, 18.2).
@@ -368,13 +427,11 @@ class KvspQuicConnection(QuicConnection):
             except Exception:  # aioquic already accepted these; be lenient here
                 return None
             limit = params.max_udp_payload_size
-            if limit is not None and limit < self._max_datagram_size:
-                self._max_datagram_size = limit
-                loss = self._loss
-                loss._pacer._max_datagram_size = limit
-                if hasattr(loss._cc, "_max_datagram_size"):
-                    loss._cc._max_datagram_size = limit
-                log.debug("peer limits UDP payloads to %d octets", limit)
+            if limit is not None:
+                self._kvsp_peer_udp_limit = limit
+                if limit < self._max_datagram_size:
+                    self._set_datagram_size(limit)
+                    log.debug("peer limits UDP payloads to %d octets", limit)
             return limit
         return None
 

@@ -181,6 +181,8 @@ class QuicListener:
                                         connection_window=self.settings.connection_window,
                                         max_streams=self.settings.max_streams,
                                         client_cert_optional=self.settings.client_cert_optional)
+        if self._arriving is not None and self._transport is not None:  # datagrams the route to the peer carries
+            quic.fit_datagrams(self._transport.path_mtu(self._arriving))
         protocol = ServerConnectionProtocol(quic, server=self, **kwargs)
         if self._closing:
             quic.close(error_code=0x0, reason_phrase="server shutting down")  # NO_ERROR: refuse politely
@@ -226,6 +228,14 @@ class QuicListener:
         log.debug("QUIC connection limit reached: refusing a connection from %s", addr[0])
         self._transport.sendto(refusal(header.version, header.destination_cid, header.source_cid), addr)
         return True
+
+    def datagram_too_large(self, addr: Any, size: int, mtu: int | None) -> None:
+        """The kernel refused a datagram to *addr* as too large for the path (:mod:`quic.udp`): the connections
+        of that peer shrink theirs."""
+        peer = (addr[0], addr[1])
+        for protocol in list(self._connections):
+            if protocol.peer_addr == peer:
+                protocol.datagram_too_large(addr, size, mtu)
 
     def datagrams_done(self) -> None:
         dirty, self.dirty = self.dirty, set()

@@ -30,7 +30,8 @@ with
 A client connection owns its UDP socket (closed with the connection), connected to the peer so that ICMP port
 unreachable ends the connection at once (:meth:`KvspQuicProtocol.error_received`); a server connection shares
 its listener's.
-:func:`connect_quic` opens a client connection: resolve, bind a tuned socket, handshake, confirmation.
+:func:`connect_quic` opens a client connection: resolve, bind a tuned socket (DF set), size datagrams to the route's
+MTU, handshake, confirmation.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from aioquic.quic.packet import QuicErrorCode
 
 from quic.connection import KvspQuicConnection
 from quic.tls import TlsFiles, TransportSettings, quic_configuration
-from quic.udp import BatchedUdpTransport, bind_udp, connect_udp
+from quic.udp import BatchedUdpTransport, bind_udp, connect_udp, route_mtu
 
 PEER_UNREACHABLE = "peer unreachable (ICMP port unreachable: nothing listens at its port)"
 
@@ -151,6 +152,13 @@ class KvspQuicProtocol(QuicConnectionProtocol):
             self._timer.cancel()
             self._timer = None
             self._timer_at = None
+
+    def datagram_too_large(self, addr: Any, size: int, mtu: int | None) -> None:
+        """The transport's kernel refused a *size*-octet datagram as larger than the path (of *mtu* octets now)
+        carries (:mod:`quic.udp`): smaller datagrams from now on (:meth:`~quic.connection.KvspQuicConnection.
+        shrink_datagrams`); loss recovery resends what was dropped."""
+        if not self.closed:
+            self.quic.shrink_datagrams(size, mtu)
 
     def connection_closed_error(self) -> ConnectionError:
         """What writers and readers get once the connection is gone (caused by :class:`PeerUnreachable` when ICMP
@@ -329,6 +337,7 @@ async def connect_quic(host: str, port: int, files: TlsFiles, *, alpn: Sequence[
     except OSError as exc:  # no route to the peer
         transport.close()
         raise error(f"cannot reach {host}:{port}: {exc.strerror or exc}") from None
+    quic.fit_datagrams(route_mtu(sock))  # datagrams the route to the peer carries unfragmented (quic.udp)
     try:
         protocol.connect(addr)
         async with asyncio.timeout(timeout):

@@ -23,6 +23,20 @@ A client's socket is connected to its peer (:func:`connect_udp`), so the kernel 
 it: the next send or receive fails with ``ECONNREFUSED``, which the transport hands to the protocol's
 ``error_received`` (a QUIC client then ends the connection at once: nothing listens at the peer's port). An
 unconnected socket (a server's) never hears of ICMP errors.
+
+Datagrams sized to the path (RFC 9000, 14: "UDP datagrams MUST NOT be fragmented at the IP layer"; 14.3, 14.4):
+every socket :func:`bind_udp` makes sets DF (:func:`set_dont_fragment`: ``IP_MTU_DISCOVER = IP_PMTUDISC_DO`` on
+IPv4, ``IPV6_MTU_DISCOVER = IPV6_PMTUDISC_DO`` and ``IPV6_DONTFRAG`` on IPv6), so the kernel never cuts a QUIC
+datagram into IP fragments: one larger than the path's MTU fails with ``EMSGSIZE`` instead. A connection builds
+datagrams of :func:`datagram_size` octets: the route's MTU less :data:`PATH_OVERHEAD` (IPv6's header and UDP's,
+reserved on IPv4 too: 1452 on a 1500-octet link, 8952 on 9000, 16 KiB on loopback, whose route MTU is 65536),
+never more than the configured ``max_datagram_size``; :data:`DEFAULT_DATAGRAM` (1452) where the route says
+nothing. The route MTU is read with ``IP_MTU`` from a connected socket (a client's, :func:`route_mtu`), and for an
+unconnected server socket from a throwaway socket connected to the peer (:func:`path_mtu`: a route lookup, no
+packet is sent). A send the kernel refuses as too large for the path (``EMSGSIZE``; ``EINVAL`` for a
+segmentation-offload send whose segments exceed it) is dropped -- QUIC's loss recovery resends its frames -- and
+the protocol's ``datagram_too_large(addr, size, mtu)`` is called with the route's MTU as the kernel knows it now, so
+the connection shrinks its datagrams (:meth:`quic.connection.KvspQuicConnection.shrink_datagrams`).
 """
 
 from __future__ import annotations
@@ -30,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import errno
 import logging
 import socket
 import struct
@@ -47,6 +62,20 @@ UDP_GRO = getattr(socket, "UDP_GRO", 104)  # Linux 5.0+: coalesced runs come wit
 _GRO_CMSG_SPACE = socket.CMSG_SPACE(4) if hasattr(socket, "CMSG_SPACE") else 0
 _GSO_MAX_OCTETS = 65000  # one UDP datagram's payload before segmentation: at most 65507 octets over IPv4
 
+# Linux's values (include/uapi/linux/in.h, in6.h): Python 3.11's socket module names only some of them
+IP_MTU_DISCOVER = getattr(socket, "IP_MTU_DISCOVER", 10)
+IP_PMTUDISC_DO = getattr(socket, "IP_PMTUDISC_DO", 2)  # set DF, never fragment locally; too large: EMSGSIZE
+IP_MTU = getattr(socket, "IP_MTU", 14)  # the path MTU of a connected socket
+IPV6_MTU_DISCOVER = getattr(socket, "IPV6_MTU_DISCOVER", 23)
+IPV6_PMTUDISC_DO = getattr(socket, "IPV6_PMTUDISC_DO", 2)
+IPV6_MTU = getattr(socket, "IPV6_MTU", 24)
+IPV6_DONTFRAG = getattr(socket, "IPV6_DONTFRAG", 62)
+_LINUX = sys.platform.startswith("linux")
+
+PATH_OVERHEAD = 48  # an IPv6 header (40) and a UDP header (8): reserved whatever the family
+DEFAULT_DATAGRAM = 1452  # QUIC datagram size where the path's MTU is unknown: what a 1500-octet link carries
+MIN_DATAGRAM = 1200  # RFC 9000, 14: a QUIC path carries at least 1200-octet datagrams
+
 
 class BatchProtocol(Protocol):
     def connection_made(self, transport: Any) -> None: ...
@@ -54,6 +83,8 @@ class BatchProtocol(Protocol):
     def datagram_received(self, data: bytes, addr: Any) -> None: ...
 
     def datagrams_done(self) -> None: ...
+
+    # optional: datagram_too_large(addr, size, mtu) (EMSGSIZE, see the module docstring); error_received(exc)
 
 
 class BatchedUdpTransport(asyncio.DatagramTransport):
@@ -79,6 +110,7 @@ class BatchedUdpTransport(asyncio.DatagramTransport):
                 pass
         self.receive_calls = 0
         self.refusals = 0  # ECONNREFUSED seen on a connected socket (ICMP port unreachable)
+        self.too_large = 0  # datagrams the kernel refused as larger than the path's MTU (EMSGSIZE)
         sock.setblocking(False)
         loop.add_reader(sock.fileno(), self._read_ready)
         protocol.connection_made(self)
@@ -159,7 +191,10 @@ class BatchedUdpTransport(asyncio.DatagramTransport):
                 self._refused(exc)
                 return
             except OSError as exc:  # another error: QUIC will retransmit
-                log.debug("UDP send error: %s", exc)
+                if exc.errno == errno.EMSGSIZE:
+                    self._too_large(addr, len(data))
+                else:
+                    log.debug("UDP send error: %s", exc)
                 return
         if len(self._queue) < _MAX_QUEUED:
             self._queue.append((bytes(data), addr))
@@ -203,6 +238,10 @@ class BatchedUdpTransport(asyncio.DatagramTransport):
                 self._refused(exc)
                 return
             except OSError as exc:
+                if exc.errno == errno.EMSGSIZE or (exc.errno == errno.EINVAL and self._exceeds_path(addr, size)):
+                    self._too_large(addr, size)  # segments larger than the path carries: dropped, QUIC resends
+                    i = j
+                    continue
                 log.info("UDP segmentation offload refused (%s): sending one datagram per system call", exc)
                 self.gso = False
                 for k in range(i, j):
@@ -221,7 +260,10 @@ class BatchedUdpTransport(asyncio.DatagramTransport):
             except ConnectionRefusedError as exc:
                 self._refused(exc)
             except OSError as exc:
-                log.debug("UDP send error: %s", exc)
+                if exc.errno == errno.EMSGSIZE:
+                    self._too_large(addr, len(data))
+                else:
+                    log.debug("UDP send error: %s", exc)
             self._queue.popleft()
         self._loop.remove_writer(self._sock.fileno())
         self._writing = False
@@ -233,6 +275,36 @@ class BatchedUdpTransport(asyncio.DatagramTransport):
         handler = getattr(self._protocol, "error_received", None)  # asyncio's DatagramProtocol method; optional
         if handler is not None and not self._closing:
             self._loop.call_soon(handler, exc)
+
+    def path_mtu(self, addr: Any) -> int | None:
+        """The MTU of the route to *addr* as the kernel knows it now (a PMTU it learnt from ICMP included)."""
+        if self._connected():
+            return route_mtu(self._sock)
+        return path_mtu(addr, self._sock)
+
+    def _connected(self) -> bool:
+        try:
+            self._sock.getpeername()
+        except OSError:
+            return False
+        return True
+
+    def _exceeds_path(self, addr: Any, size: int) -> bool:
+        mtu = self.path_mtu(addr)
+        return mtu is not None and size + PATH_OVERHEAD > mtu
+
+    def _too_large(self, addr: Any, size: int) -> None:
+        """The kernel refused a *size*-octet datagram to *addr* as larger than the path carries (DF is set: it does
+        not fragment). The datagram is dropped; the protocol hears the path's MTU, outside the transmit under way."""
+        self.too_large += 1
+        if addr is None:
+            with contextlib.suppress(OSError):
+                addr = self._sock.getpeername()
+        mtu = self.path_mtu(addr) if addr is not None else None
+        log.debug("UDP datagram of %d octets too large for the path to %s (route MTU %s)", size, addr, mtu)
+        handler = getattr(self._protocol, "datagram_too_large", None)
+        if handler is not None and not self._closing:
+            self._loop.call_soon(handler, addr, size, mtu)
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         if name == "socket":
@@ -272,6 +344,7 @@ def bind_udp(host: str, port: int, buffer: int, *, reuse_port: bool = False) -> 
         for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, opt, buffer)
+        set_dont_fragment(sock)
         sock.bind((host, port))
         sock.setblocking(False)
     except BaseException:
@@ -285,3 +358,68 @@ def connect_udp(sock: socket.socket, addr: Any) -> None:
     ICMP port unreachable for the peer comes back as ``ECONNREFUSED`` (a dead port fails in milliseconds instead of
     waiting out a handshake timeout; on loopback at once). A non-blocking connect of a UDP socket does not wait."""
     sock.connect(addr)
+
+
+_DF_WARNED = False
+
+
+def set_dont_fragment(sock: socket.socket) -> bool:
+    """Set DF on *sock*'s datagrams and never let the kernel fragment them (module docstring): IPv4
+    ``IP_PMTUDISC_DO``; on an IPv6 socket ``IPV6_PMTUDISC_DO`` and ``IPV6_DONTFRAG``, and IPv4's too (for the
+    IPv4-mapped peers of a dual-stack socket). False where the system has no such option (said once in the log)."""
+    global _DF_WARNED
+    done = False
+    if _LINUX:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
+            done = sock.family == socket.AF_INET
+        if sock.family == socket.AF_INET6:
+            try:
+                sock.setsockopt(socket.IPPROTO_IPV6, IPV6_MTU_DISCOVER, IPV6_PMTUDISC_DO)
+                sock.setsockopt(socket.IPPROTO_IPV6, IPV6_DONTFRAG, 1)
+                done = True
+            except OSError:
+                done = False
+    if not done and not _DF_WARNED:
+        _DF_WARNED = True
+        log.warning("cannot set DF on UDP sockets here: QUIC datagrams larger than a path's MTU may be fragmented")
+    return done
+
+
+def route_mtu(sock: socket.socket) -> int | None:
+    """The path MTU of connected socket *sock* (``IP_MTU`` / ``IPV6_MTU``: the route's MTU, or a smaller one the
+    kernel learnt from ICMP); None where the system cannot say or *sock* is not connected."""
+    if not _LINUX:
+        return None
+    try:
+        if sock.family == socket.AF_INET6:
+            return int(sock.getsockopt(socket.IPPROTO_IPV6, IPV6_MTU))
+        return int(sock.getsockopt(socket.IPPROTO_IP, IP_MTU))
+    except OSError:
+        return None
+
+
+def path_mtu(addr: Any, sock: socket.socket | None = None) -> int | None:
+    """The path MTU towards *addr* from an unconnected socket (*sock*, a server's): a throwaway socket of its
+    family, bound to its address when that is not the wildcard (the route can depend on the source), is connected
+    to *addr* -- a route lookup, nothing is sent -- and asked :func:`route_mtu`. None where it cannot say."""
+    if not _LINUX or addr is None:
+        return None
+    family = sock.family if sock is not None else (socket.AF_INET6 if ":" in str(addr[0]) else socket.AF_INET)
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            if sock is not None:
+                local = sock.getsockname()[0]
+                if local not in ("0.0.0.0", "::"):
+                    probe.bind((local, 0))
+            probe.connect(addr)
+            return route_mtu(probe)
+    except OSError:
+        return None
+
+
+def datagram_size(mtu: int | None, max_datagram_size: int) -> int:
+    """The QUIC datagram size a path of *mtu* octets carries unfragmented, at most *max_datagram_size* (the
+    configured maximum) and at least :data:`MIN_DATAGRAM`; :data:`DEFAULT_DATAGRAM` where *mtu* is unknown."""
+    fits = DEFAULT_DATAGRAM if mtu is None else mtu - PATH_OVERHEAD
+    return max(MIN_DATAGRAM, min(max_datagram_size, fits))
