@@ -177,6 +177,7 @@ class Completion:
             self.watch.new_stream()
             reading = self.instance, self.relay.epoch
             moved: str | None = None
+            read: list[tuple[str, Any]] = []  # what the reader had queued when the stream was left
             try:
                 while moved is None:
                     getter = getter or asyncio.ensure_future(queue.get())
@@ -218,6 +219,18 @@ class Completion:
                         task.cancel()
                         with contextlib.suppress(asyncio.CancelledError, Exception):
                             await task
+                read = self._unread(getter, queue)
+            # a ``moved`` answer may come while tokens read from this stream wait in the queue: each was offered to
+            # the relay (it counts them delivered, and the next read starts after them), so they go out now
+            for kind, value in read:
+                if kind == "token":
+                    self.watch.token()
+                    yield value
+                elif kind == "done":
+                    self.reason = value
+                    return
+                else:
+                    break
             deadline = deadline or time.monotonic() + fe.options.failover_timeout_s
             if moved is None and fe.suspect:
                 answer = await self._report("broken")
@@ -233,6 +246,15 @@ class Completion:
             if (moved, self.relay.epoch) != reading:
                 fe.stats.failovers += 1
             self.instance = moved
+
+    @staticmethod
+    def _unread(getter: asyncio.Future[tuple[str, Any]] | None, queue: asyncio.Queue[tuple[str, Any]]
+                ) -> list[tuple[str, Any]]:
+        """The items the (stopped) reader queued that were not taken: the getter's, if it got one, then the queue's."""
+        out = [getter.result()] if getter is not None and getter.done() and not getter.cancelled() else []
+        while not queue.empty():
+            out.append(queue.get_nowait())
+        return out
 
     async def _report(self, reason: str) -> SuspectAnswer | None:
         """``POST sessions/{id}/suspect`` for the epoch being read; None when the PC did not answer it (or does not
