@@ -134,6 +134,22 @@ async def run_workload(cluster: ChaosCluster, options: ChaosOptions, trigger: Tr
     return list(results), arrivals
 
 
+def reference_tokens(results: Results) -> list[list[int]]:
+    """Each stream's tokens in index order, from a fault-free run; a stream that lacks an index or has one twice
+    is an error (its tokens, taken by position, would make every later token of the faulted runs look altered)."""
+    out = []
+    for n, result in enumerate(results):
+        if isinstance(result, BaseException):
+            raise RuntimeError(f"stream {n} of the fault-free run failed: {result!r}")
+        indices = [i for i, _, _ in result["tokens"]]
+        if indices != list(range(len(indices))):
+            missing = sorted(set(range(max(indices, default=-1) + 1)) - set(indices))
+            raise RuntimeError(f"stream {n} of the fault-free run delivered {len(indices)} tokens, indices not 0.."
+                               f"{len(indices) - 1} once each (missing {missing[:8]}): tokens were lost or repeated")
+        out.append([t for _, _, t in result["tokens"]])
+    return out
+
+
 def compare(row: Row, results: Results, reference: list[list[int]],
             baseline_ttft: float) -> None:
     row.requests = len(results)
@@ -181,7 +197,7 @@ async def inject(cluster: ChaosCluster, options: ChaosOptions, fault: str, targe
             if failed:
                 raise RuntimeError(f"the fault-free run of the fresh prefix failed: {failed[0]!r}")
             cold["ttft"] = statistics.median(r["ttft"] for r in results if isinstance(r, dict))
-            return [[t for _, _, t in r["tokens"]] for r in results if isinstance(r, dict)]
+            return reference_tokens(results)
 
         try:
             seeded = await seed(cluster, sources, target, options.source_prefix_tokens, reference_run, progress)
@@ -303,7 +319,7 @@ async def run(options: ChaosOptions, progress: Callable[[str], None]) -> dict[st
             failed = [r for r in first if isinstance(r, BaseException)]
             if failed:
                 raise RuntimeError(f"the fault-free run failed: {failed[0]!r}")
-            reference = [[t for _, _, t in r["tokens"]] for r in first if isinstance(r, dict)]
+            reference = reference_tokens(first)
             baseline = Row("none")
             for _ in range(3):  # the fastest warm run is the baseline (the first runs after start-up are slower)
                 warm, _ = await run_workload(cluster, options)

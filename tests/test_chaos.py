@@ -92,3 +92,18 @@ def test_without_redis_server_one_line_and_exit_2() -> None:
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip().count("\n") == 0 and "redis-server" in run.stderr, run.stderr
     assert run.stdout == ""
+
+
+def test_a_reference_run_that_lost_a_token_is_refused() -> None:
+    """The fault-free run's streams are the reference by index: one with an index missing (the front end lost a
+    token, issue 26) would shift every later token and make the faulted runs look altered; it is an error."""
+    from kvsp_app.chaos import reference_tokens
+
+    whole = {"tokens": [(i, 1, 100 + i) for i in range(5)]}
+    assert reference_tokens([whole]) == [[100, 101, 102, 103, 104]]
+    gap = {"tokens": [(i, 1, 100 + i) for i in (0, 1, 3, 4)]}
+    with pytest.raises(RuntimeError, match=r"stream 1 .*missing \[2\]"):
+        reference_tokens([whole, gap])
+    twice = {"tokens": [(0, 1, 100), (1, 1, 101), (1, 2, 101)]}
+    with pytest.raises(RuntimeError, match="stream 0"):
+        reference_tokens([twice])
