@@ -8,6 +8,6 @@ vLLM loads it by name::
 
 Modules: :mod:`~kvsp_vllm.settings` (``kv_connector_extra_config``), :mod:`~kvsp_vllm.layouts` (vLLM's paged
 layouts <-> kvsp-layout-1, exactly), :mod:`~kvsp_vllm.descriptor` (the Compatibility Descriptor of a vLLM
-configuration). The connector class (``kvsp_vllm.connector``, the only module that will import vLLM) is issue 27's
-next step. Nothing of the rest of kvsp-quic imports this package (pyproject.toml's import-linter contracts).
+configuration), :mod:`~kvsp_vllm.services` (the KVSP client on its own event loop thread), :mod:`~kvsp_vllm.connector`
+(vLLM's class, the only module that imports vLLM; first version, no CI test yet: issue 27). Nothing of the rest of kvsp-quic imports this package (pyproject.toml's import-linter contracts).
 """

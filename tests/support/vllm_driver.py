@@ -56,8 +56,29 @@ def layouts(args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def generate(args: dict[str, Any]) -> dict[str, Any]:
+    """``{"model": DIR, "block": B, "prompts": [[ids]], "max_tokens": N, "extra": {...}}``: greedy fp32 generation
+    by one vLLM engine with the KVSP connector (``extra``: its kv_connector_extra_config; none: no connector)."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    transfer = None
+    if args.get("extra") is not None:
+        transfer = KVTransferConfig(kv_connector="KvspConnector", kv_connector_module_path="kvsp_vllm.connector",
+                                    kv_role="kv_both", kv_connector_extra_config=args["extra"])
+    llm = LLM(model=args["model"], dtype="float32", enforce_eager=True, max_model_len=2048,
+              block_size=int(args["block"]), kv_transfer_config=transfer, skip_tokenizer_init=True, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=int(args["max_tokens"]), detokenize=False)
+    outputs = []
+    for prompt in args["prompts"]:  # one at a time: the second may load what the first stored
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+        outputs.append({"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0})
+    return {"outputs": outputs}
+
+
 if __name__ == "__main__":
     del sys.path[0]  # this directory: its modules must not shadow vllm's or the project's
     command, raw = sys.argv[1], sys.argv[2]
-    result = {"layouts": layouts}[command](json.loads(raw))
+    result = {"layouts": layouts, "generate": generate}[command](json.loads(raw))
     print(json.dumps(result), flush=True)

@@ -31,6 +31,6 @@ def run_driver(command: str, args: dict[str, Any], *, timeout: float = 240) -> d
     done = subprocess.run([os.fspath(VLLM_PYTHON), os.fspath(DRIVER), command, json.dumps(args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    assert done.returncode == 0 and lines, f"vllm_driver {command}: rc {done.returncode}\n{done.stderr[-4000:]}"
+    assert done.returncode == 0 and lines, f"vllm_driver {command}: rc {done.returncode}\n{done.stderr[-30000:]}"
     result: dict[str, Any] = json.loads(lines[-1])
     return result
