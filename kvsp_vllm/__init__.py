@@ -8,6 +8,7 @@ vLLM loads it by name::
 
 Modules: :mod:`~kvsp_vllm.settings` (``kv_connector_extra_config``), :mod:`~kvsp_vllm.layouts` (vLLM's paged
 layouts <-> kvsp-layout-1, exactly), :mod:`~kvsp_vllm.descriptor` (the Compatibility Descriptor of a vLLM
-configuration), :mod:`~kvsp_vllm.services` (the KVSP client on its own event loop thread), :mod:`~kvsp_vllm.connector`
-(vLLM's class, the only module that imports vLLM; first version, no CI test yet: issue 27). Nothing of the rest of kvsp-quic imports this package (pyproject.toml's import-linter contracts).
+configuration), :mod:`~kvsp_vllm.services` (the KVSP client on its own event loop thread) and
+:mod:`~kvsp_vllm.connector` (vLLM's class, the only module that imports vLLM; a first version without a CI test yet,
+issue 27). Nothing of the rest of kvsp-quic imports this package (pyproject.toml's import-linter contracts).
 """
