@@ -47,8 +47,8 @@ from tests.support.instance import (  # noqa: E402
     read_stream,
     start_body,
     tokens_of,
-    until,
 )
+from tests.support.waits import until  # noqa: E402
 
 PROMPT = [(7 * i + 3) % 300 for i in range(6 * B + 3)]  # six complete blocks and three tokens
 ORDERS = [("reference", "transformers"), ("transformers", "reference")]

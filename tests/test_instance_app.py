@@ -41,8 +41,8 @@ from tests.support.instance import (  # noqa: E402
     read_stream,
     start_body,
     tokens_of,
-    until,
 )
+from tests.support.waits import until  # noqa: E402
 
 # -- blocks over the TCP path ----------------------------------------------------------------------------------------
 

@@ -44,8 +44,8 @@ from tests.support.instance import (
     read_stream,
     start_body,
     tokens_of,
-    until,
 )
+from tests.support.waits import until
 
 
 def test_an_instance_holder_leases_up_to_what_its_cache_holds(model_dir: Path) -> None:

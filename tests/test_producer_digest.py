@@ -47,6 +47,7 @@ from tests.asgi import Router
 from tests.pki import TestPki, make_pki
 from tests.support.descriptors import small_descriptor
 from tests.support.retrieval import block, key
+from tests.support.waits import until
 
 SCOPE = ScopeId(bytes.fromhex("6d1c6481cd428737da312c089db3832a"))
 OTHER_SCOPE = ScopeId(bytes.fromhex("0f" * 16))
@@ -422,7 +423,7 @@ async def test_instances_in_the_mode_refuse_a_poisoned_replica_and_still_produce
     p_base = producer.role.settings.base_uri
     tokens, _ = await run(producer, None)
     assert tokens == expected
-    await ia.until(lambda: producer.service.producer_digests.published >= len(keys), 20.0)
+    await until(lambda: producer.service.producer_digests.published >= len(keys), 20.0)
     vouched = await cl.index.producers.store.get(ia.SCOPE, d.compat_id, keys, time.monotonic())
     assert len(vouched) == len(keys) and {r.producer for r in vouched} == {ia.SERVER_IDENTITY}
     # a malicious holder (/h1/ here): the KV of another prompt under this prompt's keys, record and octets agreeing

@@ -16,9 +16,10 @@ pytest.importorskip("safetensors", reason="the gpu extra (safetensors) is not in
 from gpu.model import LlamaModel
 from gpu.sampling import TokenSampler
 from tests.support import instance as ia
+from tests.support.waits import until
 
 PROMPT, expected_tokens, post, read_stream = ia.PROMPT, ia.expected_tokens, ia.post, ia.read_stream
-start_body, tokens_of, until = ia.start_body, ia.tokens_of, ia.until
+start_body, tokens_of = ia.start_body, ia.tokens_of
 
 PARAMS = {"p": 0.95, "temperature": 1.2, "top_k": 40, "min_p": 0.01, "presence_penalty": 0.6,
           "frequency_penalty": 0.5, "repetition_penalty": 1.3, "logit_bias": {"9": 3.0, "10": -50}, "logprobs": 2}
