@@ -27,7 +27,7 @@ from kvsp_quic.container import (
     replica_digest,
 )
 from kvsp_quic.fields import format_digest
-from kvsp_quic.keys import BlockKeyer, check_scope_key, parse_scope_key, scope_id
+from kvsp_quic.keys import BlockKeyer, KeyInputError, parse_scope_key, scope_id, scope_key_of_file
 from kvsp_quic.problems import Problem
 
 PROG = "kvsp-quic"
@@ -192,17 +192,12 @@ def parse_token_text(text: str, source: str) -> list[int]:
 
 
 def read_key_file(raw: bytes, source: str) -> bytes:
-    """A scope key file's content: hex text (64 or more hex digits, whitespace ignored), or >= 32 raw octets
-    (the format of the instance's ``--scope-key FILE``)."""
-    text = b"".join(raw.split())
-    if len(text) >= 64 and len(text) % 2 == 0:
-        try:
-            return check_scope_key(bytes.fromhex(text.decode("ascii")))
-        except (UnicodeDecodeError, ValueError):
-            pass
-    if len(raw) >= 32:
-        return check_scope_key(raw)
-    raise CliError(f"{source}: expected a scope key of at least 32 octets (raw) or 64 hex characters")
+    """A scope key file's content (:func:`kvsp_quic.keys.scope_key_of_file`: hex text or >= 32 raw octets, the
+    format of the instance's ``--scope-key FILE``); a bad one is a CliError naming *source*."""
+    try:
+        return scope_key_of_file(raw)
+    except KeyInputError as exc:
+        raise CliError(f"{source}: {exc.detail}") from None
 
 
 def scope_key_of(args: argparse.Namespace) -> bytes:
