@@ -17,7 +17,6 @@ as the queue is empty once tokens flow (a stall bound of 0), the PC is asked onl
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ from kvsp_quic.frontend import SamplingRequest
 from kvsp_quic.roles.controller_records import SessionState, SuspectAnswer, Verdict
 from tests.helpers import Process
 from tests.support.instance_processes import Bytes, active, files_of, keyer_of, start_instances, tiny_model
+from tests.support.waits import until
 
 pytest.importorskip("torch", reason="the gpu extra (torch) is not installed")
 
@@ -40,10 +40,11 @@ MAX_TOKENS = 120
 
 async def done_at_pc(api: KvspApi, pc: str, session: uuid.UUID) -> None:
     """Until the PC holds *session* done (its instance's last checkpoint acknowledged)."""
-    deadline = time.monotonic() + 60
-    while (await api.session_info(pc, session)).state is not SessionState.DONE:
-        assert time.monotonic() < deadline, "the session is not done at the PC after 60 s"
-        await asyncio.sleep(0.02)
+
+    async def done() -> bool:
+        return (await api.session_info(pc, session)).state is SessionState.DONE
+
+    await until(done, 60.0, "the session, done at the PC")
 
 
 @dataclass
